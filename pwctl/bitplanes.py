@@ -1,0 +1,56 @@
+"""The bit-plane layout: the one piece of format code the quantizer, the CPU reference and the
+CUDA kernels share (docs/FORMAT.md).
+
+A block W [rows, cols] at max width B is B planes, plane 0 the most significant bit. Plane p is an
+int32 array [rows, words] with words = ceil(cols / 32): bit j of word w in row n is bit (B-1-p) of
+the label of column 32w + j (little-endian, padding columns are label 0). The b-bit label is the top
+b bits, i.e. the first b planes. The width-b table is fp16 [rows / rows_per_table, 2^b]: row n reads
+table row n // rows_per_table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORD = 32
+
+
+def words_per_row(cols: int) -> int:
+    return (cols + WORD - 1) // WORD
+
+
+def pack_planes(labels: torch.Tensor, bits: int) -> torch.Tensor:
+    """labels [rows, cols] (values < 2^bits) -> int32 planes [bits, rows, words], MSB first."""
+    rows, cols = labels.shape
+    words = words_per_row(cols)
+    lab = torch.zeros(rows, words * WORD, dtype=torch.int64, device=labels.device)
+    lab[:, :cols] = labels.to(torch.int64)
+    shifts = torch.arange(WORD, device=labels.device)
+    planes = []
+    for p in range(bits):
+        bit = (lab >> (bits - 1 - p)) & 1
+        planes.append((bit.view(rows, words, WORD) << shifts).sum(-1))
+    packed = torch.stack(planes)
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def unpack_labels(planes: torch.Tensor, cols: int) -> torch.Tensor:
+    """int32 planes [b, rows, words] -> int64 b-bit labels [rows, cols]."""
+    b, rows, words = planes.shape
+    shifts = torch.arange(WORD, device=planes.device, dtype=torch.int32)
+    lab = torch.zeros(rows, words * WORD, dtype=torch.int64, device=planes.device)
+    for p in range(b):
+        bit = (planes[p].unsqueeze(-1) >> shifts) & 1  # arithmetic shift is fine: & 1
+        lab = (lab << 1) | bit.reshape(rows, words * WORD).to(torch.int64)
+    return lab[:, :cols]
+
+
+def dequantize(
+    planes: torch.Tensor, table: torch.Tensor, rows_per_table: int, cols: int
+) -> torch.Tensor:
+    """The b-bit weights [rows, cols] (float32) from the first b planes and the width-b table."""
+    lab = unpack_labels(planes, cols)
+    t = table.float()
+    if rows_per_table > 1:
+        t = t.repeat_interleave(rows_per_table, dim=0)
+    return t.gather(1, lab)

@@ -1,0 +1,256 @@
+"""The pack: bit-plane page files + manifest + non-expert weights (docs/FORMAT.md).
+
+    manifest.json          format, model config, resolved MoE spec, widths, every block and plane
+    planes/layerNNN.bin    per block, per plane: packed bits, then the table of the width it completes
+    nonexpert.safetensors  embeddings, attention, norms, routers, shared-expert gates (unquantized)
+    reference.safetensors  the original expert weights (the fp16 policy); optional
+    config.json, tokenizer files
+
+Plane p of a block (0 = MSB) is one chunk [bits | table for width p+1, if p+1 >= min_bits], aligned
+to 256 bytes, with its own offset, size and crc32: the unit of storage, checksum and transfer.
+A pack is written into a temporary folder and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from pwctl.errors import PwctlError
+
+FORMAT = "pwctl-pack"
+VERSION = 1
+ALIGN = 256
+MANIFEST = "manifest.json"
+NONEXPERT = "nonexpert.safetensors"
+REFERENCE = "reference.safetensors"
+ST_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+            torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+@dataclass
+class PlaneInfo:
+    offset: int
+    bits_nbytes: int
+    table_nbytes: int
+    crc32: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits_nbytes + self.table_nbytes
+
+
+@dataclass
+class BlockInfo:
+    name: str  # "layers.3.experts.5.gate"; shared experts are numbered after the routed ones
+    layer: int
+    expert: int
+    shared: bool
+    proj: str  # gate | up | down
+    rows: int
+    cols: int
+    words: int  # int32 words per row per plane
+    rows_per_table: int
+    file: str
+    planes: list[PlaneInfo]
+    importance_tokens: int | None = None  # calibration tokens behind its weighting
+
+    def bytes_at(self, bits: int) -> int:
+        """Device bytes to hold this block at `bits`: its first `bits` planes with their tables."""
+        return sum(p.nbytes for p in self.planes[:bits])
+
+    @property
+    def fp16_bytes(self) -> int:
+        return self.rows * self.cols * 2
+
+    @property
+    def table_rows(self) -> int:
+        return self.rows // self.rows_per_table
+
+
+@dataclass
+class Manifest:
+    model_type: str
+    config: dict[str, Any]
+    spec: dict[str, Any]
+    min_bits: int
+    max_bits: int
+    weighting: str  # "calib-ex2" or "uniform"
+    moe_layers: list[int]
+    blocks: list[BlockInfo]
+    calib: dict[str, Any] | None = None
+    reference: bool = True
+    source: dict[str, Any] = field(default_factory=dict)
+    format: str = FORMAT
+    version: int = VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        blocks = [BlockInfo(**{**b, "planes": [PlaneInfo(**p) for p in b["planes"]]})
+                  for b in d["blocks"]]
+        return cls(**{**d, "blocks": blocks})
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class SafetensorsStream:
+    """Write a safetensors file tensor by tensor: the header is known from shapes up front, so
+    memory never holds more than the tensor being written."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        header: dict[str, Any] = {}
+        offset = 0
+        self._order = []
+        for name, dtype, shape in entries:
+            n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": ST_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + n]}
+            self._order.append((name, n))
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._f: BinaryIO = path.open("wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want, n = self._order[self._next]
+        data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        if name != want or len(data) != n:
+            raise RuntimeError(f"safetensors stream: expected {want} ({n} B), got {name}")
+        self._f.write(data)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise RuntimeError("safetensors stream closed before every tensor was written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+class PackWriter:
+    """Builds a pack in a temporary sibling folder; `commit` renames it into place."""
+
+    def __init__(self, out: Path, force: bool):
+        self.out = out
+        if out.exists() and not force:
+            raise PwctlError(f"{out} exists; pass --force to replace it")
+        if not out.parent.is_dir():
+            raise PwctlError(f"{out.parent}: output folder's parent does not exist")
+        self.tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        (self.tmp / "planes").mkdir(parents=True)
+        self._files: dict[str, BinaryIO] = {}
+
+    def add_block(self, meta: dict[str, Any], planes: torch.Tensor,
+                  tables: dict[int, torch.Tensor], min_bits: int) -> BlockInfo:
+        """Append one block's planes (int32 [B, rows, words]) and fp16 tables to its layer file."""
+        rel = f"planes/layer{meta['layer']:03d}.bin"
+        f = self._files.get(rel) or self._files.setdefault(rel, (self.tmp / rel).open("wb"))
+        infos = []
+        for p in range(planes.shape[0]):
+            bits = planes[p].cpu().numpy().astype("<i4", copy=False).tobytes()
+            table = tables[p + 1].cpu().to(torch.float16).numpy().tobytes() if p + 1 >= min_bits else b""
+            f.write(b"\0" * (-f.tell() % ALIGN))
+            infos.append(PlaneInfo(f.tell(), len(bits), len(table), zlib.crc32(table, zlib.crc32(bits))))
+            f.write(bits)
+            f.write(table)
+        return BlockInfo(**meta, file=rel, planes=infos)
+
+    def path(self, name: str) -> Path:
+        return self.tmp / name
+
+    def commit(self, manifest: Manifest) -> None:
+        for f in self._files.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        write_atomic(self.tmp / MANIFEST, manifest.to_json().encode())
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            os.replace(self.out, old)
+        os.replace(self.tmp, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class Pack:
+    """A pack opened for reading; plane reads verify their checksum."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            raise PwctlError(f"{path}: not a pwctl pack (no {MANIFEST}); make one with `pwctl convert`")
+        try:
+            data = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise PwctlError(f"{mpath}: corrupt manifest ({e})") from None
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise PwctlError(f"{mpath}: not a {FORMAT} v{VERSION} manifest")
+        self.manifest = Manifest.from_dict(data)
+        self.blocks = self.manifest.blocks
+        self.index = {(b.layer, b.expert, b.proj): i for i, b in enumerate(self.blocks)}
+
+    def read_plane(self, block: BlockInfo, p: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Plane p's bits (int32 [rows, words]) and its table (fp16) if it completes a width."""
+        info = block.planes[p]
+        with (self.path / block.file).open("rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.nbytes)
+        if len(raw) != info.nbytes or zlib.crc32(raw) != info.crc32:
+            raise PwctlError(f"{self.path / block.file}: checksum mismatch in {block.name} plane {p}"
+                             " (corrupt or truncated page file)")
+        bits = np.frombuffer(raw, dtype="<i4", count=block.rows * block.words)
+        bits = bits.reshape(block.rows, block.words)
+        if not info.table_nbytes:
+            return bits, None
+        table = np.frombuffer(raw, dtype="<f2", offset=info.bits_nbytes)
+        return bits, table.reshape(block.table_rows, -1)
+
+    def load_block(self, block: BlockInfo, bits: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The first `bits` planes as int32 [bits, rows, words] and the tables they carry."""
+        planes, tables = [], {}
+        for p in range(bits):
+            plane, table = self.read_plane(block, p)
+            planes.append(torch.from_numpy(plane.copy()))
+            if table is not None:
+                tables[p + 1] = torch.from_numpy(table.copy())
+        return torch.stack(planes), tables
+
+    def nonexpert(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.path / NONEXPERT))
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        path = self.path / REFERENCE
+        if not self.manifest.reference or not path.is_file():
+            raise PwctlError(f"{self.path}: pack has no reference weights (converted with "
+                             "--no-reference), so the fp16 policy is unavailable")
+        return load_file(str(path))

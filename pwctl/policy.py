@@ -1,0 +1,71 @@
+"""Policy and BUDGET strings (MISSION.md conventions), parsed once for every command."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pwctl.errors import PwctlError
+
+BUDGETED = ("static", "dynamic-layer", "pagedweight", "pagedweight-router",
+            "pagedweight-residual", "pagedweight-paging", "pagedweight-sensitivity")
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+FP16_WIDTH = 16  # the width code of the unquantized reference weights
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A fraction of the fp16 expert bytes, or an absolute size in bytes."""
+
+    fraction: float | None = None
+    nbytes: int | None = None
+
+    def resolve(self, fp16_bytes: int) -> int:
+        return int(self.fraction * fp16_bytes) if self.fraction is not None else int(self.nbytes)
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g}" if self.fraction is not None else f"{self.nbytes}B"
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    bits: int | None = None
+    budget: Budget | None = None
+
+    def __str__(self) -> str:
+        if self.bits is not None:
+            return f"{self.name}:{self.bits}"
+        return self.name if self.budget is None else f"{self.name}:{self.budget}"
+
+
+def parse_budget(text: str) -> Budget:
+    t = text.strip().lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
+    if not m:
+        raise PwctlError(f"bad BUDGET '{text}': use a fraction in (0, 1] or a size like 800MB")
+    value, unit = float(m.group(1)), m.group(2)
+    if not unit:
+        if not 0 < value <= 1:
+            raise PwctlError(f"bad BUDGET '{text}': a fraction must be in (0, 1]")
+        return Budget(fraction=value)
+    if unit not in UNITS:
+        raise PwctlError(f"bad BUDGET '{text}': unknown unit '{unit}' (use {', '.join(UNITS)})")
+    return Budget(nbytes=int(value * UNITS[unit]))
+
+
+def parse_policy(text: str) -> Policy:
+    name, _, arg = text.strip().partition(":")
+    if name == "fp16" and not arg:
+        return Policy("fp16")
+    if name == "uniform":
+        if not arg.isdigit() or not 1 <= int(arg) <= 8:
+            raise PwctlError(f"bad policy '{text}': uniform:B needs B in 1..8")
+        return Policy("uniform", bits=int(arg))
+    if name in BUDGETED:
+        if not arg:
+            raise PwctlError(f"bad policy '{text}': {name} needs a BUDGET, e.g. {name}:0.35")
+        return Policy(name, budget=parse_budget(arg))
+    raise PwctlError(f"unknown policy '{text}'; policies: fp16, uniform:B, "
+                     + ", ".join(f"{n}:BUDGET" for n in BUDGETED))

@@ -1,0 +1,75 @@
+"""Expert weights of a pack at per-block widths: the CPU reference execution path.
+
+Widths live in one int array (one entry per block, FP16_WIDTH for the reference weights); the
+page table of the runtime issue takes this role on the GPU. Dequantized weights are cached per
+(block, width), so switching between a few policies costs one dequantization each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from pwctl.bitplanes import dequantize
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
+from pwctl.policy import FP16_WIDTH, Policy
+
+
+class ExpertStore:
+    def __init__(self, pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        self.pack = pack
+        self.device = torch.device(device)
+        self.dtype = dtype
+        m = pack.manifest
+        self.min_bits, self.max_bits = m.min_bits, m.max_bits
+        self.widths = np.full(len(pack.blocks), m.max_bits, dtype=np.int64)
+        self.act = ACT2FN[m.spec["act"]]
+        self._planes: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
+        self._reference: dict[str, torch.Tensor] | None = None
+        self._cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def apply(self, policy: Policy) -> None:
+        """Set every block's width for a fixed policy (fp16 or uniform:B)."""
+        if policy.name == "fp16":
+            self.widths[:] = FP16_WIDTH
+        elif policy.name == "uniform":
+            if not self.min_bits <= policy.bits <= self.max_bits:
+                raise PwctlError(f"policy {policy}: this pack holds widths "
+                                 f"{self.min_bits}..{self.max_bits}")
+            self.widths[:] = policy.bits
+        else:
+            raise PwctlError(f"policy {policy.name} is not built yet (runtime planner issue)")
+
+    def expert_bytes(self) -> int:
+        """Device bytes of every expert block at its current width (planes + tables)."""
+        return sum(b.fp16_bytes if w == FP16_WIDTH else b.bytes_at(int(w))
+                   for b, w in zip(self.pack.blocks, self.widths, strict=True))
+
+    def weight(self, index: int) -> torch.Tensor:
+        width = int(self.widths[index])
+        key = (index, width)
+        if key not in self._cache:
+            self._cache[key] = self._materialize(index, width).to(self.device, self.dtype)
+        return self._cache[key]
+
+    def _materialize(self, index: int, width: int) -> torch.Tensor:
+        block = self.pack.blocks[index]
+        if width == FP16_WIDTH:
+            if self._reference is None:
+                self._reference = self.pack.reference()
+            return self._reference[block.name]
+        if index not in self._planes:
+            self._planes[index] = self.pack.load_block(block, self.max_bits)
+        planes, tables = self._planes[index]
+        return dequantize(planes[:width], tables[width], block.rows_per_table, block.cols)
+
+    def mlp(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate x) * up x) for one expert (shared experts use index num_experts)."""
+        idx = self.pack.index
+        gate = self.weight(idx[(layer, expert, "gate")])
+        up = self.weight(idx[(layer, expert, "up")])
+        down = self.weight(idx[(layer, expert, "down")])
+        return F.linear(self.act(F.linear(x, gate)) * F.linear(x, up), down)

@@ -1,0 +1,49 @@
+"""The MoE block pwctl puts in place of each transformers MoE block: routing per recipe, routed
+experts, the shared expert and its gate, weighted combine. This is what the fused kernel later
+computes in one launch; here it is the CPU reference."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pwctl.recipe import MoESpec
+from pwctl.runtime.expert_store import ExpertStore
+
+
+def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert weights [T, k] (fp32) and indices [T, k] in the recipe's order."""
+    if spec.order == "softmax_topk":
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, spec.top_k, dim=-1)
+        if spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        top, index = torch.topk(logits, spec.top_k, dim=-1)
+        weights = F.softmax(top, dim=-1, dtype=torch.float32)
+    return weights * spec.routed_scaling, index
+
+
+class MoEBlock(nn.Module):
+    # parameter names match transformers' in-memory layout, so non-expert weights load as-is
+    def __init__(self, spec: MoESpec, layer: int, store: ExpertStore):
+        super().__init__()
+        self.spec, self.layer, self.store = spec, layer, store
+        self.gate = nn.Linear(spec.hidden, spec.num_experts, bias=False)
+        self.shared_expert_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, self.spec.hidden)
+        weights, index = route(self.gate(x), self.spec)
+        out = torch.zeros_like(x)
+        for e in index.unique().tolist():
+            tokens, slot = torch.where(index == e)
+            y = self.store.mlp(self.layer, e, x[tokens]) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        if self.spec.has_shared:
+            shared = self.store.mlp(self.layer, self.spec.num_experts, x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out.view_as(hidden)
