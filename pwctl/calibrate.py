@@ -40,8 +40,9 @@ class Importance:
     pooled: dict[tuple[int, str], ChannelStats]
     tokens: int
 
-    def weights(self, layer: int, expert: int, kind: str, shared: bool
-                ) -> tuple[torch.Tensor | None, int]:
+    def weights(
+        self, layer: int, expert: int, kind: str, shared: bool
+    ) -> tuple[torch.Tensor | None, int]:
         """Normalised weights (mean 1) and the tokens behind them; None means unweighted."""
         s = self.stats.get((layer, expert, kind))
         n = s.tokens if s else 0
@@ -71,8 +72,16 @@ def read_calib_tokens(path: Path, tokenizer, seq_len: int, max_tokens: int) -> t
     return ids[: n * seq_len].view(n, seq_len)
 
 
-def collect(src: Path, recipe: Recipe, spec: MoESpec, moe_layers: list[int], calib: Path,
-            device: str, seq_len: int = 512, max_tokens: int = 16384) -> Importance:
+def collect(
+    src: Path,
+    recipe: Recipe,
+    spec: MoESpec,
+    moe_layers: list[int],
+    calib: Path,
+    device: str,
+    seq_len: int = 512,
+    max_tokens: int = 16384,
+) -> Importance:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -110,12 +119,16 @@ def collect(src: Path, recipe: Recipe, spec: MoESpec, moe_layers: list[int], cal
         if spec.has_shared:
             shared_path = ".".join(recipe.shared["down"].format(layer=layer).split(".")[:-2])
             shared = model.get_submodule(shared_path)
-            sid = spec.num_experts
-            hooks.append(shared.register_forward_pre_hook(
-                lambda m, a, layer=layer: acc((layer, sid, "in"), stats, a[0].flatten(0, -2), spec.hidden)))
-            hooks.append(shared.down_proj.register_forward_pre_hook(
-                lambda m, a, layer=layer: acc((layer, sid, "mid"), stats, a[0].flatten(0, -2),
-                                              spec.shared_intermediate)))
+            sid, inner = spec.num_experts, spec.shared_intermediate
+
+            def shared_in(m, a, layer=layer, sid=sid):
+                acc((layer, sid, "in"), stats, a[0].flatten(0, -2), spec.hidden)
+
+            def shared_mid(m, a, layer=layer, sid=sid, inner=inner):
+                acc((layer, sid, "mid"), stats, a[0].flatten(0, -2), inner)
+
+            hooks.append(shared.register_forward_pre_hook(shared_in))
+            hooks.append(shared.down_proj.register_forward_pre_hook(shared_mid))
     ids = read_calib_tokens(calib, tok, seq_len, max_tokens)
     with torch.no_grad():
         for row in ids:

@@ -56,8 +56,15 @@ class TensorInfo:
 
 
 def torch_dtype(code: str) -> torch.dtype:
-    table = {**FLOAT_DTYPES, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
-             "U8": torch.uint8, "BOOL": torch.bool, "I16": torch.int16}
+    table = {
+        **FLOAT_DTYPES,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "I16": torch.int16,
+    }
     if code not in table:
         raise PwctlError(f"unsupported safetensors dtype {code}")
     return table[code]
@@ -95,7 +102,9 @@ class Checkpoint:
         for shard in self._shards():
             for name, meta in read_header(shard).items():
                 if name != "__metadata__":
-                    self.tensors[name] = TensorInfo(name, meta["dtype"], tuple(meta["shape"]), shard)
+                    self.tensors[name] = TensorInfo(
+                        name, meta["dtype"], tuple(meta["shape"]), shard
+                    )
         self._open: dict[Path, Any] = {}
 
     @property
@@ -113,7 +122,11 @@ class Checkpoint:
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             bins = list(self.path.glob("*.bin")) + list(self.path.glob("*.pt"))
-            hint = " (pickle .bin/.pt checkpoints are refused: convert them to safetensors)" if bins else ""
+            hint = (
+                " (pickle .bin/.pt checkpoints are refused: convert them to safetensors)"
+                if bins
+                else ""
+            )
             raise PwctlError(f"{self.path}: no safetensors shards{hint}")
         return shards
 

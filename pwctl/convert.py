@@ -25,8 +25,17 @@ from pwctl.pack import NONEXPERT, REFERENCE, Manifest, PackWriter, SafetensorsSt
 from pwctl.quantize import quantize_nested
 from pwctl.recipe import PROJECTIONS, MoESpec, Recipe, load_recipe, resolve_spec
 
-COPY_PATTERNS = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
-                 "vocab*", "merges.txt", "*.model", "chat_template*", "added_tokens.json")
+COPY_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "chat_template*",
+    "added_tokens.json",
+)
 FP16_MAX = 65504.0
 
 
@@ -84,24 +93,39 @@ def rows_per_table(rows: int, cols: int, group: int) -> int:
 def _check(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.dtype:
     info = ckpt.info(name)
     if info.dtype not in FLOAT_DTYPES:
-        raise PwctlError(f"{info.shard}: tensor {name} has dtype {info.dtype}; "
-                         f"expected one of {', '.join(FLOAT_DTYPES)}")
+        raise PwctlError(
+            f"{info.shard}: tensor {name} has dtype {info.dtype}; "
+            f"expected one of {', '.join(FLOAT_DTYPES)}"
+        )
     if info.shape != shape:
-        raise PwctlError(f"{info.shard}: tensor {name} has shape {list(info.shape)}, "
-                         f"expected {list(shape)}")
+        raise PwctlError(
+            f"{info.shard}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}"
+        )
     return FLOAT_DTYPES[info.dtype]
 
 
-def plan_blocks(ckpt: Checkpoint, recipe: Recipe, spec: MoESpec
-                ) -> tuple[list[int], list[BlockSource], set[str], dict[int, str]]:
+def plan_blocks(
+    ckpt: Checkpoint, recipe: Recipe, spec: MoESpec
+) -> tuple[list[int], list[BlockSource], set[str], dict[int, str]]:
     """Every block to quantize, in file order, after checking each source tensor."""
     h, i, n_exp = spec.hidden, spec.intermediate, spec.num_experts
     layers, blocks, consumed, layouts = [], [], set(), {}
     n_layers = int(ckpt.config.get("num_hidden_layers", 0))
 
     def add(layer, expert, shared, proj, rows, cols, dtype, fetch):
-        blocks.append(BlockSource(f"layers.{layer}.experts.{expert}.{proj}", layer, expert, shared,
-                                  proj, rows, cols, dtype, fetch))
+        blocks.append(
+            BlockSource(
+                f"layers.{layer}.experts.{expert}.{proj}",
+                layer,
+                expert,
+                shared,
+                proj,
+                rows,
+                cols,
+                dtype,
+                fetch,
+            )
+        )
 
     def shape(proj, inter):
         return (h, inter) if proj == "down" else (inter, h)
@@ -123,9 +147,9 @@ def plan_blocks(ckpt: Checkpoint, recipe: Recipe, spec: MoESpec
             dt = _check(ckpt, gu, (n_exp, 2 * i, h))
             _check(ckpt, dn, (n_exp, h, i))
             for e in range(n_exp):
-                add(layer, e, False, "gate", i, h, dt, lambda e=e: ckpt.slice(gu, e)[:i])
-                add(layer, e, False, "up", i, h, dt, lambda e=e: ckpt.slice(gu, e)[i:])
-                add(layer, e, False, "down", h, i, dt, lambda e=e: ckpt.slice(dn, e))
+                add(layer, e, False, "gate", i, h, dt, lambda e=e, g=gu: ckpt.slice(g, e)[:i])
+                add(layer, e, False, "up", i, h, dt, lambda e=e, g=gu: ckpt.slice(g, e)[i:])
+                add(layer, e, False, "down", h, i, dt, lambda e=e, d=dn: ckpt.slice(d, e))
             consumed |= {gu, dn}
         else:
             continue
@@ -134,17 +158,27 @@ def plan_blocks(ckpt: Checkpoint, recipe: Recipe, spec: MoESpec
             for p in PROJECTIONS:
                 name = recipe.shared[p].format(layer=layer)
                 dt = _check(ckpt, name, shape(p, spec.shared_intermediate))
-                add(layer, n_exp, True, p, *shape(p, spec.shared_intermediate), dt,
-                    lambda n=name: ckpt.tensor(n))
+                add(
+                    layer,
+                    n_exp,
+                    True,
+                    p,
+                    *shape(p, spec.shared_intermediate),
+                    dt,
+                    lambda n=name: ckpt.tensor(n),
+                )
                 consumed.add(name)
     if not layers:
-        raise PwctlError(f"{ckpt.path}: no expert tensors found where the {recipe.model_type} "
-                         f"recipe expects them (e.g. {recipe.per_expert['gate']})")
+        raise PwctlError(
+            f"{ckpt.path}: no expert tensors found where the {recipe.model_type} "
+            f"recipe expects them (e.g. {recipe.per_expert['gate']})"
+        )
     return layers, blocks, consumed, layouts
 
 
-def quantize_block(w: torch.Tensor, imp: torch.Tensor | None, name: str, opts: ConvertOptions
-                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor], int]:
+def quantize_block(
+    w: torch.Tensor, imp: torch.Tensor | None, name: str, opts: ConvertOptions
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], int]:
     rows, cols = w.shape
     w = w.to(opts.device, torch.float32)
     if not torch.isfinite(w).all():
@@ -159,11 +193,17 @@ def quantize_block(w: torch.Tensor, imp: torch.Tensor | None, name: str, opts: C
     return planes, {b: t.half() for b, t in q.tables.items()}, r
 
 
-def convert(src: str | Path, out: Path, opts: ConvertOptions,
-            progress: Callable[[int, int, str], None] | None = None) -> ConvertReport:
+def convert(
+    src: str | Path,
+    out: Path,
+    opts: ConvertOptions,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> ConvertReport:
     if not 1 <= opts.min_bits <= opts.max_bits <= 8:
-        raise PwctlError(f"--min-bits/--max-bits must satisfy 1 <= min <= max <= 8 "
-                         f"(got {opts.min_bits}, {opts.max_bits})")
+        raise PwctlError(
+            f"--min-bits/--max-bits must satisfy 1 <= min <= max <= 8 "
+            f"(got {opts.min_bits}, {opts.max_bits})"
+        )
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         raise PwctlError("--device cuda: no CUDA device visible")
     t0 = time.perf_counter()
@@ -177,25 +217,43 @@ def convert(src: str | Path, out: Path, opts: ConvertOptions,
 
     imp = None
     if opts.calib is not None:
-        imp = calibrate.collect(path, recipe, spec, layers, opts.calib, opts.device,
-                                max_tokens=opts.calib_tokens)
+        imp = calibrate.collect(
+            path, recipe, spec, layers, opts.calib, opts.device, max_tokens=opts.calib_tokens
+        )
     writer = PackWriter(out, opts.force)
     try:
         infos, bytes_in = [], 0
         _write_nonexpert(writer, ckpt, recipe, consumed)
-        ref = SafetensorsStream(writer.path(REFERENCE), [(b.name, b.dtype, (b.rows, b.cols))
-                                                         for b in blocks]) if opts.reference else None
+        ref = (
+            SafetensorsStream(
+                writer.path(REFERENCE), [(b.name, b.dtype, (b.rows, b.cols)) for b in blocks]
+            )
+            if opts.reference
+            else None
+        )
         for n, b in enumerate(blocks):
             w = b.fetch()
             bytes_in += w.numel() * w.element_size()
             if ref is not None:
                 ref.write(b.name, w)
-            weights, tokens = (None, None) if imp is None else imp.weights(
-                b.layer, b.expert, "mid" if b.proj == "down" else "in", b.shared)
+            weights, tokens = (
+                (None, None)
+                if imp is None
+                else imp.weights(b.layer, b.expert, "mid" if b.proj == "down" else "in", b.shared)
+            )
             planes, tables, r = quantize_block(w, weights, b.name, opts)
-            meta = dict(name=b.name, layer=b.layer, expert=b.expert, shared=b.shared, proj=b.proj,
-                        rows=b.rows, cols=b.cols, words=words_per_row(b.cols), rows_per_table=r,
-                        importance_tokens=tokens)
+            meta = dict(
+                name=b.name,
+                layer=b.layer,
+                expert=b.expert,
+                shared=b.shared,
+                proj=b.proj,
+                rows=b.rows,
+                cols=b.cols,
+                words=words_per_row(b.cols),
+                rows_per_table=r,
+                importance_tokens=tokens,
+            )
             infos.append(writer.add_block(meta, planes, tables, opts.min_bits))
             if progress:
                 progress(n + 1, len(blocks), b.name)
@@ -203,26 +261,42 @@ def convert(src: str | Path, out: Path, opts: ConvertOptions,
             ref.close()
         _copy_side_files(path, writer.tmp)
         manifest = Manifest(
-            model_type=ckpt.model_type, config=ckpt.config, spec=asdict(spec),
-            min_bits=opts.min_bits, max_bits=opts.max_bits,
-            weighting="uniform" if imp is None else "calib-ex2", moe_layers=layers, blocks=infos,
+            model_type=ckpt.model_type,
+            config=ckpt.config,
+            spec=asdict(spec),
+            min_bits=opts.min_bits,
+            max_bits=opts.max_bits,
+            weighting="uniform" if imp is None else "calib-ex2",
+            moe_layers=layers,
+            blocks=infos,
             calib=None if imp is None else {"file": opts.calib.name, "tokens": imp.tokens},
             reference=opts.reference,
-            source={"path": str(path), "layouts": layouts, "table_group": opts.table_group})
+            source={"path": str(path), "layouts": layouts, "table_group": opts.table_group},
+        )
         writer.commit(manifest)
     except BaseException:
         writer.abort()
         raise
     pack_bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return ConvertReport(out, ckpt.model_type, len(layers), len(blocks), manifest.weighting,
-                         time.perf_counter() - t0, bytes_in, pack_bytes,
-                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return ConvertReport(
+        out,
+        ckpt.model_type,
+        len(layers),
+        len(blocks),
+        manifest.weighting,
+        time.perf_counter() - t0,
+        bytes_in,
+        pack_bytes,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
 
 
 def _write_nonexpert(writer: PackWriter, ckpt: Checkpoint, recipe: Recipe, consumed: set[str]):
     names = sorted(set(ckpt.tensors) - consumed)
-    entries = [(recipe.in_memory_name(n), torch_dtype(ckpt.tensors[n].dtype),
-                ckpt.tensors[n].shape) for n in names]
+    entries = [
+        (recipe.in_memory_name(n), torch_dtype(ckpt.tensors[n].dtype), ckpt.tensors[n].shape)
+        for n in names
+    ]
     stream = SafetensorsStream(writer.path(NONEXPERT), entries)
     for n, (mem_name, _, _) in zip(names, entries, strict=True):
         stream.write(mem_name, ckpt.tensor(n))

@@ -34,8 +34,15 @@ ALIGN = 256
 MANIFEST = "manifest.json"
 NONEXPERT = "nonexpert.safetensors"
 REFERENCE = "reference.safetensors"
-ST_CODES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
-            torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+ST_CODES = {
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 @dataclass
@@ -99,8 +106,9 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
-        blocks = [BlockInfo(**{**b, "planes": [PlaneInfo(**p) for p in b["planes"]]})
-                  for b in d["blocks"]]
+        blocks = [
+            BlockInfo(**{**b, "planes": [PlaneInfo(**p) for p in b["planes"]]}) for b in d["blocks"]
+        ]
         return cls(**{**d, "blocks": blocks})
 
 
@@ -123,8 +131,11 @@ class SafetensorsStream:
         self._order = []
         for name, dtype, shape in entries:
             n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": ST_CODES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + n]}
+            header[name] = {
+                "dtype": ST_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
             self._order.append((name, n))
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -163,17 +174,28 @@ class PackWriter:
         (self.tmp / "planes").mkdir(parents=True)
         self._files: dict[str, BinaryIO] = {}
 
-    def add_block(self, meta: dict[str, Any], planes: torch.Tensor,
-                  tables: dict[int, torch.Tensor], min_bits: int) -> BlockInfo:
+    def add_block(
+        self,
+        meta: dict[str, Any],
+        planes: torch.Tensor,
+        tables: dict[int, torch.Tensor],
+        min_bits: int,
+    ) -> BlockInfo:
         """Append one block's planes (int32 [B, rows, words]) and fp16 tables to its layer file."""
         rel = f"planes/layer{meta['layer']:03d}.bin"
         f = self._files.get(rel) or self._files.setdefault(rel, (self.tmp / rel).open("wb"))
         infos = []
         for p in range(planes.shape[0]):
             bits = planes[p].cpu().numpy().astype("<i4", copy=False).tobytes()
-            table = tables[p + 1].cpu().to(torch.float16).numpy().tobytes() if p + 1 >= min_bits else b""
+            table = (
+                tables[p + 1].cpu().to(torch.float16).numpy().tobytes()
+                if p + 1 >= min_bits
+                else b""
+            )
             f.write(b"\0" * (-f.tell() % ALIGN))
-            infos.append(PlaneInfo(f.tell(), len(bits), len(table), zlib.crc32(table, zlib.crc32(bits))))
+            infos.append(
+                PlaneInfo(f.tell(), len(bits), len(table), zlib.crc32(table, zlib.crc32(bits)))
+            )
             f.write(bits)
             f.write(table)
         return BlockInfo(**meta, file=rel, planes=infos)
@@ -208,7 +230,9 @@ class Pack:
         self.path = path
         mpath = path / MANIFEST
         if not mpath.is_file():
-            raise PwctlError(f"{path}: not a pwctl pack (no {MANIFEST}); make one with `pwctl convert`")
+            raise PwctlError(
+                f"{path}: not a pwctl pack (no {MANIFEST}); make one with `pwctl convert`"
+            )
         try:
             data = json.loads(mpath.read_text())
         except json.JSONDecodeError as e:
@@ -226,8 +250,10 @@ class Pack:
             f.seek(info.offset)
             raw = f.read(info.nbytes)
         if len(raw) != info.nbytes or zlib.crc32(raw) != info.crc32:
-            raise PwctlError(f"{self.path / block.file}: checksum mismatch in {block.name} plane {p}"
-                             " (corrupt or truncated page file)")
+            raise PwctlError(
+                f"{self.path / block.file}: checksum mismatch in {block.name} plane {p}"
+                " (corrupt or truncated page file)"
+            )
         bits = np.frombuffer(raw, dtype="<i4", count=block.rows * block.words)
         bits = bits.reshape(block.rows, block.words)
         if not info.table_nbytes:
@@ -235,7 +261,9 @@ class Pack:
         table = np.frombuffer(raw, dtype="<f2", offset=info.bits_nbytes)
         return bits, table.reshape(block.table_rows, -1)
 
-    def load_block(self, block: BlockInfo, bits: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def load_block(
+        self, block: BlockInfo, bits: int
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The first `bits` planes as int32 [bits, rows, words] and the tables they carry."""
         planes, tables = [], {}
         for p in range(bits):
@@ -251,6 +279,8 @@ class Pack:
     def reference(self) -> dict[str, torch.Tensor]:
         path = self.path / REFERENCE
         if not self.manifest.reference or not path.is_file():
-            raise PwctlError(f"{self.path}: pack has no reference weights (converted with "
-                             "--no-reference), so the fp16 policy is unavailable")
+            raise PwctlError(
+                f"{self.path}: pack has no reference weights (converted with "
+                "--no-reference), so the fp16 policy is unavailable"
+            )
         return load_file(str(path))

@@ -7,10 +7,26 @@ from dataclasses import dataclass
 
 from pwctl.errors import PwctlError
 
-BUDGETED = ("static", "dynamic-layer", "pagedweight", "pagedweight-router",
-            "pagedweight-residual", "pagedweight-paging", "pagedweight-sensitivity")
-UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BUDGETED = (
+    "static",
+    "dynamic-layer",
+    "pagedweight",
+    "pagedweight-router",
+    "pagedweight-residual",
+    "pagedweight-paging",
+    "pagedweight-sensitivity",
+)
+UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 FP16_WIDTH = 16  # the width code of the unquantized reference weights
 
 
@@ -67,5 +83,7 @@ def parse_policy(text: str) -> Policy:
         if not arg:
             raise PwctlError(f"bad policy '{text}': {name} needs a BUDGET, e.g. {name}:0.35")
         return Policy(name, budget=parse_budget(arg))
-    raise PwctlError(f"unknown policy '{text}'; policies: fp16, uniform:B, "
-                     + ", ".join(f"{n}:BUDGET" for n in BUDGETED))
+    raise PwctlError(
+        f"unknown policy '{text}'; policies: fp16, uniform:B, "
+        + ", ".join(f"{n}:BUDGET" for n in BUDGETED)
+    )

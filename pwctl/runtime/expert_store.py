@@ -37,16 +37,19 @@ class ExpertStore:
             self.widths[:] = FP16_WIDTH
         elif policy.name == "uniform":
             if not self.min_bits <= policy.bits <= self.max_bits:
-                raise PwctlError(f"policy {policy}: this pack holds widths "
-                                 f"{self.min_bits}..{self.max_bits}")
+                raise PwctlError(
+                    f"policy {policy}: this pack holds widths {self.min_bits}..{self.max_bits}"
+                )
             self.widths[:] = policy.bits
         else:
             raise PwctlError(f"policy {policy.name} is not built yet (runtime planner issue)")
 
     def expert_bytes(self) -> int:
         """Device bytes of every expert block at its current width (planes + tables)."""
-        return sum(b.fp16_bytes if w == FP16_WIDTH else b.bytes_at(int(w))
-                   for b, w in zip(self.pack.blocks, self.widths, strict=True))
+        return sum(
+            b.fp16_bytes if w == FP16_WIDTH else b.bytes_at(int(w))
+            for b, w in zip(self.pack.blocks, self.widths, strict=True)
+        )
 
     def weight(self, index: int) -> torch.Tensor:
         width = int(self.widths[index])

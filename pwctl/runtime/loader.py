@@ -15,8 +15,9 @@ from pwctl.runtime.expert_store import ExpertStore
 from pwctl.runtime.moe import MoEBlock
 
 
-def load_model(pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float32
-               ) -> tuple[nn.Module, ExpertStore]:
+def load_model(
+    pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, ExpertStore]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     m = pack.manifest
@@ -32,8 +33,9 @@ def load_model(pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in pack.nonexpert().items()}
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
-        raise PwctlError(f"{pack.path}: non-expert tensors the model does not have: "
-                         f"{result.unexpected_keys[:5]}")
+        raise PwctlError(
+            f"{pack.path}: non-expert tensors the model does not have: {result.unexpected_keys[:5]}"
+        )
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     _rebuild_meta_buffers(model)

@@ -31,7 +31,9 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.spec, self.layer, self.store = spec, layer, store
         self.gate = nn.Linear(spec.hidden, spec.num_experts, bias=False)
-        self.shared_expert_gate = nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
+        self.shared_expert_gate = (
+            nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, self.spec.hidden)

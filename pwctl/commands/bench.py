@@ -1,0 +1,52 @@
+"""pwctl bench PACK --ppl ...: quality and memory per policy (more modes land with later issues)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pwctl.bench.ppl import run_ppl, token_windows
+from pwctl.checkpoint import MODELS_DIR
+from pwctl.commands.common import handles_errors, not_built, print_table, write_json
+from pwctl.errors import PwctlError
+from pwctl.policy import parse_policy
+from pwctl.runtime.engine import Engine, open_pack
+
+EVAL_SAMPLE = MODELS_DIR / "samples" / "eval.txt"
+DEFAULT_POLICIES = ["fp16", "uniform:8", "uniform:4", "uniform:3", "uniform:2"]
+
+
+@handles_errors
+def run(
+    pack: Annotated[Path | None, typer.Argument(help="pack folder")] = None,
+    ppl: Annotated[bool, typer.Option("--ppl", help="perplexity and KL to fp16")] = False,
+    kernels: Annotated[bool, typer.Option("--kernels", help="kernel speed (GPU)")] = False,
+    longbench: Annotated[bool, typer.Option("--longbench")] = False,
+    throughput: Annotated[bool, typer.Option("--throughput")] = False,
+    data: Annotated[Path | None, typer.Option(help="text file (default: bundled eval)")] = None,
+    policy: Annotated[list[str] | None, typer.Option(help="repeatable")] = None,
+    seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
+    max_tokens: Annotated[int, typer.Option(help="tokens evaluated at most")] = 8192,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    json: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Measure quality, memory and speed of policies on a pack."""
+    if kernels or longbench or throughput:
+        not_built("bench --kernels/--longbench/--throughput", "kernel and bench issues")
+    if not ppl:
+        raise PwctlError("choose a mode: --ppl (others land with the kernel and bench issues)")
+    if pack is None:
+        raise PwctlError("bench --ppl needs a PACK")
+    policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
+    data = data or EVAL_SAMPLE
+    engine = Engine(open_pack(pack), device)
+    results = run_ppl(engine, token_windows(engine, data, seq_len, max_tokens), policies)
+    rows = [(r.policy, r.expert_mb, r.bits_per_weight, r.ppl, r.kl) for r in results]
+    print_table(
+        f"perplexity on {data.name} ({results[0].tokens} tokens)",
+        ("policy", "expert MB", "bits/weight", "ppl", "KL nats/tok"),
+        rows,
+    )
+    write_json(json, {"data": str(data), "results": [r.as_dict() for r in results]})

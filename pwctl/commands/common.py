@@ -1,0 +1,53 @@
+"""What every command shares: the console, error handling, tables and --json output."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pwctl.errors import PwctlError
+from pwctl.pack import write_atomic
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def handles_errors(fn: Callable) -> Callable:
+    """PwctlError -> one red line on stderr and exit code 2, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PwctlError as e:
+            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def not_built(command: str, issue: str) -> None:
+    err_console.print(f"[yellow]pwctl {command} is not built yet[/] ({issue}).")
+    raise typer.Exit(3)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="left" if c == columns[0] else "right")
+    for r in rows:
+        table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
+    console.print(table)
+
+
+def write_json(path: Path | None, obj: Any) -> None:
+    if path is not None:
+        write_atomic(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
+        console.print(f"wrote {path}")

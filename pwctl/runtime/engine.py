@@ -1,0 +1,78 @@
+"""The engine every front end shares (generate, bench, later serve): a pack loaded into a
+transformers model with pwctl MoE blocks, a tokenizer, and the expert widths of a policy.
+
+This first version runs one sequence at a time on the CPU reference path; the serving issue adds
+the scheduler, paged KV cache and the GPU kernels behind the same methods."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pwctl.checkpoint import MODELS_DIR
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
+from pwctl.policy import Policy
+from pwctl.runtime.loader import load_model
+
+PACKS_DIR = MODELS_DIR.parent / "packs"
+
+
+def open_pack(name_or_path: str | Path) -> Pack:
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise PwctlError(f"{path}: no such pack (make one with `pwctl convert SRC {path}`)")
+    return Pack(path)
+
+
+class Engine:
+    def __init__(self, pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise PwctlError("--device cuda: no CUDA device visible")
+        self.pack = pack
+        self.device = device
+        self.model, self.store = load_model(pack, device, dtype)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(
+                    self.pack.path, local_files_only=True
+                )
+            except (OSError, ValueError) as e:
+                raise PwctlError(f"{self.pack.path}: pack has no usable tokenizer ({e})") from None
+        return self._tokenizer
+
+    def set_policy(self, policy: Policy) -> None:
+        self.store.apply(policy)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids.to(self.device)).logits.float()
+
+    @torch.no_grad()
+    def generate_ids(self, ids: list[int], max_tokens: int) -> list[int]:
+        """Greedy continuation of `ids` (transformers' generate over our MoE blocks)."""
+        if max_tokens < 1:
+            raise PwctlError("--max-tokens must be at least 1")
+        if not ids:
+            raise PwctlError("empty prompt")
+        prompt = torch.tensor([ids], device=self.device)
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        out = self.model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=eos if isinstance(eos, int) else 0,
+        )
+        return out[0, len(ids) :].tolist()
+
+    def generate(self, prompt: str, max_tokens: int) -> str:
+        ids = self.tokenizer(prompt).input_ids
+        return self.tokenizer.decode(self.generate_ids(ids, max_tokens), skip_special_tokens=True)
