@@ -1,7 +1,7 @@
 """The pack: bit-plane page files + manifest + non-expert weights (docs/FORMAT.md).
 
     manifest.json          format, model config, resolved MoE spec, widths, every block and plane
-    planes/layerNNN.bin    per block, per plane: packed bits, then the table of the width it completes
+    planes/layerNNN.bin    per block, per plane: bits, then the table of the width it completes
     nonexpert.safetensors  embeddings, attention, norms, routers, shared-expert gates (unquantized)
     reference.safetensors  the original expert weights (the fp16 policy); optional
     config.json, tokenizer files

@@ -57,7 +57,9 @@ def _quantize_rows(
         si = torch.ones_like(sw, dtype=torch.float64)
     else:
         si = imp.expand(g, m).gather(1, order).double()
-        si = si.clamp_min(1e-6 * float(si.mean()))  # zero weight would make a cluster mean 0/0
+        scale = si.mean(dim=1, keepdim=True)
+        # zero weight would make a cluster mean 0/0; an all-zero row falls back to unweighted
+        si = torch.where(scale > 0, torch.maximum(si, 1e-6 * scale), torch.ones_like(si))
     zero = torch.zeros(g, 1, dtype=torch.float64, device=w.device)
     cw = torch.cat([zero, si.cumsum(1)], 1)
     cs = torch.cat([zero, (si * sw.double()).cumsum(1)], 1)

@@ -87,30 +87,36 @@ def load_recipe(model_type: str) -> Recipe:
 
 
 def resolve_spec(recipe: Recipe, config: dict[str, Any]) -> MoESpec:
-    """Read the routing fields from config.json, with the recipe's literals as overrides."""
+    """Read the routing fields through transformers' config class (it fills defaults that
+    config.json omits and knows attribute aliases), with the recipe's literals as overrides."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.for_model(**config)
+    except (ValueError, TypeError) as e:
+        raise PwctlError(f"config.json of a {recipe.model_type} model is unusable ({e})") from None
 
     def value(name: str, default: Any = None) -> Any:
         if name in recipe.routing:
             return recipe.routing[name]
         key = recipe.config_keys.get(name)
-        if key is None:
+        found = None if key is None else getattr(cfg, key, None)
+        if found is None:
+            if default is None:
+                raise PwctlError(f"config.json of a {recipe.model_type} model lacks '{key}'")
             return default
-        if key not in config:
-            if default is not None:
-                return default
-            raise PwctlError(f"config.json of a {recipe.model_type} model lacks '{key}'")
-        return config[key]
+        return found
 
-    shared_inter = int(value("shared_intermediate", 0) or 0) if recipe.shared else 0
+    shared_inter = int(value("shared_intermediate", 0)) if recipe.shared else 0
     return MoESpec(
         num_experts=int(value("num_experts")),
         top_k=int(value("top_k")),
         intermediate=int(value("intermediate")),
-        hidden=int(config["hidden_size"]),
+        hidden=int(cfg.hidden_size),
         order=recipe.routing["order"],
         norm_topk_prob=bool(value("norm_topk_prob", False)),
         routed_scaling=float(value("routed_scaling", 1.0)),
         shared_intermediate=shared_inter,
         shared_gate=bool(recipe.shared.get("gate_weight")),
-        act=str(config.get("hidden_act", "silu")),
+        act=str(getattr(cfg, "hidden_act", "silu")),
     )

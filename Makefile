@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	# CPU torch first (a local wheel here); an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pwctl demo
+
+test: $(STAMP)
+	$(BIN)/ruff check pwctl tests recipes
+	$(BIN)/pytest -q -n 2
+
+lint: $(STAMP)
+	$(BIN)/ruff check pwctl tests recipes
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

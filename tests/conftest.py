@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny checkpoints of every supported architecture in both layouts, converted
+once per session (everything is built locally; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from pwctl import tiny  # noqa: E402
+from pwctl.convert import ConvertOptions, convert  # noqa: E402
+
+LAYOUTS = ("per_expert", "fused")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        (arch, layout): tiny.make_checkpoint(
+            arch, root / f"{arch}-{layout}", fused=layout == "fused"
+        )
+        for arch in tiny.ARCHS
+        for layout in LAYOUTS
+    }
+
+
+@pytest.fixture(scope="session")
+def packs(checkpoints, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("packs")
+    out = {}
+    for key, src in checkpoints.items():
+        out[key] = root / f"{key[0]}-{key[1]}"
+        convert(src, out[key], ConvertOptions())
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

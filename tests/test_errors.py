@@ -1,0 +1,165 @@
+"""Bad input gets one clear error and loses nothing."""
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from pwctl.cli import app
+from pwctl.convert import ConvertOptions, convert
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
+
+runner = CliRunner()
+
+
+def copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def assert_nothing_written(out):
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp")]
+
+
+def test_missing_source(tmp_path):
+    with pytest.raises(PwctlError, match="no such checkpoint folder"):
+        convert(tmp_path / "nope", tmp_path / "out", ConvertOptions())
+
+
+def test_unsupported_architecture(checkpoints, tmp_path):
+    src = copy(checkpoints[("mixtral", "fused")], tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(PwctlError, match="unsupported architecture 'llama'.*mixtral.*olmoe"):
+        convert(src, tmp_path / "out", ConvertOptions())
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_truncated_shard(checkpoints, tmp_path):
+    src = copy(checkpoints[("mixtral", "per_expert")], tmp_path / "src")
+    shard = src / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    with pytest.raises(PwctlError, match="model.safetensors: truncated shard"):
+        convert(src, tmp_path / "out", ConvertOptions())
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_missing_shard_of_an_index(checkpoints, tmp_path):
+    src = copy(checkpoints[("olmoe", "per_expert")], tmp_path / "src")
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        },
+    }
+    (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(PwctlError, match="model-00002-of-00002.safetensors: shard missing"):
+        convert(src, tmp_path / "out", ConvertOptions())
+
+
+def _rewrite(src, name, fn):
+    from safetensors.torch import load_file
+
+    state = load_file(src / "model.safetensors")
+    state[name] = fn(state[name])
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_unexpected_shape(checkpoints, tmp_path):
+    src = copy(checkpoints[("qwen3_moe", "per_expert")], tmp_path / "src")
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    _rewrite(src, name, lambda t: t[:-1])
+    with pytest.raises(PwctlError, match=f"tensor {name} has shape"):
+        convert(src, tmp_path / "out", ConvertOptions())
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_unexpected_dtype(checkpoints, tmp_path):
+    src = copy(checkpoints[("mixtral", "fused")], tmp_path / "src")
+    name = "model.layers.0.mlp.experts.down_proj"
+    _rewrite(src, name, lambda t: t.to(torch.int8))
+    with pytest.raises(PwctlError, match=f"tensor {name} has dtype I8"):
+        convert(src, tmp_path / "out", ConvertOptions())
+
+
+def test_refuses_to_overwrite_without_force(checkpoints, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(PwctlError, match="exists; pass --force"):
+        convert(checkpoints[("olmoe", "fused")], out, ConvertOptions())
+    assert (out / "keep.txt").read_text() == "mine"
+    convert(checkpoints[("olmoe", "fused")], out, ConvertOptions(max_bits=3, force=True))
+    assert not (out / "keep.txt").exists() and Pack(out).manifest.max_bits == 3
+
+
+def test_interrupted_conversion_leaves_no_pack(checkpoints, tmp_path, monkeypatch):
+    import pwctl.convert as conv
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "quantize_block", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert(checkpoints[("mixtral", "fused")], tmp_path / "out", ConvertOptions())
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_corrupt_plane_is_detected(packs, tmp_path):
+    pack_dir = copy(packs[("mixtral", "fused")], tmp_path / "pack")
+    pack = Pack(pack_dir)
+    block = pack.blocks[5]
+    page = pack_dir / block.file
+    data = bytearray(page.read_bytes())
+    data[block.planes[2].offset + 3] ^= 0xFF
+    page.write_bytes(bytes(data))
+    with pytest.raises(PwctlError, match=f"checksum mismatch in {block.name} plane 2"):
+        pack.read_plane(block, 2)
+
+
+def test_not_a_pack(tmp_path):
+    with pytest.raises(PwctlError, match="not a pwctl pack"):
+        Pack(tmp_path)
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(PwctlError, match="corrupt manifest"):
+        Pack(tmp_path)
+
+
+def test_safetensors_header_garbage(tmp_path):
+    from pwctl.checkpoint import read_header
+
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(PwctlError, match="truncated or corrupt"):
+        read_header(bad)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["convert", "/nonexistent/src", "/tmp/x"], "no such checkpoint folder"),
+        (["generate", "/nonexistent/pack", "--prompt", "hi"], "no such pack"),
+        (["bench", "/nonexistent/pack", "--ppl"], "no such pack"),
+        (["generate", "/tmp", "--prompt", "hi", "--policy", "uniform:12"], "uniform:B needs B"),
+        (["bench", "/tmp", "--ppl", "--policy", "pagedweight:1.5"], "fraction must be in"),
+    ],
+)
+def test_cli_errors_are_one_line(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_commands_not_built_yet_exit_nonzero():
+    for cmd in (["profile", "x"], ["fit-residual", "x"], ["serve", "x"]):
+        result = runner.invoke(app, cmd)
+        assert result.exit_code == 3 and "not built yet" in result.output
