@@ -79,8 +79,8 @@ class Spec:
 
 
 SMOKE = Spec(
-    seq_len=512, batch=4, minutes=3.0, max_steps=20, warmup_steps=3, retrieval_share=0.25,
-    eval_tokens=8 * 512, eval_batch=4, ngram_tokens=2_000_000, retrieval_lengths=(256, 512),
+    seq_len=256, batch=8, minutes=3.0, max_steps=20, warmup_steps=3, retrieval_share=0.25,
+    eval_tokens=16 * 256, eval_batch=8, ngram_tokens=2_000_000, retrieval_lengths=(128, 256),
     retrieval_examples=8, prose_chars=400_000, eval_prose_chars=200_000,
 )
 
@@ -299,7 +299,8 @@ class MasterAdamW:
         groups = [{"params": decay, "weight_decay": spec.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         self.opt = torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-        model.to(torch.bfloat16)
+        for p in self.params:  # parameters only: buffers (RoPE inv_freq) must stay fp32
+            p.data = p.data.to(torch.bfloat16)
 
     def step(self, lr: float) -> torch.Tensor:
         for m, p in zip(self.master, self.params, strict=True):
@@ -582,6 +583,7 @@ def write_json(path: Path, data: Any) -> None:
     with os.fdopen(fd, "w") as fh:
         json.dump(data, fh, indent=2)
         fh.write("\n")
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
@@ -605,13 +607,15 @@ def save_model(model: PreTrainedModel, tokenizer_dir: Path, out_dir: Path, name:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out_dir))
     model.config.output_router_logits = False  # serving needs no router logits
-    model.to(torch.bfloat16).save_pretrained(tmp)
+    model.save_pretrained(tmp)
     for f in tokenizer_dir.iterdir():
         if f.is_file() and not (tmp / f.name).exists():
             shutil.copy2(f, tmp / f.name)
     report["file_bytes"] = (tmp / "model.safetensors").stat().st_size
     report["saved_check"] = verify(tmp)
     write_json(tmp / "train_report.json", report)
+    for f in tmp.iterdir():
+        f.chmod(0o644)
     tmp.chmod(0o755)
     final = out_dir / name
     if final.exists():

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from pwctl.bench.ppl import run_ppl, token_windows
+from pwctl.bench.quantizer import as_dicts, run_quantizer_bench
 from pwctl.checkpoint import MODELS_DIR
 from pwctl.commands.common import handles_errors, not_built, print_table, write_json
 from pwctl.errors import PwctlError
@@ -25,6 +26,9 @@ def run(
     kernels: Annotated[bool, typer.Option("--kernels", help="kernel speed (GPU)")] = False,
     longbench: Annotated[bool, typer.Option("--longbench")] = False,
     throughput: Annotated[bool, typer.Option("--throughput")] = False,
+    quantizer: Annotated[bool, typer.Option("--quantizer", help="nested vs RTN g128")] = False,
+    rows: Annotated[int, typer.Option(help="--quantizer: matrix rows")] = 1024,
+    cols: Annotated[int, typer.Option(help="--quantizer: matrix inputs")] = 4096,
     data: Annotated[Path | None, typer.Option(help="text file (default: bundled eval)")] = None,
     policy: Annotated[list[str] | None, typer.Option(help="repeatable")] = None,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
@@ -32,7 +36,16 @@ def run(
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
-    """Measure quality, memory and speed of policies on a pack."""
+    """Measure quality, memory and speed of policies on a pack (or of the quantizer)."""
+    if quantizer:
+        results = run_quantizer_bench(rows, cols, device=device)
+        print_table(f"quantizer on Student-t(5) weights {rows}x{cols}",
+                    ("scheme", "bits", "bits/weight", "weight MSE", "output err"),
+                    [(r.scheme, r.bits, r.bits_per_weight, r.weight_mse, r.output_err)
+                     for r in results])
+        write_json(json, {"rows": rows, "cols": cols, "device": device,
+                          "results": as_dicts(results)})
+        return
     if kernels or longbench or throughput:
         not_built("bench --kernels/--longbench/--throughput", "kernel and bench issues")
     if not ppl:
