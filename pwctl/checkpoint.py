@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from pwctl.errors import PwctlError
 
@@ -23,6 +22,8 @@ MAX_HEADER = 100 * 1024 * 1024
 
 
 def bundled_models() -> list[str]:
+    if not MODELS_DIR.is_dir():
+        return []
     return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
 
 
@@ -46,6 +47,7 @@ class TensorInfo:
     dtype: str  # safetensors code, e.g. "BF16"
     shape: tuple[int, ...]
     shard: Path
+    start: int  # absolute byte offset of the data in the shard
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +82,7 @@ def read_header(path: Path) -> dict[str, Any]:
         if len(raw) < 8:
             raise PwctlError(f"{path}: truncated shard (no header)")
         (n,) = struct.unpack("<Q", raw)
+        header_len = n
         if n > min(MAX_HEADER, size - 8):
             raise PwctlError(f"{path}: truncated or corrupt shard (header length {n})")
         try:
@@ -89,6 +92,7 @@ def read_header(path: Path) -> dict[str, Any]:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if size < 8 + n + end:
         raise PwctlError(f"{path}: truncated shard ({size} bytes, header promises {8 + n + end})")
+    header["__data_start__"] = 8 + header_len
     return header
 
 
@@ -100,12 +104,17 @@ class Checkpoint:
         self.config = read_config(path)
         self.tensors: dict[str, TensorInfo] = {}
         for shard in self._shards():
-            for name, meta in read_header(shard).items():
+            header = read_header(shard)
+            base = header.pop("__data_start__")
+            for name, meta in header.items():
                 if name != "__metadata__":
                     self.tensors[name] = TensorInfo(
-                        name, meta["dtype"], tuple(meta["shape"]), shard
+                        name,
+                        meta["dtype"],
+                        tuple(meta["shape"]),
+                        shard,
+                        base + meta["data_offsets"][0],
                     )
-        self._open: dict[Path, Any] = {}
 
     @property
     def model_type(self) -> str:
@@ -135,17 +144,35 @@ class Checkpoint:
             raise PwctlError(f"{self.path}: tensor {name} missing")
         return self.tensors[name]
 
-    def _handle(self, shard: Path) -> Any:
-        if shard not in self._open:
-            self._open[shard] = safe_open(str(shard), framework="pt")
-        return self._open[shard]
-
     def tensor(self, name: str) -> torch.Tensor:
-        return self._handle(self.info(name).shard).get_tensor(name)
+        info = self.info(name)
+        return self._read(info, info.start, info.shape)
 
     def slice(self, name: str, index: int) -> torch.Tensor:
         """One slice along dim 0 (one expert of a fused tensor) without reading the rest."""
-        return self._handle(self.info(name).shard).get_slice(name)[index]
+        info = self.info(name)
+        if not 0 <= index < info.shape[0]:
+            raise PwctlError(f"{info.shard}: {name} has no index {index}")
+        step = info.nbytes // info.shape[0]
+        return self._read(info, info.start + index * step, info.shape[1:])
+
+    @staticmethod
+    def _read(info: TensorInfo, start: int, shape: tuple[int, ...]) -> torch.Tensor:
+        # plain reads, not mmap: mapped pages would count in RSS and grow it to the file size
+        dtype = torch_dtype(info.dtype)
+        count = 1
+        for s in shape:
+            count *= s
+        buf = bytearray(count * torch.empty((), dtype=dtype).element_size())
+        with info.shard.open("rb") as f:
+            f.seek(start)
+            if f.readinto(buf) != len(buf):
+                raise PwctlError(f"{info.shard}: truncated while reading {info.name}")
+        return (
+            torch.frombuffer(buf, dtype=dtype).view(shape)
+            if buf
+            else torch.empty(shape, dtype=dtype)
+        )
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -47,9 +47,15 @@ def nested_bits_per_weight(bits: int, min_bits: int, cols: int, r: int) -> float
     return bits + sum(2**j for j in range(min_bits, bits + 1)) * 16 / (cols * r)
 
 
-def run_quantizer_bench(rows: int = 1024, cols: int = 4096, tokens: int = 2048,
-                        min_bits: int = 2, max_bits: int = 8, device: str = "cpu",
-                        seed: int = 0) -> list[QuantRow]:
+def run_quantizer_bench(
+    rows: int = 1024,
+    cols: int = 4096,
+    tokens: int = 2048,
+    min_bits: int = 2,
+    max_bits: int = 8,
+    device: str = "cpu",
+    seed: int = 0,
+) -> list[QuantRow]:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     w = torch.distributions.StudentT(5.0).sample((rows, cols)).to(device) * 0.02
     chan = torch.exp(torch.randn(cols, generator=gen) * 1.0).to(device)  # skewed channel scales
@@ -70,16 +76,26 @@ def run_quantizer_bench(rows: int = 1024, cols: int = 4096, tokens: int = 2048,
         for b in range(min_bits, min(max_bits, 6) + 1):
             lab = q.labels.long() >> (max_bits - b)
             wq = q.tables[b].half().float().gather(1, lab).reshape(rows, cols)
-            results.append(QuantRow(name, b, nested_bits_per_weight(b, min_bits, cols, r),
-                                    mse(wq), out_err(wq)))
+            results.append(
+                QuantRow(
+                    name, b, nested_bits_per_weight(b, min_bits, cols, r), mse(wq), out_err(wq)
+                )
+            )
     for b in range(2, 7):
         wq = rtn_group(w, b)
         results.append(QuantRow(f"rtn-g{GROUP}", b, b + 32 / GROUP, mse(wq), out_err(wq)))
     nested = [x for x in results if x.scheme == "nested"]
     for b in range(2, 6):  # the nested curve read off at RTN's bits per weight
         bpw = b + 32 / GROUP
-        results.append(QuantRow("nested@rtn-bpw", b, bpw, _interp(nested, bpw, "weight_mse"),
-                                _interp(nested, bpw, "output_err")))
+        results.append(
+            QuantRow(
+                "nested@rtn-bpw",
+                b,
+                bpw,
+                _interp(nested, bpw, "weight_mse"),
+                _interp(nested, bpw, "output_err"),
+            )
+        )
     return results
 
 

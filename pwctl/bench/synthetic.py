@@ -17,39 +17,66 @@ SHAPES = {
 }
 
 
-def write_checkpoint(out: Path, shape: str, layers: int = 1, experts: int | None = None,
-                     vocab: int = 1024, device: str = "cpu") -> Path:
+def write_checkpoint(
+    out: Path,
+    shape: str,
+    layers: int = 1,
+    experts: int | None = None,
+    vocab: int = 1024,
+    device: str = "cpu",
+) -> Path:
     """A checkpoint of Student-t weights in bf16, in Mixtral naming whatever the shape (the
     converter's cost depends on the shapes, not on the router's arithmetic)."""
     s = SHAPES[shape]
     h, inter, n_exp = s["hidden"], s["inter"], experts or s["experts"]
     out.mkdir(parents=True, exist_ok=True)
-    config = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=vocab,
-                  hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-                  num_attention_heads=32, num_key_value_heads=8, num_local_experts=n_exp,
-                  num_experts_per_tok=s["top_k"], max_position_embeddings=4096,
-                  hidden_act="silu", rms_norm_eps=1e-5, rope_theta=1e6, dtype="bfloat16")
+    config = dict(
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=n_exp,
+        num_experts_per_tok=s["top_k"],
+        max_position_embeddings=4096,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        dtype="bfloat16",
+    )
     (out / "config.json").write_text(json.dumps(config, indent=1))
     student = torch.distributions.StudentT(torch.tensor(5.0, device=device))
 
     def rand(*shape: int) -> torch.Tensor:
         return (student.sample(shape) * 0.02).to(torch.bfloat16).cpu()
 
-    state = {"model.embed_tokens.weight": rand(vocab, h), "lm_head.weight": rand(vocab, h),
-             "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    state = {
+        "model.embed_tokens.weight": rand(vocab, h),
+        "lm_head.weight": rand(vocab, h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
     for layer in range(layers):
         p = f"model.layers.{layer}."
         kv = h // 4
-        state |= {p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight":
-                  rand(kv, h), p + "self_attn.v_proj.weight": rand(kv, h),
-                  p + "self_attn.o_proj.weight": rand(h, h),
-                  p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                  p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                  p + "block_sparse_moe.gate.weight": rand(n_exp, h)}
+        state |= {
+            p + "self_attn.q_proj.weight": rand(h, h),
+            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h),
+            p + "self_attn.o_proj.weight": rand(h, h),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "block_sparse_moe.gate.weight": rand(n_exp, h),
+        }
         for e in range(n_exp):
             q = f"{p}block_sparse_moe.experts.{e}."
-            state |= {q + "w1.weight": rand(inter, h), q + "w3.weight": rand(inter, h),
-                      q + "w2.weight": rand(h, inter)}
+            state |= {
+                q + "w1.weight": rand(inter, h),
+                q + "w3.weight": rand(inter, h),
+                q + "w2.weight": rand(h, inter),
+            }
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     return out
 

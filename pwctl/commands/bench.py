@@ -39,12 +39,14 @@ def run(
     """Measure quality, memory and speed of policies on a pack (or of the quantizer)."""
     if quantizer:
         results = run_quantizer_bench(rows, cols, device=device)
-        print_table(f"quantizer on Student-t(5) weights {rows}x{cols}",
-                    ("scheme", "bits", "bits/weight", "weight MSE", "output err"),
-                    [(r.scheme, r.bits, r.bits_per_weight, r.weight_mse, r.output_err)
-                     for r in results])
-        write_json(json, {"rows": rows, "cols": cols, "device": device,
-                          "results": as_dicts(results)})
+        print_table(
+            f"quantizer on Student-t(5) weights {rows}x{cols}",
+            ("scheme", "bits", "bits/weight", "weight MSE", "output err"),
+            [(r.scheme, r.bits, r.bits_per_weight, r.weight_mse, r.output_err) for r in results],
+        )
+        write_json(
+            json, {"rows": rows, "cols": cols, "device": device, "results": as_dicts(results)}
+        )
         return
     if kernels or longbench or throughput:
         not_built("bench --kernels/--longbench/--throughput", "kernel and bench issues")
