@@ -1,14 +1,35 @@
-"""pwctl fit-residual: not built yet (profile and fit-residual issue)."""
+"""pwctl fit-residual PACK: the prompt-residual regressor, stored as plain JSON in the pack."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from pwctl.commands.common import not_built
+from pwctl.commands.common import handles_errors, print_table, write_json
+from pwctl.residual import fit
+from pwctl.runtime.engine import open_pack
 
 
-def run(pack: Annotated[str, typer.Argument(help="pack folder")]) -> None:
-    """Not built yet: lands with the profile and fit-residual issue."""
-    not_built("fit-residual", "profile and fit-residual issue")
+@handles_errors
+def run(
+    pack: Annotated[Path, typer.Argument(help="pack folder (profiled)")],
+    test_split: Annotated[float, typer.Option(help="share of sequences held out")] = 0.2,
+    json: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Fit log(damage_seq / damage_mean) ~ input-norm features, per MoE layer (ridge)."""
+    p = open_pack(pack)
+    model = fit(p, test_split)
+    model.save(p)
+    m = model.metrics
+    print_table(
+        "prompt residual (held-out sequences)",
+        ("metric", "model", "average only"),
+        [
+            ("R^2 of log ratio", m["r2_test"], m["r2_test_average_only"]),
+            ("Spearman of damage", m["spearman_test"], m["spearman_test_average_only"]),
+            ("Spearman within block x width", m["spearman_within_block_width"], "n/a"),
+        ],
+    )
+    write_json(json, m)

@@ -1,14 +1,69 @@
-"""pwctl profile: not built yet (profile and fit-residual issue)."""
+"""pwctl profile PACK: per-block damage at every width, router statistics, norm features."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pwctl.commands.common import not_built
+from pwctl.checkpoint import MODELS_DIR
+from pwctl.commands.common import console, handles_errors, print_table, write_json
+from pwctl.profile import run_profile, windows
+from pwctl.runtime.engine import Engine, open_pack
+
+CALIB_SAMPLE = MODELS_DIR / "samples" / "calib.txt"
 
 
-def run(pack: Annotated[str, typer.Argument(help="pack folder")]) -> None:
-    """Not built yet: lands with the profile and fit-residual issue."""
-    not_built("profile", "profile and fit-residual issue")
+@handles_errors
+def run(
+    pack: Annotated[Path, typer.Argument(help="pack folder")],
+    data: Annotated[list[Path] | None, typer.Option(help="text/jsonl; default: calib")] = None,
+    samples: Annotated[int, typer.Option(help="calibration sequences")] = 16,
+    seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
+    method: Annotated[str, typer.Option(help="measured (KL per block) or proxy")] = "measured",
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    json: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    """Measure what running each block at each width costs (written into the pack)."""
+    data = data or [CALIB_SAMPLE]
+    engine = Engine(open_pack(pack), device)
+    ids = windows(engine, data, samples, seq_len)
+    columns = (TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("blocks", total=len(engine.pack.blocks))
+        prof = run_profile(engine, ids, method, lambda n, t: bar.update(task, completed=n))
+    prof.meta["data"] = [p.name for p in data]
+    prof.save(engine.pack)
+    widths = prof.widths
+    rows = [
+        (f"{w}", float(prof.damage[:, i].mean()), float(prof.damage[:, i].max()))
+        for i, w in enumerate(widths)
+    ]
+    print_table(
+        f"damage per token ({method}, {prof.meta['tokens']} tokens, {prof.meta['seconds']:.1f} s)",
+        ("width", "mean over blocks", "max"),
+        rows,
+    )
+    if "spearman_proxy_vs_measured" in prof.meta:
+        sp = prof.meta["spearman_proxy_vs_measured"]
+        console.print(
+            f"proxy vs measured Spearman: overall {sp['overall']:.3f}, "
+            f"within width {sp['within_width_mean']:.3f}"
+        )
+    share = prof.router_share
+    console.print(
+        f"router load: max/min expert share per layer "
+        f"{[round(float(r.max() / max(r.min(), 1e-9)), 2) for r in share]}"
+    )
+    write_json(
+        json,
+        {k: v for k, v in prof.meta.items() if k not in ("bytes", "blocks")}
+        | {
+            "damage_mean_by_width": dict(
+                zip(map(str, widths), prof.damage.mean(0).tolist(), strict=True)
+            ),
+            "router_share": share.tolist(),
+        },
+    )

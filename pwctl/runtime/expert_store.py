@@ -58,6 +58,10 @@ class ExpertStore:
             self._cache[key] = self._materialize(index, width).to(self.device, self.dtype)
         return self._cache[key]
 
+    def weight_at(self, index: int, width: int) -> torch.Tensor:
+        """Block `index` dequantized at `width`, not cached (profile's sweeps)."""
+        return self._materialize(index, width).to(self.device, self.dtype)
+
     def _materialize(self, index: int, width: int) -> torch.Tensor:
         block = self.pack.blocks[index]
         if width == FP16_WIDTH:

@@ -34,10 +34,14 @@ class MoEBlock(nn.Module):
         self.shared_expert_gate = (
             nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
         )
+        # profile's tap: called as observer(layer, x [T, H], index [T, k], weights [T, k])
+        self.observer = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, self.spec.hidden)
         weights, index = route(self.gate(x), self.spec)
+        if self.observer is not None:
+            self.observer(self.layer, x, index, weights)
         out = torch.zeros_like(x)
         for e in index.unique().tolist():
             tokens, slot = torch.where(index == e)
