@@ -1,0 +1,127 @@
+"""profile and fit-residual end to end on a tiny pack."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pwctl import tiny
+from pwctl.cli import app
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
+from pwctl.profile import Profile, lower_hull
+from pwctl.residual import ResidualModel
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def profiled(packs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("profiled")
+    pack = shutil.copytree(packs[("qwen2_moe", "fused")], root / "pack")
+    data = root / "calib.jsonl"
+    lines = [json.dumps({"text": tiny.TOKENIZER_TEXT[i:] + tiny.TOKENIZER_TEXT}) for i in range(30)]
+    data.write_text("\n".join(lines))
+    r = runner.invoke(
+        app,
+        [
+            "profile",
+            str(pack),
+            "--data",
+            str(data),
+            "--samples",
+            "10",
+            "--seq-len",
+            "32",
+            "--json",
+            str(root / "p.json"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    return pack, data, json.loads((root / "p.json").read_text())
+
+
+def test_profile_damages_are_positive_and_fall_with_width(profiled):
+    pack_dir, _, report = profiled
+    prof = Profile.load(Pack(pack_dir))
+    assert prof.widths == list(range(2, 9))
+    assert prof.damage.shape == (len(Pack(pack_dir).blocks), 7)
+    assert np.all(prof.damage[:, -1] == 0)
+    mean = prof.damage.mean(0)
+    assert mean[0] > 0 and np.all(np.diff(mean) < 0), mean
+    # per block, a rise with width stays within measurement noise
+    rise = np.diff(prof.damage, axis=1).max(1)
+    assert np.all(rise <= 0.05 * prof.damage[:, 0] + 1e-6)
+    hull = prof.hull
+    assert np.all(np.diff(hull, axis=1) <= 1e-12) and np.all(hull >= 0)
+    assert report["tokens"] == 320 and report["data"] == ["calib.jsonl"]
+    assert report["spearman_proxy_vs_measured"]["overall"] > 0.5
+    assert np.allclose(prof.router_share.sum(1), 1.0)
+    assert prof.features.shape == (2, 10, 3) and np.all(prof.features > 0)
+
+
+def test_hull_is_convex_and_lower():
+    nbytes = np.array([[1.0, 2, 3, 4, 5]])
+    damage = np.array([[10.0, 4, 3.5, 0.5, 0]])
+    hull, on = lower_hull(nbytes, damage)
+    assert on.tolist() == [[True, True, False, True, True]]
+    assert np.all(hull <= damage + 1e-12)
+    slopes = np.diff(hull[0]) / np.diff(nbytes[0])
+    assert np.all(np.diff(slopes) >= -1e-12)
+
+
+def test_proxy_method(profiled, tmp_path):
+    pack_dir, data, _ = profiled
+    copy = shutil.copytree(pack_dir, tmp_path / "pack")
+    r = runner.invoke(
+        app,
+        [
+            "profile",
+            str(copy),
+            "--data",
+            str(data),
+            "--samples",
+            "6",
+            "--seq-len",
+            "32",
+            "--method",
+            "proxy",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    prof = Profile.load(Pack(copy))
+    assert prof.meta["method"] == "proxy" and prof.damage[:, 0].max() > 0
+
+
+def test_fit_residual_round_trip(profiled, tmp_path):
+    pack_dir, _, _ = profiled
+    r = runner.invoke(app, ["fit-residual", str(pack_dir), "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    metrics = json.loads((tmp_path / "r.json").read_text())
+    assert {"r2_test", "spearman_test", "spearman_test_average_only"} <= set(metrics)
+    model = ResidualModel.load(Pack(pack_dir))
+    layer = model.layers[0]
+    prof = Profile.load(Pack(pack_dir))
+    f = model.factor(layer, prof.features[0])
+    assert f.shape == (10,) and np.all(np.isfinite(f)) and np.all(f > 0)
+
+
+def test_errors(packs, profiled, tmp_path):
+    pack_dir, data, _ = profiled
+    bare = packs[("mixtral", "fused")]
+    r = runner.invoke(app, ["fit-residual", str(bare)])
+    assert r.exit_code == 2 and "pack has no profile" in r.output
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    r = runner.invoke(app, ["profile", str(bare), "--data", str(empty)])
+    assert r.exit_code == 2 and "no text in the data" in r.output
+    r = runner.invoke(app, ["profile", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and "no such pack" in r.output
+    copy = shutil.copytree(pack_dir, tmp_path / "corrupt")
+    raw = bytearray((copy / "profile.safetensors").read_bytes())
+    raw[-3] ^= 0xFF
+    (copy / "profile.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(PwctlError, match="corrupt profile"):
+        Profile.load(Pack(copy))
