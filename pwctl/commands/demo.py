@@ -14,6 +14,8 @@ from pwctl.checkpoint import MODELS_DIR, bundled_models
 from pwctl.commands.common import console, handles_errors, print_table, write_json
 from pwctl.convert import ConvertOptions, convert
 from pwctl.policy import parse_policy
+from pwctl.profile import run_profile, windows
+from pwctl.residual import fit
 from pwctl.runtime.engine import Engine, open_pack
 
 POLICIES = ["fp16", "uniform:8", "uniform:6", "uniform:4", "uniform:3", "uniform:2"]
@@ -28,7 +30,7 @@ def run(
     max_tokens: Annotated[int, typer.Option(help="eval tokens")] = 4096,
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
-    """convert -> bench --ppl on a bundled model: quality vs memory per policy."""
+    """convert -> profile -> fit-residual -> bench --ppl: quality vs memory per policy."""
     work = workdir or Path(tempfile.mkdtemp(prefix="pwctl-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     src: str | Path = model
@@ -39,11 +41,23 @@ def run(
         )
         src = tiny.make_checkpoint("mixtral", work / "src", hidden=128, layers=2, experts=8)
     calib = CALIB_SAMPLE if CALIB_SAMPLE.is_file() else None
-    console.print(f"[bold]1/2 convert[/] {src} -> {work / 'pack'} (calib: {calib})")
+    console.print(f"[bold]1/4 convert[/] {src} -> {work / 'pack'} (calib: {calib})")
     report = convert(src, work / "pack", ConvertOptions(calib=calib, force=True))
     console.print(f"    {report.blocks} blocks in {report.seconds:.1f} s")
-    console.print("[bold]2/2 bench --ppl[/] (profile and fit-residual land with their issue)")
     engine = Engine(open_pack(work / "pack"))
+    console.print("[bold]2/4 profile[/] (measured KL per block and width)")
+    prof_data = [calib] if calib else [Path(tiny.__file__)]
+    prof = run_profile(engine, windows(engine, prof_data, 16, 128), "measured")
+    prof.meta["data"] = [p.name for p in prof_data]
+    prof.save(engine.pack)
+    sp = prof.meta["spearman_proxy_vs_measured"]
+    console.print(f"    {prof.meta['seconds']:.1f} s; proxy vs measured Spearman "
+                  f"{sp['overall']:.3f}")
+    console.print("[bold]3/4 fit-residual[/]")
+    residual = fit(engine.pack)
+    residual.save(engine.pack)
+    console.print(f"    held-out R^2 {residual.metrics['r2_test']:.3f}")
+    console.print("[bold]4/4 bench --ppl[/] (budgeted policies land with the planner issue)")
     data = EVAL_SAMPLE if EVAL_SAMPLE.is_file() else Path(tiny.__file__)
     results = run_ppl(
         engine, token_windows(engine, data, 256, max_tokens), [parse_policy(p) for p in POLICIES]
