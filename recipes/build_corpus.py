@@ -75,6 +75,12 @@ def atomic_write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def require(condition: bool, message: str) -> None:
+    """A check that stays on under `python -O` (unlike assert): bad data must stop the build."""
+    if not condition:
+        raise RuntimeError(message)
+
+
 def unit_hash(*parts: str) -> float:
     """Deterministic number in [0, 1) from strings: the same on every machine and run."""
     digest = hashlib.sha256("\x1f".join(parts).encode("utf-8")).digest()
@@ -105,12 +111,13 @@ def install_source(spec: dict[str, Any], cache: Path, state: dict[str, bool]) ->
         cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
         subprocess.run(cmd, check=True, env=env)
     elif kind == "npm":
-        name = spec["spec"].rsplit("@", 1)[0]
-        if (cache / "node_modules" / name / "package.json").exists():
+        name, version = spec["spec"].rsplit("@", 1)
+        manifest = cache / "node_modules" / name / "package.json"
+        if manifest.exists() and json.loads(manifest.read_text())["version"] == version:
             return
-        cache.mkdir(parents=True, exist_ok=True)
-        cmd = ["npm", "install", "--prefix", str(cache), "--no-save", "--no-audit", "--no-fund"]
-        subprocess.run([*cmd, spec["spec"]], check=True)
+        cache.mkdir(parents=True, exist_ok=True)  # saved to cache/package.json: later installs
+        cmd = ["npm", "install", "--prefix", str(cache), "--save-exact", "--no-audit", "--no-fund"]
+        subprocess.run([*cmd, spec["spec"]], check=True)  # would prune an unsaved package
     elif kind == "pip-download":
         name, version = spec["spec"].split("==")
         if (cache / f"{name}-{version}").is_dir():
@@ -152,23 +159,25 @@ def clean_text(text: str, dedupe_line_chars: int) -> str:
 # ---------------------------------------------- SWORD modules (bibles, commentaries)
 
 _NOTE = re.compile(r"<note\b[^>]*/>|<note\b.*?</note>|<rdg\b.*?</rdg>", re.S)
-_BREAK = re.compile(
-    r"<(?:lb|l|lg|chapter|item|/item|/row|/title|/p|p|title|speaker|/speaker)\b[^>]*>"
-    r"|<div\b(?![^>]*x-milestone)[^>]*>"
+_LINE_BREAK = re.compile(r"<(?:lb|l|item|/item|/row|speaker|/speaker)\b[^>]*>")
+_PARA_BREAK = re.compile(
+    r"<(?:lg|chapter|/title|/p|p|title)\b[^>]*>|<div\b(?![^>]*x-milestone)[^>]*>"
 )
 _TAG = re.compile(r"<[^>]+>")
 _GAP_BEFORE_PUNCT = re.compile(r"\x00+\s*(?=[.,;:!?’”)\]])")
 
 
 def osis_to_text(xml: str) -> str:
-    """Plain text from a SWORD module's OSIS: notes and variant readings dropped, paragraph,
-    poetry-line and title markers turned into line breaks, every other tag stripped."""
+    """Plain text from a SWORD module's OSIS: notes and variant readings dropped, paragraph and
+    title markers turned into blank lines, poetry lines into line breaks, other tags stripped."""
     xml = xml.replace("</w><w", "</w> <w")
     xml = _NOTE.sub("\x00", xml)
     xml = xml.replace("</cell><cell>", " ")
-    xml = _BREAK.sub("\n", xml)
-    xml = html.unescape(_TAG.sub("", xml))
-    return _GAP_BEFORE_PUNCT.sub("", xml).replace("\x00", " ")
+    xml = _PARA_BREAK.sub("\x02", _LINE_BREAK.sub("\x01", xml))
+    text = html.unescape(_TAG.sub("", xml))
+    text = _GAP_BEFORE_PUNCT.sub("", text).replace("\x00", " ")
+    text = re.sub(r"[\s\x01]*\x02[\s\x01\x02]*", "\n\n", text)  # a paragraph break wins
+    return re.sub(r"[ \t]*\x01[\s\x01]*", "\n", text)
 
 
 def sword_blocks(module: str) -> Iterator[tuple[str, str]]:
@@ -177,7 +186,11 @@ def sword_blocks(module: str) -> Iterator[tuple[str, str]]:
     The blocks are read straight from the module files because diatheke 4.8 renders these
     modules badly: it repeats psalm titles before thousands of verses and prints ~50 KB windows
     of Matthew Henry for every verse. A block is one book (or one chapter) of clean OSIS."""
-    conf = (SWORD_DIR / "mods.d" / f"{module.lower()}.conf").read_text(encoding="utf-8")
+    confs = [p.read_text(encoding="utf-8") for p in sorted((SWORD_DIR / "mods.d").glob("*.conf"))]
+    matching = [c for c in confs if re.search(rf"^\[{re.escape(module)}\]\s*$", c, re.M)]
+    if not matching:
+        raise FileNotFoundError(f"SWORD module {module} is not installed")
+    conf = matching[0]
     fields = dict(re.findall(r"^(\w+)=(.*)$", conf, re.M))
     if fields.get("CompressType", "").strip() != "ZIP":
         raise ValueError(f"{module}: only ZIP-compressed SWORD modules are supported")
@@ -193,15 +206,27 @@ def sword_blocks(module: str) -> Iterator[tuple[str, str]]:
 
 
 def extract_sword(cfg: dict[str, Any], source: str, group: str | None) -> Iterator[Document]:
-    """One document per compressed block: a bible book, a commentary book, or a psalm."""
+    """One document per book (`doc = "book"`: a bible book, Matthew Henry on one book; a book
+    spread over several blocks is joined) or per block (`doc = "chapter"`: one psalm of the
+    Treasury of David). Front matter before the first book is its own document."""
+    books: list[tuple[str, list[str]]] = []
     for n, (testament, block) in enumerate(sword_blocks(cfg["module"])):
-        book = re.search(r'<div [^>]*osisID="([\w.]+)"[^>]*type="book"', block)
-        chapter = re.search(r'<chapter [^>]*osisID="([\w.]+)"', block)
-        doc_id = book.group(1) if book else f"{testament}{n:03d}"
-        if chapter and not book:
-            doc_id = chapter.group(1)
-        key = f"{group}/{doc_id}" if group and book else f"{source}/{doc_id}"
-        yield Document(source, doc_id, osis_to_text(block), key)
+        if cfg["doc"] == "chapter":
+            chapter = re.search(r'<chapter [^>]*osisID="([\w.]+)"', block)
+            doc_id = chapter.group(1) if chapter else f"{testament}-front-{n}"
+            yield Document(source, doc_id, osis_to_text(block), f"{source}/{doc_id}")
+            continue
+        for piece in re.split(r'(?=<div (?![^>]*eID=)[^>]*type="book")', block):
+            book = re.search(r'<div (?![^>]*eID=)[^>]*osisID="([\w.]+)"[^>]*type="book"', piece)
+            if book:
+                books.append((book.group(1), [piece]))
+            elif books:
+                books[-1][1].append(piece)
+            elif piece.strip():
+                books.append((f"{testament}-front", [piece]))
+    for doc_id, pieces in books:
+        key = f"{group}/{doc_id}" if group else f"{source}/{doc_id}"
+        yield Document(source, doc_id, osis_to_text("".join(pieces)), key)
 
 
 # ---------------------------------------------------------------- npm and pip sources
@@ -210,7 +235,8 @@ def extract_sword(cfg: dict[str, Any], source: str, group: str | None) -> Iterat
 def extract_sotu(cfg: dict[str, Any], source: str, root: Path) -> Iterator[Document]:
     """One document per address (the .txt files; the .json twins hold the same text)."""
     for path in sorted((root / cfg["path"]).glob("*.txt")):
-        yield Document(source, path.stem, path.read_text(encoding="utf-8"), f"{source}/{path.stem}")
+        text = html.unescape(path.read_text(encoding="utf-8"))
+        yield Document(source, path.stem, text, f"{source}/{path.stem}")
 
 
 _BROWN_TOKEN = re.compile(r"(\S+)/[^\s/]+")
@@ -222,7 +248,7 @@ def detokenise_brown(sentence: str) -> str:
     words = _BROWN_TOKEN.findall(sentence)
     text = " ".join(words).replace("`` ", '"').replace(" ''", '"').replace("``", '"')
     text = text.replace("''", '"').replace("( ", "(").replace("[ ", "[")
-    return _NO_SPACE_BEFORE.sub("", text)
+    return _NO_SPACE_BEFORE.sub("", text).replace(";;", ";")
 
 
 def extract_brown(cfg: dict[str, Any], source: str, root: Path) -> Iterator[Document]:
@@ -237,7 +263,8 @@ def extract_gutenberg(cfg: dict[str, Any], source: str, root: Path) -> Iterator[
     """One document per work; line breaks are kept because they are verse lines."""
     for path in sorted((root / cfg["path"]).glob(cfg["pattern"])):
         name = path.name.removesuffix(".txt")
-        yield Document(source, name, path.read_text(encoding="utf-8"), f"{source}/{name}")
+        text = html.unescape(path.read_text(encoding="utf-8"))
+        yield Document(source, name, text, f"{source}/{name}")
 
 
 # ---------------------------------------------------------------- reStructuredText docs
@@ -259,16 +286,29 @@ _DROP_BLOCKS = {
     "tabularcolumns", "contents", "kernel-feat", "kernel-abi", "kernel-include", "productionlist",
     "graphviz", "csv-table", "flat-table", "list-table", "cssclass", "rst-class", "ifconfig",
 }  # fmt: skip
-_INLINE = [
-    (re.compile(r":[\w:.+-]+:`([^`<]*?)\s*(?:<[^>`]*>)?`"), r"\1"),  # :role:`text <target>`
-    (re.compile(r"``(.+?)``"), r"\1"),  # ``literal``
-    (re.compile(r"`([^`<]*?)\s*(?:<[^>`]*>)?`__?"), r"\1"),  # `link <url>`_
+
+
+def _target_text(m: re.Match[str]) -> str:
+    """`text <target>` -> text; `~mod.func` -> mod.func (the reader-visible part)."""
+    text = m.group(1)
+    if not text.startswith("<"):
+        text = re.sub(r"\s*<[^<>]*>$", "", text)
+    return text.lstrip("~!")
+
+
+_INLINE: list[tuple[re.Pattern[str], Any]] = [
+    (re.compile(r":[\w:.+-]+:`([^`]+)`"), _target_text),  # :role:`text <target>`
+    (re.compile(r"``([^`]+?)``"), r"\1"),  # ``literal``
+    (re.compile(r"`([^`]+?)`__?"), _target_text),  # `link <url>`_
     (re.compile(r"`([^`]+)`"), r"\1"),  # `interpreted`
-    (re.compile(r"\*\*(\S(?:.*?\S)?)\*\*"), r"\1"),  # **strong**
-    (re.compile(r"(?<![\w*])\*(\S(?:[^*]*?\S)?)\*(?![\w*])"), r"\1"),  # *emphasis*
+    (re.compile(r"\*\*(\S(?:[^*\n]*?\S)?)\*\*"), r"\1"),  # **strong**
+    (re.compile(r"(?<![\w*\\])\*(\S(?:[^*\n]*?\S)?)\*(?![\w*])"), r"\1"),  # *emphasis*
     (re.compile(r"\|(\w[\w -]*)\|_?"), r"\1"),  # |substitution|
-    (re.compile(r"(?<=[A-Za-z0-9])__?(?=[\s.,;:)]|$)"), ""),  # reference_
-    (re.compile(r"(?<=\S)::$"), ":"),  # paragraph::
+    (re.compile(r"(?<=[A-Za-z0-9])__?(?=[\s.,;:)]|$)", re.M), ""),  # reference_
+    (re.compile(r" ::$", re.M), ""),  # paragraph ::
+    (re.compile(r"(?<=\S)::$", re.M), ":"),  # paragraph::
+    (re.compile(r"\\([*_`|\\])"), r"\1"),  # backslash escapes
+    (re.compile(r"^:(\w[\w -]*):(?=\s|$)", re.M), r"\1:"),  # :Field: value
 ]
 
 
@@ -304,10 +344,11 @@ def rst_to_text(src: str) -> str:
         if stripped == "::" or _UNDERLINE.match(stripped) or _TABLE_RULE.match(stripped):
             out.append("")
             continue
-        for pattern, repl in _INLINE:
-            stripped = pattern.sub(repl, stripped)
         out.append(stripped)
-    return "\n".join(out)
+    text = "\n".join(out)
+    for pattern, repl in _INLINE:  # on the whole text: inline markup may span lines
+        text = pattern.sub(repl, text)
+    return text
 
 
 def extract_rst(cfg: dict[str, Any], source: str, root: Path) -> Iterator[Document]:
@@ -338,17 +379,34 @@ def _dictd_number(s: str) -> int:
     return n
 
 
+_GCIDE_ACCENTS = {"'": "\u0301", "`": "\u0300", '"': "\u0308", "^": "\u0302", "~": "\u0303",
+                  "=": "\u0304", ",": "\u0327"}  # fmt: skip
+_GCIDE_ENTITIES = {"ae": "æ", "AE": "Æ", "oe": "œ", "OE": "Œ", "yogh": "ȝ", "thorn": "þ",
+                   "eth": "ð", "frac12": "½", "frac14": "¼", "frac34": "¾", "deg": "°"}  # fmt: skip
+
+
+def _gcide_char(m: re.Match[str]) -> str:
+    """GCIDE's ASCII character markup: [\'o] -> ó, [ae] -> æ; unknown ones are dropped."""
+    body = m.group(1)
+    if len(body) == 2 and body[0] in _GCIDE_ACCENTS and body[1].isalpha():
+        return unicodedata.normalize("NFC", body[1] + _GCIDE_ACCENTS[body[0]])
+    return _GCIDE_ENTITIES.get(body, "")
+
+
 def gcide_entry_text(entry: str) -> str:
-    """Dictionary entry as paragraphs: pronunciations and [1913 Webster]-style tags removed,
-    wrapped lines joined."""
+    """Dictionary entry as paragraphs: pronunciations, [1913 Webster]-style source tags, cross
+    reference braces and character markup removed; wrapped lines joined."""
     entry = re.sub(r"\\[^\\\n]*\\", "", entry)
     entry = re.sub(r"^\s*\[[^\]]*\]\s*$", "", entry, flags=re.M)
+    entry = re.sub(r"\[([`'\"^~=,][A-Za-z]|[a-z]{2,8}\d{0,2}|AE|OE)\]", _gcide_char, entry)
+    entry = re.sub(r"\{([^{}]*)\}", lambda m: re.sub(r'[*"`]', "", m.group(1)), entry)
+    entry = re.sub(r"\[(?:\d{4} )?Webster\]|\[WordNet[^\]]*\]|\[PJC\]|\(\s*\)", "", entry)
     paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", entry)]
     return "\n".join(p for p in paras if p)
 
 
 def extract_gcide(cfg: dict[str, Any], source: str, root: Path) -> Iterator[Document]:
-    """One document per two-letter headword prefix (`ab`, `ac`, ...), entries in index order."""
+    """One document per three-letter headword prefix (`aba`, `abb`, ...), in index order."""
     data = gzip.decompress(Path(cfg["path"]).read_bytes())
     entries: dict[int, tuple[str, int]] = {}
     for line in Path(cfg["index"]).read_text(encoding="utf-8").splitlines():
@@ -359,7 +417,7 @@ def extract_gcide(cfg: dict[str, Any], source: str, root: Path) -> Iterator[Docu
     for offset in sorted(entries):
         head, size = entries[offset]
         letters = re.sub(r"[^a-z]", "", unicodedata.normalize("NFKD", head).lower())
-        key = (letters + "__")[:2] if letters else "__"
+        key = (letters + "__")[:3] if letters else "___"
         text = gcide_entry_text(data[offset : offset + size].decode("utf-8", "replace"))
         docs.setdefault(key, []).append(text)
     for key in sorted(docs):
@@ -384,11 +442,13 @@ def source_documents(src: dict[str, Any], cache: Path, cfg: dict[str, Any]) -> l
             "gcide": extract_gcide,
         }
         raw = extractors[kind](ext, src["name"], cache)
-    docs = []
+    docs: list[Document] = []
     for d in raw:
         text = clean_text(d.text, cfg["dedupe_line_chars"])
         if len(text) >= cfg["min_doc_chars"]:
             docs.append(Document(d.source, d.doc_id, text, d.group))
+    ids = [d.doc_id for d in docs]
+    require(len(ids) == len(set(ids)), f"{src['name']}: duplicate document ids")
     if "max_bytes" in ext:  # keep whole documents in a seeded order until the cap
         docs.sort(key=lambda d: unit_hash(cfg["seed"], "keep", d.source, d.doc_id))
         kept, total = [], 0
@@ -457,47 +517,49 @@ def check_splits(splits: dict[str, list[Document]], heldout: list[str]) -> dict[
     for split in ("calib", "eval"):
         paras = [p for d in splits[split] for p in d.text.split("\n") if len(p) >= 200]
         for d in splits[split]:
-            assert (d.source, d.doc_id) not in train_ids, f"{d.doc_id} in train and {split}"
-            assert hashlib.sha256(d.text.encode()).digest() not in train_texts, d.doc_id
+            require((d.source, d.doc_id) not in train_ids, f"{d.doc_id} in train and {split}")
+            digest = hashlib.sha256(d.text.encode()).digest()
+            require(digest not in train_texts, f"{d.doc_id}: its text is also in train")
         shared = sum(p in train_paras for p in paras)
         report[split] = {"long_paragraphs": len(paras), "also_in_train": shared}
-    assert not any(d.source in heldout for d in splits["train"]), "held-out source in train"
-    report["heldout_train_documents"] = 0
+    leaked = sum(d.source in heldout for d in splits["train"])
+    require(leaked == 0, f"{leaked} documents of held-out sources {heldout} are in train")
+    report["heldout_train_documents"] = leaked
     return report
 
 
 # ---------------------------------------------------------------- bundled samples
 
 
-def pick_sample(docs: list[Document], sources: list[str], target: int, limit: int) -> str:
-    """Whole public-domain documents in split order until `target` bytes; when a document does
-    not fit, its whole paragraphs are used while they fit under `limit`."""
-    parts: list[str] = []
-    total = 0
-    for d in docs:
-        if d.source not in sources or total >= target:
-            continue
-        size = len(d.text.encode("utf-8")) + 2
-        if total + size <= limit:
-            parts.append(d.text)
-            total += size
-            continue
-        for para in re.split(r"\n\n+", d.text):
-            size = len(para.encode("utf-8")) + 2
-            if total + size <= min(limit, target):
-                parts.append(para)
-                total += size
-    return "\n\n".join(parts) + "\n"
+def pick_sample(docs: list[Document], sources: list[str], target: int) -> str:
+    """About `target` bytes of whole paragraphs, taken from the start of each public-domain
+    document in split order (so documents are whole or cut at a paragraph end), an even share
+    per source first so no single source dominates, then topped up from any of them."""
+    streams = {s: [p for d in docs if d.source == s for p in d.text.split("\n\n")] for s in sources}
+    streams = {s: paras for s, paras in streams.items() if paras}
+    chosen: dict[str, list[str]] = {s: [] for s in streams}
+    used = dict.fromkeys(streams, 0)
+    for quota in (target // max(1, len(streams)), target):
+        for source, paras in streams.items():
+            while paras:
+                size = len(paras[0].encode("utf-8")) + 2
+                if used[source] + size > quota or sum(used.values()) + size > target:
+                    break
+                chosen[source].append(paras.pop(0))
+                used[source] += size
+    return "\n\n".join(p for source in streams for p in chosen[source]) + "\n"
 
 
-def write_samples(splits: dict[str, list[Document]], recipe: dict[str, Any], pkg: Path) -> dict:
+def write_samples(
+    splits: dict[str, list[Document]], recipe: dict[str, Any], pkg: Path
+) -> dict[str, int]:
     """pwctl/models/samples/{calib,eval}.txt and their README."""
     cfg = recipe["samples"]
     sizes = {}
     for split in ("calib", "eval"):
-        text = pick_sample(splits[split], cfg["sources"], cfg["target_bytes"], cfg["max_bytes"])
+        text = pick_sample(splits[split], cfg["sources"], cfg["target_bytes"])
         size = len(text.encode("utf-8"))
-        assert cfg["min_bytes"] <= size <= cfg["max_bytes"], f"{split} sample is {size} bytes"
+        require(cfg["min_bytes"] <= size <= cfg["max_bytes"], f"{split} sample: {size} bytes")
         atomic_write_text(pkg / "samples" / f"{split}.txt", text)
         sizes[split] = size
     titles = {s["name"]: s["title"] for s in recipe["source"]}
@@ -550,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(
         args.out / "sources.json",
         {
-            "recipe": str(args.recipe),
+            "recipe": args.recipe.name,
+            "recipe_sha256": hashlib.sha256(args.recipe.read_bytes()).hexdigest(),
             "seed": recipe["corpus"]["seed"],
             "heldout_sources": heldout,
             "bytes": total,

@@ -37,6 +37,12 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
+def require(condition: bool, message: str) -> None:
+    """A check that stays on under `python -O`: a broken tokenizer must stop the build."""
+    if not condition:
+        raise RuntimeError(message)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Temp file in the same folder, then os.replace: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +72,8 @@ def train_bpe(
         show_progress=False,
     )
     tok.train_from_iterator(texts(), trainer)
-    assert tok.token_to_id(eos) == 0 and tok.get_vocab_size() == vocab_size
+    require(tok.token_to_id(eos) == 0, f"{eos} is not id 0")
+    require(tok.get_vocab_size() == vocab_size, f"vocab {tok.get_vocab_size()} != {vocab_size}")
     return tok
 
 
@@ -94,20 +101,26 @@ def check_with_transformers(path: Path, texts: list[str], eos: str) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     hf = AutoTokenizer.from_pretrained(str(path))
-    assert isinstance(hf, PreTrainedTokenizerFast), type(hf)
-    assert hf.eos_token == eos and hf.eos_token_id == 0 and hf.pad_token_id == 0
+    require(isinstance(hf, PreTrainedTokenizerFast), f"AutoTokenizer gave {type(hf)}")
+    require(hf.eos_token == eos and hf.eos_token_id == 0, "eos is not <|endoftext|> = 0")
+    require(hf.bos_token_id == 0 and hf.pad_token_id == 0, "bos / pad are not id 0")
     for text in texts:
         ids = hf(text, add_special_tokens=False)["input_ids"]
-        assert hf.decode(ids) == text, "tokenizer round trip failed"
+        require(hf.decode(ids) == text, f"transformers round trip failed on {text[:60]!r}")
     joined = hf.decode([*hf(texts[0])["input_ids"], hf.eos_token_id])
-    assert joined == texts[0] + eos
+    require(joined == texts[0] + eos, "<|endoftext|> does not decode to itself")
 
 
-def encode_docs(tok: Tokenizer, texts: list[str], batch: int = 512) -> list[np.ndarray]:
+def encode_docs(tok: Tokenizer, texts: list[str], batch: int = 256) -> list[np.ndarray]:
+    """Token ids per document, each decoded back and compared: the files are lossless."""
+    require(tok.get_vocab_size() <= 1 << 16, "token ids do not fit uint16")
     out: list[np.ndarray] = []
     for i in range(0, len(texts), batch):
-        for enc in tok.encode_batch(texts[i : i + batch], add_special_tokens=False):
-            out.append(np.asarray(enc.ids, dtype=np.uint16))
+        chunk = texts[i : i + batch]
+        ids = [e.ids for e in tok.encode_batch(chunk, add_special_tokens=False)]
+        back = tok.decode_batch(ids, skip_special_tokens=False)
+        require(back == chunk, f"round trip failed in documents {i}..{i + len(chunk)}")
+        out.extend(np.asarray(x, dtype=np.uint16) for x in ids)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ SHAPES = {
     "qwen-moe": dict(hidden=2048, inter=1408, experts=60, top_k=4),
     "qwen3-moe": dict(hidden=2048, inter=768, experts=128, top_k=8),
 }
+TOKENIZER = Path(__file__).parents[1] / "models" / "tokenizer"
 
 
 def write_checkpoint(
@@ -22,7 +24,7 @@ def write_checkpoint(
     shape: str,
     layers: int = 1,
     experts: int | None = None,
-    vocab: int = 1024,
+    vocab: int = 4096,
     device: str = "cpu",
 ) -> Path:
     """A checkpoint of Student-t weights in bf16, in Mixtral naming whatever the shape (the
@@ -78,6 +80,9 @@ def write_checkpoint(
                 q + "w2.weight": rand(h, inter),
             }
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    if TOKENIZER.is_dir():  # the bundled tokenizer (vocab 4096), so profile can read text
+        for f in TOKENIZER.iterdir():
+            shutil.copy2(f, out / f.name)
     return out
 
 
