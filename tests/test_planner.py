@@ -178,8 +178,14 @@ def test_signals_and_ablations():
         on.observe(counts)
     w = on.plan(budget).widths
     assert w[0] > w[1]
-    off = Planner(cost, damage, 2, layer, expert, config=PlannerConfig.from_policy(
-        parse_policy("pagedweight-router:0.3"), hot_floor=0))
+    off = Planner(
+        cost,
+        damage,
+        2,
+        layer,
+        expert,
+        config=PlannerConfig.from_policy(parse_policy("pagedweight-router:0.3"), hot_floor=0),
+    )
     for _ in range(30):
         off.observe(counts)
     w = off.plan(budget).widths
@@ -224,8 +230,18 @@ def test_from_policy():
     ):
         cfg = PlannerConfig.from_policy(parse_policy(f"pagedweight-{name}:0.3"))
         assert getattr(cfg, field) is False
-        assert sum(not getattr(cfg, f) for f in (
-            "use_router_stats", "use_residual", "dynamic_paging", "global_sensitivity")) == 1
+        assert (
+            sum(
+                not getattr(cfg, f)
+                for f in (
+                    "use_router_stats",
+                    "use_residual",
+                    "dynamic_paging",
+                    "global_sensitivity",
+                )
+            )
+            == 1
+        )
     with pytest.raises(Exception, match="does not use"):
         PlannerConfig.from_policy(parse_policy("uniform:3"))
 

@@ -71,7 +71,8 @@ class ExpertStore:
         if index not in self._planes:
             self._planes[index] = self.pack.load_block(block, self.max_bits)
         planes, tables = self._planes[index]
-        return dequantize(planes[:width], tables[width], block.rows_per_table, block.cols)
+        table = tables[width].to(self.device)
+        return dequantize(planes[:width].to(self.device), table, block.rows_per_table, block.cols)
 
     def mlp(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """down(act(gate x) * up x) for one expert (shared experts use index num_experts)."""
