@@ -27,6 +27,7 @@ from pwctl.errors import PwctlError
 from pwctl.pack import Pack, write_atomic
 from pwctl.policy import parse_policy
 from pwctl.runtime.engine import Engine
+from pwctl.runtime.moe import MoETap
 
 PROFILE_TENSORS = "profile.safetensors"
 PROFILE_JSON = "profile.json"
@@ -147,31 +148,6 @@ def windows(engine: Engine, paths: list[Path], samples: int, seq_len: int) -> to
     return torch.stack([ids[s : s + seq_len] for s in starts])
 
 
-class _Tap:
-    """Collects MoE inputs, routing and per-layer norm features during one forward pass."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, layer, x, index, weights) -> None:
-        self.seen[layer] = (x.detach(), index, weights)
-
-    def __enter__(self) -> _Tap:
-        for m in self._blocks():
-            m.observer = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for m in self._blocks():
-            m.observer = None
-
-    def _blocks(self):
-        from pwctl.runtime.moe import MoEBlock
-
-        return [m for m in self.engine.model.modules() if isinstance(m, MoEBlock)]
-
-
 def _kl_per_seq(ref: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     lp = torch.log_softmax(logits, -1)
     return (ref.exp() * (ref - lp)).sum(-1).mean(-1)
@@ -186,7 +162,7 @@ def run_profile(engine: Engine, ids: torch.Tensor, method: str, progress=None) -
     widths = list(range(m.min_bits, m.max_bits + 1))
     n_seq, seq_len = ids.shape
     store.widths[:] = m.max_bits
-    with _Tap(engine) as tap:
+    with MoETap(engine.model) as tap:
         base_logits = engine.logits(ids)
     features, share = _features(engine, tap, n_seq, seq_len)
     proxy_seq = _proxy(engine, tap, widths, n_seq, seq_len, progress if method == "proxy" else None)
@@ -222,7 +198,7 @@ def run_profile(engine: Engine, ids: torch.Tensor, method: str, progress=None) -
     return Profile(widths, damage_seq.mean(-1), damage_seq, features, share, meta, proxy)
 
 
-def _features(engine: Engine, tap: _Tap, n_seq: int, seq_len: int):
+def _features(engine: Engine, tap: MoETap, n_seq: int, seq_len: int):
     layers = engine.pack.manifest.moe_layers
     spec = engine.pack.manifest.spec
     feats = np.zeros((len(layers), n_seq, 3))
@@ -237,7 +213,7 @@ def _features(engine: Engine, tap: _Tap, n_seq: int, seq_len: int):
 
 
 def _proxy(
-    engine: Engine, tap: _Tap, widths: list[int], n_seq: int, seq_len: int, progress
+    engine: Engine, tap: MoETap, widths: list[int], n_seq: int, seq_len: int, progress
 ) -> np.ndarray:
     """Per block and width: sum over routed tokens of w^2 ||y_b - y||^2 per token, where y is
     the expert's output and y_b the same with only this block at width b (one pass, no

@@ -2,7 +2,8 @@
 widths 2..8): a full re-plan (every signal fresh, hulls rebuilt, free from the widest widths down
 to the budget) and an incremental update (one step of router counts, then free or promote the
 few MB the budget moved). Plane bytes follow the pack format; damage curves are synthetic
-(log-normal block sensitivity x 4^-bits x noise, so some curves are not convex)."""
+(log-normal block sensitivity x 4^-bits x noise, so some curves are not convex).
+`python -m pwctl.bench.planner` prints the figures as JSON."""
 
 from __future__ import annotations
 
@@ -61,43 +62,53 @@ def _median_ms(fn, repeats: int) -> tuple[float, float]:
 
 
 def run_planner_bench(repeats: int = 200, seed: int = 0) -> dict:
-    """Median and p90 milliseconds of a full re-plan and of an incremental update."""
+    """Median and p90 milliseconds of three decisions on the Qwen3-MoE-sized table:
+    - full re-plan: fresh router counts and a per-block prompt residual (fit-residual's
+      per-layer factor), every block planned from its widest width down to the budget;
+      per-block factors leave the cached hulls standing;
+    - cold re-plan: the same with a per-(block, width) residual, so every hull is rebuilt;
+    - incremental: one step's router counts, then free or promote the 8 MB the KV cache took
+      or gave back."""
     table = synthetic_table()
     damage = synthetic_damage(table, seed)
-    planner = Planner.from_table(table, damage, PlannerConfig(cooldown=0))
+    planner = Planner.from_table(table, damage, PlannerConfig())
     budget = table.budget_bytes
     rng = np.random.default_rng(seed + 1)
     K, n = planner.K, planner.n
-    residual = rng.lognormal(0.0, 0.1, size=(n, K))
-    counts = rng.poisson(8 * 64 / 128, size=(48, 128)).astype(np.float64)
+    layer_factor = rng.lognormal(0.0, 0.2, size=(2, 48))
+    per_width = rng.lognormal(0.0, 0.1, size=(2, n, K))
+    counts = rng.poisson(8 * 64 / 128, size=(2, 48, 128)).astype(np.float64)
+    step_counts = rng.poisson(4, size=(repeats + 1, 48, 128)).astype(np.float64)
+    i = [0]
 
     def full() -> None:
-        planner.set_residual(residual)
-        planner.observe(counts)
+        i[0] ^= 1
+        planner.set_residual(layer_factor[i[0]][table.layer])
+        planner.observe(counts[i[0]])
         planner.plan(budget)
 
-    full()
-    full_ms, full_p90 = _median_ms(full, repeats)
-    swing = [budget - (8 << 20), budget]  # the KV cache takes 8 MB, then gives it back
-    step = [0]
+    def cold() -> None:
+        i[0] ^= 1
+        planner.set_residual(per_width[i[0]])
+        planner.observe(counts[i[0]])
+        planner.plan(budget)
 
     def incremental() -> None:
+        i[0] ^= 1
         planner.tick()
-        planner.observe(rng.poisson(4, size=(48, 128)))
-        planner.fit(swing[step[0] % 2])
-        step[0] += 1
+        planner.observe(step_counts[planner.step % len(step_counts)])
+        planner.fit(budget - (8 << 20) * i[0])  # the KV cache takes 8 MB, then gives it back
 
-    inc_ms, inc_p90 = _median_ms(incremental, repeats)
-    return {
-        "blocks": n,
-        "widths": f"{table.min_bits}..{table.max_bits}",
-        "segments": n * (K - 1),
-        "full_replan_ms": round(full_ms, 3),
-        "full_replan_p90_ms": round(full_p90, 3),
-        "incremental_ms": round(inc_ms, 3),
-        "incremental_p90_ms": round(inc_p90, 3),
-        "repeats": repeats,
-    }
+    out = {"blocks": n, "widths": f"{table.min_bits}..{table.max_bits}"}
+    for name, fn in (("full_replan", full), ("cold_replan", cold), ("incremental", incremental)):
+        if name == "incremental":
+            planner.set_residual(layer_factor[0][table.layer])
+            planner.plan(budget)
+        fn()
+        med, p90 = _median_ms(fn, repeats)
+        out[f"{name}_ms"], out[f"{name}_p90_ms"] = round(med, 3), round(p90, 3)
+    out["repeats"] = repeats
+    return out
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 from pwctl.errors import PwctlError
 from pwctl.policy import Policy, parse_policy
 from pwctl.runtime.engine import Engine
+from pwctl.runtime.moe import MoETap
 
 
 @dataclass
@@ -20,6 +21,7 @@ class PplResult:
     bits_per_weight: float
     ppl: float
     kl: float  # mean KL(fp16 || policy) in nats per token
+    moe_err: float  # ||MoE_policy(x) - MoE_fp16(x)||^2 / ||MoE_fp16(x)||^2, same inputs x
     tokens: int
 
     def as_dict(self) -> dict:
@@ -40,33 +42,47 @@ def token_windows(engine: Engine, path: Path, seq_len: int, max_tokens: int) -> 
 
 
 def run_ppl(engine: Engine, windows: torch.Tensor, policies: list[Policy]) -> list[PplResult]:
-    """Windows outer, policies inner: the fp16 log-probs of one window are all KL needs."""
+    """Windows outer, policies inner: the fp16 log-probs and MoE outputs of one window are all
+    KL and the MoE output error need. MoE blocks are re-run on the inputs the fp16 pass saw,
+    so their error is the quantizer's alone, not compounded through earlier layers."""
     fp16 = parse_policy("fp16")
-    nll = {str(p): 0.0 for p in policies}
-    kl = {str(p): 0.0 for p in policies}
+    names = [str(p) for p in policies]
+    nll, kl = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+    err, norm = dict.fromkeys(names, 0.0), 0.0
     count = 0
     for w in windows:
         ids, target = w[None], w[1:]
         engine.set_policy(fp16)
-        ref = torch.log_softmax(engine.logits(ids)[0, :-1], -1)
-        for p in policies:
+        with MoETap(engine.model) as tap:
+            ref = torch.log_softmax(engine.logits(ids)[0, :-1], -1)
+        blocks = [(b, tap.seen[b.layer][0]) for b in tap.blocks]
+        with torch.no_grad():
+            ref_out = [b(x) for b, x in blocks]
+        norm += sum(float(y.pow(2).sum()) for y in ref_out)
+        for p, name in zip(policies, names, strict=True):
             engine.set_policy(p)
             lp = ref if p.name == "fp16" else torch.log_softmax(engine.logits(ids)[0, :-1], -1)
-            nll[str(p)] -= lp.gather(1, target[:, None].to(lp.device)).sum().item()
-            kl[str(p)] += (ref.exp() * (ref - lp)).sum().item()
+            nll[name] -= lp.gather(1, target[:, None].to(lp.device)).sum().item()
+            kl[name] += (ref.exp() * (ref - lp)).sum().item()
+            with torch.no_grad():
+                err[name] += sum(
+                    float((b(x) - y).pow(2).sum())
+                    for (b, x), y in zip(blocks, ref_out, strict=True)
+                )
         count += target.numel()
     weights = sum(b.rows * b.cols for b in engine.pack.blocks)
     out = []
-    for p in policies:
+    for p, name in zip(policies, names, strict=True):
         engine.set_policy(p)
         nbytes = engine.store.expert_bytes()
         out.append(
             PplResult(
-                str(p),
+                name,
                 nbytes / 1e6,
                 nbytes * 8 / weights,
-                math.exp(nll[str(p)] / count),
-                kl[str(p)] / count,
+                math.exp(nll[name] / count),
+                kl[name] / count,
+                err[name] / max(norm, 1e-30),
                 count,
             )
         )

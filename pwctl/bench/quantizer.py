@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pwctl.convert import rows_per_table
+from pwctl.policy import Policy
 from pwctl.quantize import quantize_nested
 
 GROUP = 128
@@ -40,6 +41,22 @@ def rtn_group(w: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
         best = q if best is None else torch.where(err < best_err, q, best)
         best_err = err if best_err is None else torch.minimum(err, best_err)
     return best.reshape(rows, cols)
+
+
+def add_rtn_variant(engine, bits: int, group: int = GROUP) -> Policy:
+    """Register round-to-nearest weights of every block (from the pack's reference) as a policy
+    of the engine, so perplexity compares it with the nested widths on the same code path.
+    Rows narrower than `group` use one group per row."""
+    pack = engine.pack
+    ref = pack.reference()
+    weights, nbytes = {}, 0
+    for i, block in enumerate(pack.blocks):
+        g = group if block.cols % group == 0 else block.cols
+        weights[i] = rtn_group(ref[block.name].float(), bits, g)
+        nbytes += block.rows * block.cols * bits // 8 + block.rows * (block.cols // g) * 4
+    name = f"rtn-g{group}:{bits}"
+    engine.store.add_variant(name, weights, nbytes)
+    return Policy(name)
 
 
 def nested_bits_per_weight(bits: int, min_bits: int, cols: int, r: int) -> float:

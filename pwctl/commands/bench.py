@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 
 from pwctl.bench.ppl import run_ppl, token_windows
-from pwctl.bench.quantizer import as_dicts, run_quantizer_bench
+from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
 from pwctl.checkpoint import MODELS_DIR
-from pwctl.commands.common import handles_errors, not_built, print_table, write_json
+from pwctl.commands.common import handles_errors, not_built, print_ppl, print_table, write_json
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
 from pwctl.runtime.engine import Engine, open_pack
@@ -31,6 +31,7 @@ def run(
     cols: Annotated[int, typer.Option(help="--quantizer: matrix inputs")] = 4096,
     data: Annotated[Path | None, typer.Option(help="text file (default: bundled eval)")] = None,
     policy: Annotated[list[str] | None, typer.Option(help="repeatable")] = None,
+    rtn: Annotated[list[int] | None, typer.Option(help="--ppl: add RTN g128 at B bits")] = None,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
     max_tokens: Annotated[int, typer.Option(help="tokens evaluated at most")] = 8192,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
@@ -57,11 +58,7 @@ def run(
     policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
     data = data or EVAL_SAMPLE
     engine = Engine(open_pack(pack), device)
+    policies += [add_rtn_variant(engine, b) for b in rtn or []]
     results = run_ppl(engine, token_windows(engine, data, seq_len, max_tokens), policies)
-    rows = [(r.policy, r.expert_mb, r.bits_per_weight, r.ppl, r.kl) for r in results]
-    print_table(
-        f"perplexity on {data.name} ({results[0].tokens} tokens)",
-        ("policy", "expert MB", "bits/weight", "ppl", "KL nats/tok"),
-        rows,
-    )
+    print_ppl(f"perplexity on {data.name} ({results[0].tokens} tokens)", results)
     write_json(json, {"data": str(data), "results": [r.as_dict() for r in results]})

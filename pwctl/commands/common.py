@@ -51,3 +51,10 @@ def write_json(path: Path | None, obj: Any) -> None:
     if path is not None:
         write_atomic(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
         console.print(f"wrote {path}")
+
+
+def print_ppl(title: str, results: Sequence[Any]) -> None:
+    """The quality-vs-memory table of `bench --ppl` and `demo`."""
+    columns = ("policy", "expert MB", "bits/weight", "ppl", "KL nats/tok", "MoE out err")
+    rows = [(r.policy, r.expert_mb, r.bits_per_weight, r.ppl, r.kl, r.moe_err) for r in results]
+    print_table(title, columns, rows)

@@ -11,7 +11,7 @@ import typer
 from pwctl import tiny
 from pwctl.bench.ppl import run_ppl, token_windows
 from pwctl.checkpoint import MODELS_DIR, bundled_models
-from pwctl.commands.common import console, handles_errors, print_table, write_json
+from pwctl.commands.common import console, handles_errors, print_ppl, write_json
 from pwctl.convert import ConvertOptions, convert
 from pwctl.policy import parse_policy
 from pwctl.profile import run_profile, windows
@@ -51,8 +51,9 @@ def run(
     prof.meta["data"] = [p.name for p in prof_data]
     prof.save(engine.pack)
     sp = prof.meta["spearman_proxy_vs_measured"]
-    console.print(f"    {prof.meta['seconds']:.1f} s; proxy vs measured Spearman "
-                  f"{sp['overall']:.3f}")
+    console.print(
+        f"    {prof.meta['seconds']:.1f} s; proxy vs measured Spearman {sp['overall']:.3f}"
+    )
     console.print("[bold]3/4 fit-residual[/]")
     residual = fit(engine.pack)
     residual.save(engine.pack)
@@ -62,9 +63,5 @@ def run(
     results = run_ppl(
         engine, token_windows(engine, data, 256, max_tokens), [parse_policy(p) for p in POLICIES]
     )
-    print_table(
-        f"quality vs memory ({data.name}, {results[0].tokens} tokens)",
-        ("policy", "expert MB", "bits/weight", "ppl", "KL nats/tok"),
-        [(r.policy, r.expert_mb, r.bits_per_weight, r.ppl, r.kl) for r in results],
-    )
+    print_ppl(f"quality vs memory ({data.name}, {results[0].tokens} tokens)", results)
     write_json(json, [r.as_dict() for r in results])

@@ -17,6 +17,8 @@ from pwctl.errors import PwctlError
 from pwctl.pack import Pack
 from pwctl.policy import FP16_WIDTH, Policy
 
+VARIANT_BASE = 100  # width codes of registered variants (baselines), above any real width
+
 
 class ExpertStore:
     def __init__(self, pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -30,10 +32,21 @@ class ExpertStore:
         self._planes: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
         self._reference: dict[str, torch.Tensor] | None = None
         self._cache: dict[tuple[int, int], torch.Tensor] = {}
+        self._variants: dict[str, tuple[int, int]] = {}  # name -> (width code, device bytes)
+
+    def add_variant(self, name: str, weights: dict[int, torch.Tensor], nbytes: int) -> None:
+        """Register externally quantized weights of every block (a baseline such as RTN)
+        under a policy name of its own, so benches run it through the same engine."""
+        code = VARIANT_BASE + len(self._variants)
+        self._variants[name] = (code, nbytes)
+        for index, w in weights.items():
+            self._cache[(index, code)] = w.to(self.device, self.dtype)
 
     def apply(self, policy: Policy) -> None:
-        """Set every block's width for a fixed policy (fp16 or uniform:B)."""
-        if policy.name == "fp16":
+        """Set every block's width for a fixed policy (fp16, uniform:B or a variant)."""
+        if policy.name in self._variants:
+            self.widths[:] = self._variants[policy.name][0]
+        elif policy.name == "fp16":
             self.widths[:] = FP16_WIDTH
         elif policy.name == "uniform":
             if not self.min_bits <= policy.bits <= self.max_bits:
@@ -46,6 +59,9 @@ class ExpertStore:
 
     def expert_bytes(self) -> int:
         """Device bytes of every expert block at its current width (planes + tables)."""
+        for code, nbytes in self._variants.values():
+            if self.widths[0] == code:
+                return nbytes
         return sum(
             b.fp16_bytes if w == FP16_WIDTH else b.bytes_at(int(w))
             for b, w in zip(self.pack.blocks, self.widths, strict=True)

@@ -53,3 +53,24 @@ class MoEBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out.view_as(hidden)
+
+
+class MoETap:
+    """Context manager recording each MoE block's input and routing during a forward pass
+    (profile's features and proxy, bench's MoE output error)."""
+
+    def __init__(self, model: nn.Module):
+        self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+        self.seen[layer] = (x.detach(), index, weights)
+
+    def __enter__(self) -> MoETap:
+        for m in self.blocks:
+            m.observer = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in self.blocks:
+            m.observer = None
