@@ -1,8 +1,7 @@
 """Planner latency on a Qwen3-MoE-sized page table (48 layers x 128 experts x gate/up/down,
-widths 2..8): a full re-plan (every signal fresh, hulls rebuilt, free from the widest widths down
-to the budget) and an incremental update (one step of router counts, then free or promote the
-few MB the budget moved). Plane bytes follow the pack format; damage curves are synthetic
-(log-normal block sensitivity x 4^-bits x noise, so some curves are not convex).
+widths 2..8): full re-plan, cold re-plan (every hull rebuilt) and incremental update; see
+`run_planner_bench`. Plane bytes follow the pack format; damage curves are synthetic (log-normal
+block sensitivity x 4^-bits x noise, so some curves are not convex).
 `python -m pwctl.bench.planner` prints the figures as JSON."""
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import numpy as np
 from pwctl.convert import rows_per_table
 from pwctl.runtime.page_table import PageTable
 from pwctl.runtime.planner import Planner, PlannerConfig
-
-QWEN3_MOE = {"layers": 48, "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8}
 
 
 def synthetic_table(
