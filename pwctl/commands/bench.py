@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from pwctl.bench.planner import run_planner_bench
 from pwctl.bench.ppl import run_ppl, token_windows
 from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
 from pwctl.checkpoint import MODELS_DIR
@@ -27,6 +28,7 @@ def run(
     longbench: Annotated[bool, typer.Option("--longbench")] = False,
     throughput: Annotated[bool, typer.Option("--throughput")] = False,
     quantizer: Annotated[bool, typer.Option("--quantizer", help="nested vs RTN g128")] = False,
+    planner: Annotated[bool, typer.Option("--planner", help="planner latency (CPU)")] = False,
     rows: Annotated[int, typer.Option(help="--quantizer: matrix rows")] = 1024,
     cols: Annotated[int, typer.Option(help="--quantizer: matrix inputs")] = 4096,
     data: Annotated[Path | None, typer.Option(help="text file (default: bundled eval)")] = None,
@@ -38,6 +40,15 @@ def run(
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Measure quality, memory and speed of policies on a pack (or of the quantizer)."""
+    if planner:
+        figures = run_planner_bench()
+        print_table(
+            "planner latency, Qwen3-MoE-sized table (48 x 128 x 3 blocks)",
+            ("case", "value"),
+            [(k, v) for k, v in figures.items() if isinstance(v, int | float)],
+        )
+        write_json(json, figures)
+        return
     if quantizer:
         results = run_quantizer_bench(rows, cols, device=device)
         print_table(
