@@ -53,10 +53,11 @@ def run(
             f"within width {sp['within_width_mean']:.3f}"
         )
     share = prof.router_share
-    console.print(
-        f"router load: max/min expert share per layer "
-        f"{[round(float(r.max() / max(r.min(), 1e-9)), 2) for r in share]}"
-    )
+    ratios = [
+        f"{r.max() / r.min():.1f}" if r.min() > 0 else f"inf ({int((r == 0).sum())} unused)"
+        for r in share
+    ]
+    console.print(f"router load, max/min expert share per layer: {', '.join(ratios)}")
     write_json(
         json,
         {k: v for k, v in prof.meta.items() if k not in ("bytes", "blocks")}
