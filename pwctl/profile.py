@@ -16,7 +16,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,8 +26,10 @@ from safetensors.torch import save as st_save
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack, write_atomic
 from pwctl.policy import parse_policy
-from pwctl.runtime.engine import Engine
 from pwctl.runtime.moe import MoETap
+
+if TYPE_CHECKING:  # the engine imports the allocator, which reads profiles
+    from pwctl.runtime.engine import Engine
 
 PROFILE_TENSORS = "profile.safetensors"
 PROFILE_JSON = "profile.json"

@@ -5,6 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from pwctl import tiny
@@ -125,3 +126,40 @@ def test_errors(packs, profiled, tmp_path):
     (copy / "profile.safetensors").write_bytes(bytes(raw))
     with pytest.raises(PwctlError, match="corrupt profile"):
         Profile.load(Pack(copy))
+
+
+def test_budgeted_policies_respect_budget_and_floors(profiled, packs):
+    from pwctl.policy import parse_policy
+    from pwctl.runtime.engine import Engine
+    from pwctl.runtime.moe import MoETap
+
+    pack_dir, _, _ = profiled
+    engine = Engine(Pack(pack_dir))
+    fp16 = sum(b.fp16_bytes for b in engine.pack.blocks)
+    shared = np.array([b.shared for b in engine.pack.blocks])
+    ids = torch.randint(1, tiny.VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    seen_widths = {}
+    for name in ("static:0.25", "pagedweight:0.25", "pagedweight-router:0.25"):
+        policy = parse_policy(name)
+        history = []
+        for _ in range(4):
+            engine.set_policy(policy)
+            assert engine.store.expert_bytes() <= 0.25 * fp16
+            widths = engine.store.widths.copy()
+            assert widths.min() >= 2 and widths[shared].min() >= 4  # shared-expert floor
+            history.append(widths)
+            with MoETap(engine.model) as tap:
+                engine.logits(ids)
+            engine.observe(tap)
+        if name.startswith("static"):
+            assert all((h == history[0]).all() for h in history)
+        seen_widths[name] = history[-1]
+    assert (seen_widths["static:0.25"] != 8).any()  # the budget forced demotions
+
+    with pytest.raises(PwctlError, match="below"):
+        engine.set_policy(parse_policy("pagedweight:0.01"))
+    with pytest.raises(PwctlError, match="not built yet"):
+        engine.set_policy(parse_policy("dynamic-layer:0.3"))
+    bare = Engine(Pack(packs[("mixtral", "fused")]))
+    with pytest.raises(PwctlError, match="pack has no profile"):
+        bare.set_policy(parse_policy("static:0.3"))

@@ -44,11 +44,13 @@ def token_windows(engine: Engine, path: Path, seq_len: int, max_tokens: int) -> 
 def run_ppl(engine: Engine, windows: torch.Tensor, policies: list[Policy]) -> list[PplResult]:
     """Windows outer, policies inner: the fp16 log-probs and MoE outputs of one window are all
     KL and the MoE output error need. MoE blocks are re-run on the inputs the fp16 pass saw,
-    so their error is the quantizer's alone, not compounded through earlier layers."""
+    so their error is the quantizer's alone, not compounded through earlier layers. Budgeted
+    policies re-plan before every window from the signals of the windows already seen, so
+    their memory is averaged over windows."""
     fp16 = parse_policy("fp16")
     names = [str(p) for p in policies]
     nll, kl = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
-    err, norm = dict.fromkeys(names, 0.0), 0.0
+    err, nbytes, norm = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), 0.0
     count = 0
     for w in windows:
         ids, target = w[None], w[1:]
@@ -61,7 +63,10 @@ def run_ppl(engine: Engine, windows: torch.Tensor, policies: list[Policy]) -> li
         norm += sum(float(y.pow(2).sum()) for y in ref_out)
         for p, name in zip(policies, names, strict=True):
             engine.set_policy(p)
-            lp = ref if p.name == "fp16" else torch.log_softmax(engine.logits(ids)[0, :-1], -1)
+            nbytes[name] += engine.store.expert_bytes()
+            with MoETap(engine.model) as seen:
+                lp = torch.log_softmax(engine.logits(ids)[0, :-1], -1)
+            engine.observe(seen)
             nll[name] -= lp.gather(1, target[:, None].to(lp.device)).sum().item()
             kl[name] += (ref.exp() * (ref - lp)).sum().item()
             with torch.no_grad():
@@ -72,14 +77,13 @@ def run_ppl(engine: Engine, windows: torch.Tensor, policies: list[Policy]) -> li
         count += target.numel()
     weights = sum(b.rows * b.cols for b in engine.pack.blocks)
     out = []
-    for p, name in zip(policies, names, strict=True):
-        engine.set_policy(p)
-        nbytes = engine.store.expert_bytes()
+    for name in names:
+        mean_bytes = nbytes[name] / len(windows)
         out.append(
             PplResult(
                 name,
-                nbytes / 1e6,
-                nbytes * 8 / weights,
+                mean_bytes / 1e6,
+                mean_bytes * 8 / weights,
                 math.exp(nll[name] / count),
                 kl[name] / count,
                 err[name] / max(norm, 1e-30),

@@ -14,7 +14,9 @@ from pwctl.checkpoint import MODELS_DIR
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
 from pwctl.policy import Policy
+from pwctl.runtime.allocator import WidthAllocator
 from pwctl.runtime.loader import load_model
+from pwctl.runtime.moe import MoETap
 
 PACKS_DIR = MODELS_DIR.parent / "packs"
 
@@ -34,6 +36,8 @@ class Engine:
         self.device = device
         self.model, self.store = load_model(pack, device, dtype)
         self._tokenizer = None
+        self._allocators: dict[str, WidthAllocator] = {}
+        self.allocator: WidthAllocator | None = None
 
     @property
     def tokenizer(self):
@@ -49,7 +53,22 @@ class Engine:
         return self._tokenizer
 
     def set_policy(self, policy: Policy) -> None:
-        self.store.apply(policy)
+        """Fixed policies set widths once; budgeted ones get a WidthAllocator (kept per policy,
+        so its live signals survive switching between policies in a bench)."""
+        self.allocator = None
+        if policy.budget is None:
+            self.store.apply(policy)
+            return
+        key = str(policy)
+        if key not in self._allocators:
+            self._allocators[key] = WidthAllocator(self.pack, policy)
+        self.allocator = self._allocators[key]
+        self.store.widths[:] = self.allocator.widths()
+
+    def observe(self, tap: MoETap) -> None:
+        """After a step: feed the active budgeted policy the signals of the tokens just seen."""
+        if self.allocator is not None:
+            self.allocator.observe(tap)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Budgeted policies -> per-block widths: `static:BUDGET` (offline sensitivity only, planned
+once: MxMoE's objective without its kernel-time term, which needs the fused kernel) and
+`pagedweight:BUDGET` with its ablations (the planner fed live router counts and the prompt
+residual, re-planned after every step from the tokens already seen)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
+from pwctl.policy import Policy
+from pwctl.profile import Profile
+from pwctl.residual import RESIDUAL_JSON, ResidualModel
+from pwctl.runtime.moe import MoETap
+from pwctl.runtime.planner import Plan, Planner, PlannerConfig
+
+STATIC = PlannerConfig(use_router_stats=False, use_residual=False, dynamic_paging=False)
+
+
+class WidthAllocator:
+    def __init__(self, pack: Pack, policy: Policy):
+        if policy.budget is None:
+            raise PwctlError(f"policy {policy} has no budget")
+        if policy.name == "dynamic-layer":
+            raise PwctlError("policy dynamic-layer is not built yet (bench baselines issue)")
+        m = pack.manifest
+        self.pack = pack
+        self.layers = m.moe_layers
+        self.profile = Profile.load(pack)
+        self.residual = ResidualModel.load(pack) if (pack.path / RESIDUAL_JSON).is_file() else None
+        widths = range(m.min_bits, m.max_bits + 1)
+        cost = np.array([[b.bytes_at(w) for w in widths] for b in pack.blocks], dtype=np.int64)
+        self.budget = policy.budget.resolve(sum(b.fp16_bytes for b in pack.blocks))
+        if self.budget < cost[:, 0].sum():
+            raise PwctlError(
+                f"policy {policy}: {self.budget / 1e6:.2f} MB is below the "
+                f"{cost[:, 0].sum() / 1e6:.2f} MB every block needs at "
+                f"{m.min_bits} bits"
+            )
+        config = STATIC if policy.name == "static" else PlannerConfig.from_policy(policy)
+        self.planner = Planner(
+            cost,
+            self.profile.damage,
+            m.min_bits,
+            np.array([b.layer for b in pack.blocks]),
+            np.array([b.expert for b in pack.blocks]),
+            np.array([b.shared for b in pack.blocks]),
+            config,
+        )
+        self.planner.set_prior(self.profile.router_share)
+        self._block_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
+        self.last: Plan | None = None
+
+    def widths(self) -> np.ndarray:
+        """Widths for the next step: the first call plans from scratch, later ones adjust."""
+        self.last = self.planner.fit(self.budget)
+        return self.last.widths
+
+    def observe(self, tap: MoETap) -> None:
+        """Signals of the step just run: router counts and the residual of its sequences."""
+        n_exp = self.pack.manifest.spec["num_experts"]
+        counts = np.zeros((len(self.layers), n_exp))
+        factor = np.ones(len(self.layers))
+        for li, layer in enumerate(self.layers):
+            x, index, _ = tap.seen[layer]
+            counts[li] = np.bincount(index.flatten().cpu().numpy(), minlength=n_exp)
+            if self.residual is not None:
+                norms = x.float().norm(dim=-1)
+                feats = np.array([norms.mean().item(), norms.max().item(), norms.std().item()])
+                factor[li] = float(self.residual.factor(layer, feats))
+        self.planner.observe(counts)
+        self.planner.set_residual(factor[self._block_layer])
+        self.planner.tick()
