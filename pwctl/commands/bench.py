@@ -1,4 +1,5 @@
-"""pwctl bench PACK --ppl ...: quality and memory per policy (more modes land with later issues)."""
+"""pwctl bench PACK --ppl / --longbench / --synthetic, bench --predictions FILE: quality and
+memory per policy (more modes land with later issues)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from pwctl.bench import longbench as lb
+from pwctl.bench import synthetic_tasks as syn
 from pwctl.bench.planner import run_planner_bench
 from pwctl.bench.ppl import run_ppl, token_windows
 from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
@@ -25,7 +28,19 @@ def run(
     pack: Annotated[Path | None, typer.Argument(help="pack folder")] = None,
     ppl: Annotated[bool, typer.Option("--ppl", help="perplexity and KL to fp16")] = False,
     kernels: Annotated[bool, typer.Option("--kernels", help="kernel speed (GPU)")] = False,
-    longbench: Annotated[bool, typer.Option("--longbench")] = False,
+    longbench: Annotated[
+        bool, typer.Option("--longbench", help="LongBench v1 from --data DIR")
+    ] = False,
+    synthetic: Annotated[bool, typer.Option("--synthetic", help="pass key / needle / kv")] = False,
+    predictions: Annotated[
+        Path | None, typer.Option(help="score a LongBench predictions jsonl (no PACK)")
+    ] = None,
+    tasks: Annotated[list[str] | None, typer.Option(help="--longbench/--synthetic tasks")] = None,
+    lengths: Annotated[list[int] | None, typer.Option(help="--synthetic prompt tokens")] = None,
+    depths: Annotated[list[float] | None, typer.Option(help="--synthetic fact depths 0..1")] = None,
+    examples: Annotated[
+        int | None, typer.Option(help="examples per task (--synthetic: per length, default 10)")
+    ] = None,
     throughput: Annotated[bool, typer.Option("--throughput")] = False,
     quantizer: Annotated[bool, typer.Option("--quantizer", help="nested vs RTN g128")] = False,
     planner: Annotated[bool, typer.Option("--planner", help="planner latency (CPU)")] = False,
@@ -60,10 +75,38 @@ def run(
             json, {"rows": rows, "cols": cols, "device": device, "results": as_dicts(results)}
         )
         return
-    if kernels or longbench or throughput:
-        not_built("bench --kernels/--longbench/--throughput", "kernel and bench issues")
+    if predictions is not None:
+        results = lb.run_predictions(predictions)
+        print_table(f"LongBench scores of {predictions.name}", *lb.table(results))
+        write_json(
+            json, {"predictions": str(predictions), "results": [r.as_dict() for r in results]}
+        )
+        return
+    if longbench or synthetic:
+        if pack is None:
+            raise PwctlError("bench --longbench/--synthetic needs a PACK")
+        policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
+        engine = Engine(open_pack(pack), device)
+    if longbench:
+        if data is None:
+            raise PwctlError("bench --longbench needs --data DIR (LongBench jsonl files)")
+        results = lb.run_longbench(engine, data, policies, tasks, examples)
+        print_table(f"LongBench on {data} (score x100; examples)", *lb.table(results))
+        write_json(json, {"data": str(data), "results": [r.as_dict() for r in results]})
+        return
+    if synthetic:
+        prose = data or EVAL_SAMPLE
+        results = syn.run_synthetic(
+            engine, policies, tasks or syn.TASKS, lengths or [256, 1024], examples or 10,
+            depths=depths, prose_path=prose,
+        )  # fmt: skip
+        print_table(f"synthetic retrieval accuracy (prose: {prose.name})", *syn.table(results))
+        write_json(json, {"prose": str(prose), "results": [r.as_dict() for r in results]})
+        return
+    if kernels or throughput:
+        not_built("bench --kernels/--throughput", "kernel and bench issues")
     if not ppl:
-        raise PwctlError("choose a mode: --ppl (others land with the kernel and bench issues)")
+        raise PwctlError("choose a mode: --ppl, --longbench, --synthetic or --predictions FILE")
     if pack is None:
         raise PwctlError("bench --ppl needs a PACK")
     policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
