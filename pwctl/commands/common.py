@@ -41,7 +41,8 @@ def not_built(command: str, issue: str) -> None:
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     table = Table(title=title)
     for c in columns:
-        table.add_column(c, justify="left" if c == columns[0] else "right")
+        first = c == columns[0]
+        table.add_column(c, justify="left" if first else "right", no_wrap=first)
     for r in rows:
         table.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in r])
     console.print(table)

@@ -15,6 +15,7 @@ from pwctl.residual import RESIDUAL_JSON, ResidualModel
 from pwctl.runtime.moe import MoETap
 from pwctl.runtime.planner import Plan, Planner, PlannerConfig
 
+MIN_R2 = 0.1  # the prompt residual is used only if it explains this much held-out variance
 STATIC = PlannerConfig(use_router_stats=False, use_residual=False, dynamic_paging=False)
 
 
@@ -29,6 +30,8 @@ class WidthAllocator:
         self.layers = m.moe_layers
         self.profile = Profile.load(pack)
         self.residual = ResidualModel.load(pack) if (pack.path / RESIDUAL_JSON).is_file() else None
+        if self.residual is not None and self.residual.metrics.get("r2_test", 0.0) < MIN_R2:
+            self.residual = None  # a model that does not predict held-out sequences adds noise
         widths = range(m.min_bits, m.max_bits + 1)
         cost = np.array([[b.bytes_at(w) for w in widths] for b in pack.blocks], dtype=np.int64)
         self.budget = policy.budget.resolve(sum(b.fp16_bytes for b in pack.blocks))
@@ -53,8 +56,9 @@ class WidthAllocator:
         self.last: Plan | None = None
 
     def widths(self) -> np.ndarray:
-        """Widths for the next step: the first call plans from scratch, later ones adjust."""
-        self.last = self.planner.fit(self.budget)
+        """Widths for the next step: a full re-plan at the budget from the latest signals
+        (static policies plan once; the planner freezes them)."""
+        self.last = self.planner.plan(self.budget)
         return self.last.widths
 
     def observe(self, tap: MoETap) -> None:

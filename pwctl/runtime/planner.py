@@ -130,6 +130,7 @@ class Planner:
         )
         self.ema = np.ones((self.layers.size, self.n_experts))
         self.prior = np.ones((self.layers.size, self.n_experts))  # the profile's routing share
+        self._observed = False  # has observe() seen live counts yet
         self._res_block: np.ndarray | None = None  # residual per block [n]
         self._res_width: np.ndarray | None = None  # residual per block and width [K, n]
         self._shape: np.ndarray | None = None  # base x residual per width, when there is one
@@ -180,6 +181,7 @@ class Planner:
     def observe(self, counts: np.ndarray) -> None:
         """Router counts since the last call, [n_layers, n_experts] (layers in sorted order)."""
         counts = np.asarray(counts, dtype=np.float64)
+        self._observed = True
         mean = counts.mean(axis=1, keepdims=True)
         live = mean[:, 0] > 0  # layers that saw no token keep their history
         a = self.cfg.ema
@@ -192,6 +194,8 @@ class Planner:
         the hot factor is the live share over this one."""
         share = np.asarray(share, dtype=np.float64)
         self.prior = np.maximum(share / share.mean(axis=1, keepdims=True), 1e-3)
+        if not self._observed:  # no live counts yet: assume the calibration load (factor 1)
+            self.ema = self.prior.copy()
         self._dirty = True
 
     def set_residual(self, residual: np.ndarray | None) -> None:
