@@ -17,6 +17,8 @@ import torch
 from pwctl.errors import PwctlError
 
 MODELS_DIR = Path(__file__).parent / "models"
+CALIB_SAMPLE = MODELS_DIR / "samples" / "calib.txt"  # profile / fit-residual / --calib default
+EVAL_SAMPLE = MODELS_DIR / "samples" / "eval.txt"  # bench default
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 MAX_HEADER = 100 * 1024 * 1024
 

@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from pwctl.bench.ppl import token_windows
-from pwctl.checkpoint import MODELS_DIR, bundled_models
+from pwctl.checkpoint import EVAL_SAMPLE, MODELS_DIR, bundled_models
 from pwctl.cli import app
 from pwctl.convert import ConvertOptions, convert
 from pwctl.pack import Pack
@@ -15,7 +15,7 @@ from pwctl.policy import parse_policy
 from pwctl.runtime.engine import Engine
 
 runner = CliRunner()
-EVAL = MODELS_DIR / "samples" / "eval.txt"
+EVAL = EVAL_SAMPLE
 
 
 def test_bundled_models_are_installed_and_small():

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pwctl.checkpoint import MODELS_DIR
+from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.errors import PwctlError
 from pwctl.policy import Policy
 from pwctl.runtime.engine import Engine
 
-EVAL_SAMPLE = MODELS_DIR / "samples" / "eval.txt"
 TASKS = ("passkey", "needle", "kv", "kv-ruler")
 MAX_NEW = {"passkey": 12, "needle": 16, "kv": 12, "kv-ruler": 12}
 KV_PAIRS = 4  # one queried pair and three distractors

@@ -13,13 +13,12 @@ from pwctl.bench import synthetic_tasks as syn
 from pwctl.bench.planner import run_planner_bench
 from pwctl.bench.ppl import run_ppl, token_windows
 from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
-from pwctl.checkpoint import MODELS_DIR
+from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.commands.common import handles_errors, not_built, print_ppl, print_table, write_json
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
 from pwctl.runtime.engine import Engine, open_pack
 
-EVAL_SAMPLE = MODELS_DIR / "samples" / "eval.txt"
 DEFAULT_POLICIES = ["fp16", "uniform:8", "uniform:4", "uniform:3", "uniform:2"]
 
 

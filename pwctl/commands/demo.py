@@ -10,7 +10,7 @@ import typer
 
 from pwctl import tiny
 from pwctl.bench.ppl import run_ppl, token_windows
-from pwctl.checkpoint import MODELS_DIR, bundled_models
+from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE, bundled_models
 from pwctl.commands.common import console, handles_errors, print_ppl, write_json
 from pwctl.convert import ConvertOptions, convert
 from pwctl.policy import parse_policy
@@ -19,8 +19,6 @@ from pwctl.residual import fit
 from pwctl.runtime.engine import Engine, open_pack
 
 POLICIES = ["fp16", "uniform:8", "uniform:6", "uniform:4", "uniform:3", "uniform:2"]
-EVAL_SAMPLE = MODELS_DIR / "samples" / "eval.txt"
-CALIB_SAMPLE = MODELS_DIR / "samples" / "calib.txt"
 
 
 @handles_errors

@@ -8,12 +8,10 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pwctl.checkpoint import MODELS_DIR
+from pwctl.checkpoint import CALIB_SAMPLE
 from pwctl.commands.common import console, handles_errors, print_table, write_json
 from pwctl.profile import run_profile, windows
 from pwctl.runtime.engine import Engine, open_pack
-
-CALIB_SAMPLE = MODELS_DIR / "samples" / "calib.txt"
 
 
 @handles_errors

@@ -10,15 +10,12 @@ from pathlib import Path
 
 import torch
 
-from pwctl.checkpoint import MODELS_DIR
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
 from pwctl.policy import Policy
 from pwctl.runtime.allocator import WidthAllocator
 from pwctl.runtime.loader import load_model
 from pwctl.runtime.moe import MoETap
-
-PACKS_DIR = MODELS_DIR.parent / "packs"
 
 
 def open_pack(name_or_path: str | Path) -> Pack:
