@@ -18,7 +18,8 @@ from pwctl.profile import run_profile, windows
 from pwctl.residual import fit
 from pwctl.runtime.engine import Engine, open_pack
 
-POLICIES = ["fp16", "uniform:8", "uniform:6", "uniform:4", "uniform:3", "uniform:2"]
+POLICIES = ["fp16", "uniform:8", "uniform:6", "uniform:4", "uniform:3", "uniform:2",
+            "static:0.2", "pagedweight:0.2", "static:0.35", "pagedweight:0.35"]
 
 
 @handles_errors
@@ -56,7 +57,7 @@ def run(
     residual = fit(engine.pack)
     residual.save(engine.pack)
     console.print(f"    held-out R^2 {residual.metrics['r2_test']:.3f}")
-    console.print("[bold]4/4 bench --ppl[/] (budgeted policies land with the planner issue)")
+    console.print("[bold]4/4 bench --ppl[/] (uniform widths vs budgets planned from the profile)")
     data = EVAL_SAMPLE if EVAL_SAMPLE.is_file() else Path(tiny.__file__)
     results = run_ppl(
         engine, token_windows(engine, data, 256, max_tokens), [parse_policy(p) for p in POLICIES]
