@@ -163,3 +163,27 @@ def test_budgeted_policies_respect_budget_and_floors(profiled, packs):
     bare = Engine(Pack(packs[("mixtral", "fused")]))
     with pytest.raises(PwctlError, match="pack has no profile"):
         bare.set_policy(parse_policy("static:0.3"))
+
+
+def test_pressure_trace_gives_dynamic_policies_the_free_memory(profiled):
+    from pwctl.bench.ppl import bootstrap_ci, pressure_trace, run_ppl
+    from pwctl.policy import parse_policy
+    from pwctl.runtime.engine import Engine
+
+    trace = pressure_trace(9)
+    assert trace[0] == 0 and trace[4] == 1 and abs(trace[-1]) < 1e-12
+    values = np.array([1.0, 2.0, 3.0, 4.0])
+    lo, hi = bootstrap_ci(values, np.ones(4))
+    assert lo <= values.mean() <= hi and lo >= 1 and hi <= 4
+
+    pack_dir, _, _ = profiled
+    engine = Engine(Pack(pack_dir))
+    fp16 = sum(b.fp16_bytes for b in engine.pack.blocks)
+    ids = torch.randint(1, tiny.VOCAB, (6, 24), generator=torch.Generator().manual_seed(3))
+    names = ["fp16", "static:0.25", "pagedweight:0.25"]
+    res = {r.policy: r for r in run_ppl(engine, ids, [parse_policy(n) for n in names], 0.5)}
+    assert res["static:0.25"].expert_mb * 1e6 <= 0.25 * fp16
+    assert 0.25 * fp16 < res["pagedweight:0.25"].expert_mb * 1e6 <= 0.25 * 1.5 * fp16
+    assert res["pagedweight:0.25"].kl < res["static:0.25"].kl
+    for r in res.values():
+        assert r.kl_ci[0] <= r.kl <= r.kl_ci[1] + 1e-12

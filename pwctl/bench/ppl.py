@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
@@ -23,6 +24,7 @@ class PplResult:
     kl: float  # mean KL(fp16 || policy) in nats per token
     moe_err: float  # ||MoE_policy(x) - MoE_fp16(x)||^2 / ||MoE_fp16(x)||^2, same inputs x
     tokens: int
+    kl_ci: tuple[float, float] = (0.0, 0.0)  # bootstrap 95% interval over windows
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -41,18 +43,42 @@ def token_windows(engine: Engine, path: Path, seq_len: int, max_tokens: int) -> 
     return ids[: n * seq_len].view(n, seq_len)
 
 
-def run_ppl(engine: Engine, windows: torch.Tensor, policies: list[Policy]) -> list[PplResult]:
+def pressure_trace(n: int) -> np.ndarray:
+    """KV demand over `n` steps as a share of its peak: sequences arrive, overlap, drain
+    (a raised cosine, 0 -> 1 -> 0)."""
+    return 0.5 - 0.5 * np.cos(np.linspace(0.0, 2 * np.pi, n)) if n > 1 else np.ones(1)
+
+
+def bootstrap_ci(
+    values: np.ndarray, weights: np.ndarray, draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% interval of the weighted mean, resampling windows (documents) with replacement."""
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(values), size=(draws, len(values)))
+    means = (values[pick] * weights[pick]).sum(1) / weights[pick].sum(1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return float(lo), float(hi)
+
+
+def run_ppl(
+    engine: Engine, windows: torch.Tensor, policies: list[Policy], kv_peak: float = 0.0
+) -> list[PplResult]:
     """Windows outer, policies inner: the fp16 log-probs and MoE outputs of one window are all
     KL and the MoE output error need. MoE blocks are re-run on the inputs the fp16 pass saw,
-    so their error is the quantizer's alone, not compounded through earlier layers. Budgeted
-    policies re-plan before every window from the signals of the windows already seen, so
-    their memory is averaged over windows."""
+    so their error is the quantizer's alone, not compounded through earlier layers.
+
+    Budgeted policies re-plan before every window from the windows already seen. With
+    `kv_peak` > 0 the windows run under a pressure trace: the KV cache's demand rises and falls
+    (`pressure_trace`), peaking at kv_peak x BUDGET; dynamic policies get the plane memory it
+    leaves free (BUDGET at peak pressure), static ones keep BUDGET. Memory is averaged over
+    windows, and KL carries a bootstrap interval over windows."""
     fp16 = parse_policy("fp16")
     names = [str(p) for p in policies]
-    nll, kl = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+    nll = {n: np.zeros(len(windows)) for n in names}
+    kl = {n: np.zeros(len(windows)) for n in names}
     err, nbytes, norm = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), 0.0
-    count = 0
-    for w in windows:
+    headroom = kv_peak * (1 - pressure_trace(len(windows)))
+    for i, w in enumerate(windows):
         ids, target = w[None], w[1:]
         engine.set_policy(fp16)
         with MoETap(engine.model) as tap:
@@ -62,19 +88,20 @@ def run_ppl(engine: Engine, windows: torch.Tensor, policies: list[Policy]) -> li
             ref_out = [b(x) for b, x in blocks]
         norm += sum(float(y.pow(2).sum()) for y in ref_out)
         for p, name in zip(policies, names, strict=True):
-            engine.set_policy(p)
+            engine.set_policy(p, headroom=float(headroom[i]))
             nbytes[name] += engine.store.expert_bytes()
             with MoETap(engine.model) as seen:
                 lp = torch.log_softmax(engine.logits(ids)[0, :-1], -1)
             engine.observe(seen)
-            nll[name] -= lp.gather(1, target[:, None].to(lp.device)).sum().item()
-            kl[name] += (ref.exp() * (ref - lp)).sum().item()
+            nll[name][i] = -lp.gather(1, target[:, None].to(lp.device)).sum().item()
+            kl[name][i] = (ref.exp() * (ref - lp)).sum().item()
             with torch.no_grad():
                 err[name] += sum(
                     float((b(x) - y).pow(2).sum())
                     for (b, x), y in zip(blocks, ref_out, strict=True)
                 )
-        count += target.numel()
+    per_window = np.full(len(windows), windows.shape[1] - 1, dtype=np.float64)
+    count = int(per_window.sum())
     weights = sum(b.rows * b.cols for b in engine.pack.blocks)
     out = []
     for name in names:
@@ -84,10 +111,11 @@ def run_ppl(engine: Engine, windows: torch.Tensor, policies: list[Policy]) -> li
                 name,
                 mean_bytes / 1e6,
                 mean_bytes * 8 / weights,
-                math.exp(nll[name] / count),
-                kl[name] / count,
+                math.exp(nll[name].sum() / count),
+                kl[name].sum() / count,
                 err[name] / max(norm, 1e-30),
                 count,
+                bootstrap_ci(kl[name] / per_window, per_window),
             )
         )
     return out

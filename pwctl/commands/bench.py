@@ -49,6 +49,9 @@ def run(
     policy: Annotated[list[str] | None, typer.Option(help="repeatable")] = None,
     rtn: Annotated[list[int] | None, typer.Option(help="--ppl: add RTN g128 at B bits")] = None,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
+    kv_peak: Annotated[
+        float, typer.Option(help="--ppl: pressure trace, KV peak as a fraction of BUDGET")
+    ] = 0.0,
     max_tokens: Annotated[int, typer.Option(help="tokens evaluated at most")] = 8192,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
@@ -112,6 +115,8 @@ def run(
     data = data or EVAL_SAMPLE
     engine = Engine(open_pack(pack), device)
     policies += [add_rtn_variant(engine, b) for b in rtn or []]
-    results = run_ppl(engine, token_windows(engine, data, seq_len, max_tokens), policies)
+    if kv_peak < 0:
+        raise PwctlError("--kv-peak must be >= 0")
+    results = run_ppl(engine, token_windows(engine, data, seq_len, max_tokens), policies, kv_peak)
     print_ppl(f"perplexity on {data.name} ({results[0].tokens} tokens)", results)
     write_json(json, {"data": str(data), "results": [r.as_dict() for r in results]})

@@ -56,6 +56,17 @@ def write_json(path: Path | None, obj: Any) -> None:
 
 def print_ppl(title: str, results: Sequence[Any]) -> None:
     """The quality-vs-memory table of `bench --ppl` and `demo`."""
-    columns = ("policy", "expert MB", "bits/w", "ppl", "KL/tok", "MoE err")
-    rows = [(r.policy, r.expert_mb, r.bits_per_weight, r.ppl, r.kl, r.moe_err) for r in results]
+    columns = ("policy", "expert MB", "bits/w", "ppl", "KL/tok", "KL 95% CI", "MoE err")
+    rows = [
+        (
+            r.policy,
+            r.expert_mb,
+            r.bits_per_weight,
+            r.ppl,
+            r.kl,
+            f"{r.kl_ci[0]:.3g}-{r.kl_ci[1]:.3g}",
+            r.moe_err,
+        )
+        for r in results
+    ]
     print_table(title, columns, rows)

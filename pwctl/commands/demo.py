@@ -18,8 +18,18 @@ from pwctl.profile import run_profile, windows
 from pwctl.residual import fit
 from pwctl.runtime.engine import Engine, open_pack
 
-POLICIES = ["fp16", "uniform:8", "uniform:6", "uniform:4", "uniform:3", "uniform:2",
-            "static:0.2", "pagedweight:0.2", "static:0.35", "pagedweight:0.35"]
+POLICIES = [
+    "fp16",
+    "uniform:8",
+    "uniform:6",
+    "uniform:4",
+    "uniform:3",
+    "uniform:2",
+    "static:0.2",
+    "pagedweight:0.2",
+    "static:0.35",
+    "pagedweight:0.35",
+]
 
 
 @handles_errors

@@ -55,10 +55,18 @@ class WidthAllocator:
         self._block_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
         self.last: Plan | None = None
 
-    def widths(self) -> np.ndarray:
-        """Widths for the next step: a full re-plan at the budget from the latest signals
-        (static policies plan once; the planner freezes them)."""
-        self.last = self.planner.plan(self.budget)
+    @property
+    def dynamic(self) -> bool:
+        """Whether this policy may use plane memory the KV cache leaves free (static ones keep
+        to BUDGET whatever the pressure)."""
+        return self.planner.cfg.dynamic_paging
+
+    def widths(self, headroom: float = 0.0) -> np.ndarray:
+        """Widths for the next step: a full re-plan from the latest signals at BUDGET, plus
+        `headroom` x BUDGET for dynamic policies when the KV cache is below its peak (BUDGET
+        is the plane memory at peak pressure); static policies plan once and are frozen."""
+        extra = headroom if self.dynamic else 0.0
+        self.last = self.planner.plan(int(self.budget * (1 + extra)))
         return self.last.widths
 
     def observe(self, tap: MoETap) -> None:

@@ -49,9 +49,10 @@ class Engine:
                 raise PwctlError(f"{self.pack.path}: pack has no usable tokenizer ({e})") from None
         return self._tokenizer
 
-    def set_policy(self, policy: Policy) -> None:
+    def set_policy(self, policy: Policy, headroom: float = 0.0) -> None:
         """Fixed policies set widths once; budgeted ones get a WidthAllocator (kept per policy,
-        so its live signals survive switching between policies in a bench)."""
+        so its live signals survive switching between policies in a bench). `headroom`: plane
+        memory the KV cache leaves free now, as a fraction of BUDGET (dynamic policies only)."""
         self.allocator = None
         if policy.budget is None:
             self.store.apply(policy)
@@ -60,7 +61,7 @@ class Engine:
         if key not in self._allocators:
             self._allocators[key] = WidthAllocator(self.pack, policy)
         self.allocator = self._allocators[key]
-        self.store.widths[:] = self.allocator.widths()
+        self.store.widths[:] = self.allocator.widths(headroom)
 
     def observe(self, tap: MoETap) -> None:
         """After a step: feed the active budgeted policy the signals of the tokens just seen."""
