@@ -158,8 +158,11 @@ def test_budgeted_policies_respect_budget_and_floors(profiled, packs):
 
     with pytest.raises(PwctlError, match="below"):
         engine.set_policy(parse_policy("pagedweight:0.01"))
-    with pytest.raises(PwctlError, match="not built yet"):
-        engine.set_policy(parse_policy("dynamic-layer:0.3"))
+    engine.set_policy(parse_policy("dynamic-layer:0.25"))
+    layer_of = np.array([b.layer for b in engine.pack.blocks])
+    widths = engine.store.widths
+    assert engine.store.expert_bytes() <= 0.25 * fp16
+    assert all(len(set(widths[layer_of == li])) == 1 for li in set(layer_of))  # one per layer
     bare = Engine(Pack(packs[("mixtral", "fused")]))
     with pytest.raises(PwctlError, match="pack has no profile"):
         bare.set_policy(parse_policy("static:0.3"))

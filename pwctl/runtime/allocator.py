@@ -1,7 +1,9 @@
 """Budgeted policies -> per-block widths: `static:BUDGET` (offline sensitivity only, planned
-once: MxMoE's objective without its kernel-time term, which needs the fused kernel) and
+once: MxMoE's objective without its kernel-time term, which needs the fused kernel),
 `pagedweight:BUDGET` with its ablations (the planner fed live router counts and the prompt
-residual, re-planned after every step from the tokens already seen)."""
+residual, re-planned after every step from the tokens already seen), and `dynamic-layer:BUDGET`
+(DP-LLM-like: one width per layer, re-chosen every step from a linear estimate of the layer's
+error from its input norm, fitted on the profile's per-sequence damage)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,6 @@ class WidthAllocator:
     def __init__(self, pack: Pack, policy: Policy):
         if policy.budget is None:
             raise PwctlError(f"policy {policy} has no budget")
-        if policy.name == "dynamic-layer":
-            raise PwctlError("policy dynamic-layer is not built yet (bench baselines issue)")
         m = pack.manifest
         self.pack = pack
         self.layers = m.moe_layers
@@ -41,6 +41,27 @@ class WidthAllocator:
                 f"{cost[:, 0].sum() / 1e6:.2f} MB every block needs at "
                 f"{m.min_bits} bits"
             )
+        block_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
+        self._block_layer = block_layer
+        self.per_layer = policy.name == "dynamic-layer"
+        self.last: Plan | None = None
+        if self.per_layer:  # the planner's "blocks" are whole layers: one width each
+            n_layers = len(self.layers)
+            cost = np.stack([cost[block_layer == li].sum(0) for li in range(n_layers)])
+            damage = np.stack(
+                [self.profile.damage[block_layer == li].sum(0) for li in range(n_layers)]
+            )
+            self._norm_fit = _norm_estimator(self.profile, block_layer)
+            self.planner = Planner(
+                cost,
+                damage,
+                m.min_bits,
+                np.arange(n_layers),
+                np.zeros(n_layers, int),
+                np.zeros(n_layers, bool),
+                PlannerConfig(use_router_stats=False),
+            )
+            return
         config = STATIC if policy.name == "static" else PlannerConfig.from_policy(policy)
         self.planner = Planner(
             cost,
@@ -52,8 +73,6 @@ class WidthAllocator:
             config,
         )
         self.planner.set_prior(self.profile.router_share)
-        self._block_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
-        self.last: Plan | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -67,10 +86,16 @@ class WidthAllocator:
         is the plane memory at peak pressure); static policies plan once and are frozen."""
         extra = headroom if self.dynamic else 0.0
         self.last = self.planner.plan(int(self.budget * (1 + extra)))
-        return self.last.widths
+        widths = self.last.widths
+        return widths[self._block_layer] if self.per_layer else widths
 
     def observe(self, tap: MoETap) -> None:
         """Signals of the step just run: router counts and the residual of its sequences."""
+        if self.per_layer:
+            norms = [tap.seen[layer][0].float().norm(dim=-1).mean().item() for layer in self.layers]
+            slope, intercept = self._norm_fit
+            self.planner.set_residual(np.clip(slope * np.array(norms) + intercept, 0.1, 10.0))
+            return
         n_exp = self.pack.manifest.spec["num_experts"]
         counts = np.zeros((len(self.layers), n_exp))
         factor = np.ones(len(self.layers))
@@ -84,3 +109,18 @@ class WidthAllocator:
         self.planner.observe(counts)
         self.planner.set_residual(factor[self._block_layer])
         self.planner.tick()
+
+
+def _norm_estimator(profile: Profile, block_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, a line from a sequence's mean input norm to its damage relative to the
+    average (DP-LLM's linear error estimator on ||x||), least squares over the profile's
+    sequences; flat (factor 1) where the norms do not vary."""
+    n_layers = profile.features.shape[0]
+    slope, intercept = np.zeros(n_layers), np.ones(n_layers)
+    for li in range(n_layers):
+        seq = profile.damage_seq[block_layer == li][:, :-1].sum(axis=(0, 1))
+        norm = profile.features[li, :, 0]
+        if seq.mean() <= 0 or np.ptp(norm) == 0:
+            continue
+        slope[li], intercept[li] = np.polyfit(norm, seq / seq.mean(), 1)
+    return slope, intercept
