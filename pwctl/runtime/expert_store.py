@@ -55,7 +55,7 @@ class ExpertStore:
                 )
             self.widths[:] = policy.bits
         else:
-            raise PwctlError(f"policy {policy.name} is not built yet (runtime planner issue)")
+            raise PwctlError(f"policy {policy}: budgeted policies are set by Engine.set_policy")
 
     def expert_bytes(self) -> int:
         """Device bytes of every expert block at its current width (planes + tables)."""
