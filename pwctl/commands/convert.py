@@ -19,7 +19,9 @@ def run(
     min_bits: Annotated[int, typer.Option(help="lowest width kept")] = 2,
     max_bits: Annotated[int, typer.Option(help="parent width (planes stored)")] = 8,
     device: Annotated[str, typer.Option(help="cpu or cuda (runs the k-means)")] = "cpu",
-    calib: Annotated[Path | None, typer.Option(help="text file: weight the k-means by E(x^2)")] = None,
+    calib: Annotated[
+        Path | None, typer.Option(help="text file: weight the k-means by E(x^2)")
+    ] = None,
     calib_tokens: Annotated[int, typer.Option(help="calibration tokens used")] = 16384,
     table_group: Annotated[int, typer.Option(help="min weights per table (rows share)")] = 1024,
     reference: Annotated[bool, typer.Option(help="keep original expert weights (fp16)")] = True,
