@@ -56,16 +56,16 @@ def write_json(path: Path | None, obj: Any) -> None:
 
 def print_ppl(title: str, results: Sequence[Any]) -> None:
     """The quality-vs-memory table of `bench --ppl` and `demo`."""
-    columns = ("policy", "expert MB", "bits/w", "ppl", "KL/tok", "KL 95% CI", "MoE err")
+    columns = ("policy", "MB", "bits/w", "ppl", "KL/tok", "KL 95%", "MoE err")
     rows = [
         (
             r.policy,
-            r.expert_mb,
-            r.bits_per_weight,
-            r.ppl,
-            r.kl,
-            f"{r.kl_ci[0]:.3g}-{r.kl_ci[1]:.3g}",
-            r.moe_err,
+            f"{r.expert_mb:.3f}",
+            f"{r.bits_per_weight:.2f}",
+            f"{r.ppl:.2f}",
+            f"{r.kl:.3g}",
+            f"±{(r.kl_ci[1] - r.kl_ci[0]) / 2:.1g}",
+            f"{r.moe_err:.2g}",
         )
         for r in results
     ]
