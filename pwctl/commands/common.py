@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,8 +16,9 @@ from rich.table import Table
 from pwctl.errors import PwctlError
 from pwctl.pack import write_atomic
 
-console = Console()
-err_console = Console(stderr=True)
+# piped output (logs, CI) gets room for the wide tables instead of rich's 80-column default
+console = Console(width=None if sys.stdout.isatty() else 120)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 def handles_errors(fn: Callable) -> Callable:
