@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import sys
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
