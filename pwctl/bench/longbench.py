@@ -264,6 +264,7 @@ def run_longbench(
             for e in exs
         ]
     results = []
+    engine.reset_policies()  # budgeted policies start from the profile, not an earlier run
     for p in policies:
         engine.set_policy(p)
         preds = []

@@ -73,6 +73,7 @@ def run_ppl(
     leaves free (BUDGET at peak pressure), static ones keep BUDGET. Memory is averaged over
     windows, and KL carries a bootstrap interval over windows."""
     fp16 = parse_policy("fp16")
+    engine.reset_policies()  # each run's dynamic policies start from the profile alone
     names = [str(p) for p in policies]
     nll = {n: np.zeros(len(windows)) for n in names}
     kl = {n: np.zeros(len(windows)) for n in names}

@@ -202,6 +202,7 @@ def run_synthetic(
         for ex in make_examples(engine.tokenizer, prose, t, length, n, seed, depths)
     ]
     results = []
+    engine.reset_policies()  # budgeted policies start from the profile, not an earlier run
     for p in policies:
         engine.set_policy(p)
         hits: dict[str, dict[int, list[bool]]] = {t: {n_: [] for n_ in lengths} for t in tasks}

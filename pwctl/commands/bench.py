@@ -3,6 +3,7 @@ memory per policy (more modes land with later issues)."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,14 @@ from pwctl.bench.planner import run_planner_bench
 from pwctl.bench.ppl import run_ppl, token_windows
 from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
 from pwctl.checkpoint import EVAL_SAMPLE
-from pwctl.commands.common import handles_errors, not_built, print_ppl, print_table, write_json
+from pwctl.commands.common import (
+    console,
+    handles_errors,
+    not_built,
+    print_ppl,
+    print_table,
+    write_json,
+)
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
 from pwctl.runtime.engine import Engine, open_pack
@@ -43,6 +51,9 @@ def run(
     throughput: Annotated[bool, typer.Option("--throughput")] = False,
     quantizer: Annotated[bool, typer.Option("--quantizer", help="nested vs RTN g128")] = False,
     planner: Annotated[bool, typer.Option("--planner", help="planner latency (CPU)")] = False,
+    results: Annotated[
+        bool, typer.Option("--results", help="regenerate docs/RESULTS.md + results.png")
+    ] = False,
     rows: Annotated[int, typer.Option(help="--quantizer: matrix rows")] = 1024,
     cols: Annotated[int, typer.Option(help="--quantizer: matrix inputs")] = 4096,
     data: Annotated[Path | None, typer.Option(help="text file (default: bundled eval)")] = None,
@@ -57,6 +68,13 @@ def run(
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Measure quality, memory and speed of policies on a pack (or of the quantizer)."""
+    if results:
+        from pwctl.bench.results import run_results
+
+        out = Path("docs") if Path("docs").is_dir() else Path(".")
+        run_results(["tiny-mixtral", "tiny-qwen-moe"], Path(tempfile.mkdtemp()), out, max_tokens)
+        console.print(f"wrote {out / 'RESULTS.md'} and {out / 'results.png'}")
+        return
     if planner:
         figures = run_planner_bench()
         print_table(

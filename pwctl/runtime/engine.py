@@ -63,6 +63,11 @@ class Engine:
         self.allocator = self._allocators[key]
         self.store.widths[:] = self.allocator.widths(headroom)
 
+    def reset_policies(self) -> None:
+        """Forget every budgeted policy's live state (a new run starts from the profile)."""
+        self._allocators.clear()
+        self.allocator = None
+
     def observe(self, tap: MoETap) -> None:
         """After a step: feed the active budgeted policy the signals of the tokens just seen."""
         if self.allocator is not None:
