@@ -20,6 +20,7 @@ from pwctl.pack import Pack, write_atomic
 from pwctl.profile import FEATURES, Profile
 
 RESIDUAL_JSON = "residual.json"
+MIN_R2 = 0.1  # the runtime uses the residual only if it explains this much held-out variance
 FLOOR = 1e-3  # relative floor under per-sequence damage, so log ratios stay finite
 
 
@@ -37,6 +38,11 @@ class ResidualModel:
         li = self.layers.index(layer)
         z = (np.asarray(features, dtype=np.float64) - self.mean) / self.scale
         return z @ np.asarray(self.coef[li]) + self.intercept[li]
+
+    @property
+    def usable(self) -> bool:
+        """Whether it predicts held-out sequences well enough for the runtime to use it."""
+        return self.metrics.get("r2_test", 0.0) >= MIN_R2
 
     def factor(self, layer: int, features: np.ndarray) -> np.ndarray:
         return np.exp(self.log_ratio(layer, features))

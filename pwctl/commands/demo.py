@@ -66,7 +66,8 @@ def run(
     console.print("[bold]3/4 fit-residual[/]")
     residual = fit(engine.pack)
     residual.save(engine.pack)
-    console.print(f"    held-out R^2 {residual.metrics['r2_test']:.3f}")
+    use = "used by pagedweight" if residual.usable else "below 0.1: pagedweight ignores it"
+    console.print(f"    held-out R^2 {residual.metrics['r2_test']:.3f} ({use})")
     console.print("[bold]4/4 bench --ppl[/] (uniform widths vs budgets planned from the profile)")
     data = EVAL_SAMPLE if EVAL_SAMPLE.is_file() else Path(tiny.__file__)
     results = run_ppl(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pwctl.commands.common import handles_errors, print_table, write_json
+from pwctl.commands.common import console, handles_errors, print_table, write_json
 from pwctl.residual import fit
 from pwctl.runtime.engine import open_pack
 
@@ -32,4 +32,6 @@ def run(
             ("Spearman within block x width", m["spearman_within_block_width"], "n/a"),
         ],
     )
+    if not model.usable:
+        console.print("held-out R^2 is below 0.1: pagedweight policies will not use this model")
     write_json(json, m)

@@ -17,7 +17,6 @@ from pwctl.residual import RESIDUAL_JSON, ResidualModel
 from pwctl.runtime.moe import MoETap
 from pwctl.runtime.planner import Plan, Planner, PlannerConfig
 
-MIN_R2 = 0.1  # the prompt residual is used only if it explains this much held-out variance
 STATIC = PlannerConfig(use_router_stats=False, use_residual=False, dynamic_paging=False)
 
 
@@ -30,7 +29,7 @@ class WidthAllocator:
         self.layers = m.moe_layers
         self.profile = Profile.load(pack)
         self.residual = ResidualModel.load(pack) if (pack.path / RESIDUAL_JSON).is_file() else None
-        if self.residual is not None and self.residual.metrics.get("r2_test", 0.0) < MIN_R2:
+        if self.residual is not None and not self.residual.usable:
             self.residual = None  # a model that does not predict held-out sequences adds noise
         widths = range(m.min_bits, m.max_bits + 1)
         cost = np.array([[b.bytes_at(w) for w in widths] for b in pack.blocks], dtype=np.int64)
