@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from pwctl.errors import PwctlError
 from pwctl.recipe import MoESpec, Recipe
+from pwctl.text import token_windows
 
 PRIOR_TOKENS = 16.0
 
@@ -59,17 +60,6 @@ class Importance:
             w = total / (n + PRIOR_TOKENS)
         w = w / w.mean().clamp_min(1e-30)
         return w.clamp_min(1e-4), n
-
-
-def read_calib_tokens(path: Path, tokenizer, seq_len: int, max_tokens: int) -> torch.Tensor:
-    if not path.is_file():
-        raise PwctlError(f"{path}: calibration file not found")
-    text = path.read_text(errors="replace")
-    ids = tokenizer(text, return_tensors="pt").input_ids[0][:max_tokens]
-    n = ids.numel() // seq_len
-    if n == 0:
-        raise PwctlError(f"{path}: calibration text too short ({ids.numel()} tokens < {seq_len})")
-    return ids[: n * seq_len].view(n, seq_len)
 
 
 def collect(
@@ -129,7 +119,7 @@ def collect(
 
             hooks.append(shared.register_forward_pre_hook(shared_in))
             hooks.append(shared.down_proj.register_forward_pre_hook(shared_mid))
-    ids = read_calib_tokens(calib, tok, seq_len, max_tokens)
+    ids = token_windows(tok, calib, seq_len, max_tokens)
     with torch.no_grad():
         for row in ids:
             model(row[None].to(device))

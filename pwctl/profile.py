@@ -15,7 +15,6 @@ import json
 import time
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from pwctl.errors import PwctlError
 from pwctl.pack import Pack, write_atomic
 from pwctl.policy import parse_policy
 from pwctl.runtime.moe import MoETap
+from pwctl.text import norm_features
 
 if TYPE_CHECKING:  # the engine imports the allocator, which reads profiles
     from pwctl.runtime.engine import Engine
@@ -115,41 +115,6 @@ def lower_hull(nbytes: np.ndarray, damage: np.ndarray) -> tuple[np.ndarray, np.n
     return hull, on
 
 
-def read_texts(paths: list[Path]) -> str:
-    """Plain text, or jsonl with a "text" field per line."""
-    parts = []
-    for path in paths:
-        if not path.is_file():
-            raise PwctlError(f"{path}: data file not found")
-        if path.suffix == ".jsonl":
-            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-                if line.strip():
-                    try:
-                        parts.append(str(json.loads(line)["text"]))
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise PwctlError(
-                            f"{path}:{n}: expected a JSON object with 'text'"
-                        ) from None
-        else:
-            parts.append(path.read_text(errors="replace"))
-    text = "\n\n".join(p for p in parts if p.strip())
-    if not text:
-        raise PwctlError(f"{', '.join(map(str, paths))}: no text in the data")
-    return text
-
-
-def windows(engine: Engine, paths: list[Path], samples: int, seq_len: int) -> torch.Tensor:
-    """`samples` windows of `seq_len` tokens spread evenly over the text (varied sequences)."""
-    ids = engine.tokenizer(read_texts(paths), return_tensors="pt").input_ids[0]
-    if ids.numel() < seq_len:
-        raise PwctlError(
-            f"calibration data has {ids.numel()} tokens, fewer than --seq-len {seq_len}"
-        )
-    n = min(samples, ids.numel() // seq_len)
-    starts = np.linspace(0, ids.numel() - seq_len, n).astype(int)
-    return torch.stack([ids[s : s + seq_len] for s in starts])
-
-
 def _kl_per_seq(ref: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     lp = torch.log_softmax(logits, -1)
     return (ref.exp() * (ref - lp)).sum(-1).mean(-1)
@@ -207,8 +172,7 @@ def _features(engine: Engine, tap: MoETap, n_seq: int, seq_len: int):
     share = np.zeros((len(layers), spec["num_experts"]))
     for li, layer in enumerate(layers):
         x, index, _ = tap.seen[layer]
-        norms = x.float().norm(dim=-1).view(n_seq, seq_len)
-        feats[li] = torch.stack([norms.mean(1), norms.amax(1), norms.std(1)], 1).cpu().numpy()
+        feats[li] = norm_features(x.view(n_seq, seq_len, -1)).cpu().numpy()
         counts = torch.bincount(index.flatten(), minlength=spec["num_experts"]).cpu().numpy()
         share[li] = counts / counts.sum()
     return feats, share

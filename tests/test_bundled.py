@@ -6,13 +6,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pwctl.bench.ppl import token_windows
 from pwctl.checkpoint import EVAL_SAMPLE, MODELS_DIR, bundled_models
 from pwctl.cli import app
 from pwctl.convert import ConvertOptions, convert
 from pwctl.pack import Pack
 from pwctl.policy import parse_policy
 from pwctl.runtime.engine import Engine
+from pwctl.text import token_windows
 
 runner = CliRunner()
 EVAL = EVAL_SAMPLE
@@ -28,8 +28,19 @@ def test_convert_and_generate_by_bare_name(tmp_path):
     out = tmp_path / "pack"
     r = runner.invoke(app, ["convert", "tiny-mixtral", str(out)])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["generate", str(out), "--prompt", "In the beginning God",
-                            "--max-tokens", "8", "--json", str(tmp_path / "g.json")])
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            str(out),
+            "--prompt",
+            "In the beginning God",
+            "--max-tokens",
+            "8",
+            "--json",
+            str(tmp_path / "g.json"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     completion = json.loads((tmp_path / "g.json").read_text())["completion"]
     assert len(completion.strip()) > 0
@@ -39,7 +50,7 @@ def test_convert_and_generate_by_bare_name(tmp_path):
 def test_kl_at_8_bits_on_eval_text(name, tmp_path):
     convert(name, tmp_path / "pack", ConvertOptions())
     engine = Engine(Pack(tmp_path / "pack"))
-    ids = token_windows(engine, EVAL, 256, 1024)
+    ids = token_windows(engine.tokenizer, EVAL, 256, 1024)
     engine.set_policy(parse_policy("fp16"))
     ref = torch.log_softmax(engine.logits(ids), -1)
     nll = -ref[:, :-1].gather(2, ids[:, 1:, None]).mean()

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from pwctl.errors import PwctlError
 from pwctl.policy import Policy, parse_policy
 from pwctl.runtime.engine import Engine
 from pwctl.runtime.moe import MoETap
@@ -28,19 +26,6 @@ class PplResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def token_windows(engine: Engine, path: Path, seq_len: int, max_tokens: int) -> torch.Tensor:
-    if not path.is_file():
-        raise PwctlError(f"{path}: data file not found")
-    text = path.read_text(errors="replace")
-    if not text.strip():
-        raise PwctlError(f"{path}: data file is empty")
-    ids = engine.tokenizer(text, return_tensors="pt").input_ids[0][:max_tokens]
-    n = ids.numel() // seq_len
-    if n == 0:
-        raise PwctlError(f"{path}: {ids.numel()} tokens, fewer than one window of {seq_len}")
-    return ids[: n * seq_len].view(n, seq_len)
 
 
 def pressure_trace(n: int) -> np.ndarray:

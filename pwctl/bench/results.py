@@ -8,15 +8,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pwctl.bench.ppl import PplResult, run_ppl, token_windows
+from pwctl.bench.ppl import PplResult, run_ppl
 from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE
 from pwctl.convert import ConvertOptions, convert
 from pwctl.errors import PwctlError
 from pwctl.pack import write_atomic
 from pwctl.policy import parse_policy
-from pwctl.profile import run_profile, windows
+from pwctl.profile import run_profile
 from pwctl.residual import fit
 from pwctl.runtime.engine import Engine, open_pack
+from pwctl.text import spread_windows, token_windows
 
 BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6)
 FAMILIES = ("static", "dynamic-layer", "pagedweight")
@@ -37,7 +38,7 @@ def prepare(model: str, work: Path) -> tuple[Engine, dict[str, Any]]:
     pack = engine.pack
     pairs = len(pack.blocks) * (pack.manifest.max_bits - pack.manifest.min_bits)
     method = "measured" if pairs <= MEASURED_LIMIT else "proxy"
-    prof = run_profile(engine, windows(engine, [CALIB_SAMPLE], 16, 128), method)
+    prof = run_profile(engine, spread_windows(engine.tokenizer, [CALIB_SAMPLE], 16, 128), method)
     prof.meta["data"] = [CALIB_SAMPLE.name]
     prof.save(pack)
     residual = fit(pack)
@@ -53,7 +54,7 @@ def prepare(model: str, work: Path) -> tuple[Engine, dict[str, Any]]:
 def run_model(engine: Engine, max_tokens: int, kv_peak: float) -> dict[str, Any]:
     from pwctl.bench.synthetic_tasks import run_synthetic
 
-    ids = token_windows(engine, EVAL_SAMPLE, 512, max_tokens)
+    ids = token_windows(engine.tokenizer, EVAL_SAMPLE, 512, max_tokens)
     fixed = ["fp16"] + [f"uniform:{b}" for b in range(2, 7)]
     fixed += [f"{f}:{b}" for f in FAMILIES for b in BUDGETS]
     sweep = run_ppl(engine, ids, [parse_policy(p) for p in fixed])

@@ -12,7 +12,7 @@ import typer
 from pwctl.bench import longbench as lb
 from pwctl.bench import synthetic_tasks as syn
 from pwctl.bench.planner import run_planner_bench
-from pwctl.bench.ppl import run_ppl, token_windows
+from pwctl.bench.ppl import run_ppl
 from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
 from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.commands.common import (
@@ -26,6 +26,7 @@ from pwctl.commands.common import (
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
 from pwctl.runtime.engine import Engine, open_pack
+from pwctl.text import token_windows
 
 DEFAULT_POLICIES = ["fp16", "uniform:8", "uniform:4", "uniform:3", "uniform:2"]
 
@@ -135,6 +136,8 @@ def run(
     policies += [add_rtn_variant(engine, b) for b in rtn or []]
     if kv_peak < 0:
         raise PwctlError("--kv-peak must be >= 0")
-    results = run_ppl(engine, token_windows(engine, data, seq_len, max_tokens), policies, kv_peak)
+    results = run_ppl(
+        engine, token_windows(engine.tokenizer, data, seq_len, max_tokens), policies, kv_peak
+    )
     print_ppl(f"perplexity on {data.name} ({results[0].tokens} tokens)", results)
     write_json(json, {"data": str(data), "results": [r.as_dict() for r in results]})

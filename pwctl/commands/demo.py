@@ -9,14 +9,15 @@ from typing import Annotated
 import typer
 
 from pwctl import tiny
-from pwctl.bench.ppl import run_ppl, token_windows
+from pwctl.bench.ppl import run_ppl
 from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE, bundled_models
 from pwctl.commands.common import console, handles_errors, print_ppl, write_json
 from pwctl.convert import ConvertOptions, convert
 from pwctl.policy import parse_policy
-from pwctl.profile import run_profile, windows
+from pwctl.profile import run_profile
 from pwctl.residual import fit
 from pwctl.runtime.engine import Engine, open_pack
+from pwctl.text import spread_windows, token_windows
 
 POLICIES = [
     "fp16",
@@ -56,7 +57,7 @@ def run(
     engine = Engine(open_pack(work / "pack"))
     console.print("[bold]2/4 profile[/] (measured KL per block and width)")
     prof_data = [calib] if calib else [Path(tiny.__file__)]
-    prof = run_profile(engine, windows(engine, prof_data, 16, 128), "measured")
+    prof = run_profile(engine, spread_windows(engine.tokenizer, prof_data, 16, 128), "measured")
     prof.meta["data"] = [p.name for p in prof_data]
     prof.save(engine.pack)
     sp = prof.meta["spearman_proxy_vs_measured"]
@@ -71,7 +72,9 @@ def run(
     console.print("[bold]4/4 bench --ppl[/] (uniform widths vs budgets planned from the profile)")
     data = EVAL_SAMPLE if EVAL_SAMPLE.is_file() else Path(tiny.__file__)
     results = run_ppl(
-        engine, token_windows(engine, data, 256, max_tokens), [parse_policy(p) for p in POLICIES]
+        engine,
+        token_windows(engine.tokenizer, data, 256, max_tokens),
+        [parse_policy(p) for p in POLICIES],
     )
     print_ppl(f"quality vs memory ({data.name}, {results[0].tokens} tokens)", results)
     write_json(json, [r.as_dict() for r in results])

@@ -10,8 +10,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pwctl.checkpoint import CALIB_SAMPLE
 from pwctl.commands.common import console, handles_errors, print_table, write_json
-from pwctl.profile import run_profile, windows
+from pwctl.profile import run_profile
 from pwctl.runtime.engine import Engine, open_pack
+from pwctl.text import spread_windows
 
 
 @handles_errors
@@ -27,7 +28,7 @@ def run(
     """Measure what running each block at each width costs (written into the pack)."""
     data = data or [CALIB_SAMPLE]
     engine = Engine(open_pack(pack), device)
-    ids = windows(engine, data, samples, seq_len)
+    ids = spread_windows(engine.tokenizer, data, samples, seq_len)
     columns = (TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("blocks", total=len(engine.pack.blocks))

@@ -16,6 +16,7 @@ from pwctl.profile import Profile
 from pwctl.residual import RESIDUAL_JSON, ResidualModel
 from pwctl.runtime.moe import MoETap
 from pwctl.runtime.planner import Plan, Planner, PlannerConfig
+from pwctl.text import norm_features
 
 STATIC = PlannerConfig(use_router_stats=False, use_residual=False, dynamic_paging=False)
 
@@ -91,7 +92,7 @@ class WidthAllocator:
     def observe(self, tap: MoETap) -> None:
         """Signals of the step just run: router counts and the residual of its sequences."""
         if self.per_layer:
-            norms = [tap.seen[layer][0].float().norm(dim=-1).mean().item() for layer in self.layers]
+            norms = [norm_features(tap.seen[layer][0])[0].item() for layer in self.layers]
             slope, intercept = self._norm_fit
             self.planner.set_residual(np.clip(slope * np.array(norms) + intercept, 0.1, 10.0))
             return
@@ -102,9 +103,7 @@ class WidthAllocator:
             x, index, _ = tap.seen[layer]
             counts[li] = np.bincount(index.flatten().cpu().numpy(), minlength=n_exp)
             if self.residual is not None:
-                norms = x.float().norm(dim=-1)
-                feats = np.array([norms.mean().item(), norms.max().item(), norms.std().item()])
-                factor[li] = float(self.residual.factor(layer, feats))
+                factor[li] = float(self.residual.factor(layer, norm_features(x).cpu().numpy()))
         self.planner.observe(counts)
         self.planner.set_residual(factor[self._block_layer])
         self.planner.tick()
