@@ -29,7 +29,7 @@ def tm():
 @pytest.fixture(scope="module")
 def setup(tm):
     tok = AutoTokenizer.from_pretrained(MODELS_DIR / "tiny-qwen-moe")
-    text = EVAL_SAMPLE.read_text()[:200_000]
+    text = EVAL_SAMPLE.read_text()[:60_000]
     prose = tm.load_prose([t for t in text.split("\n\n") if t.strip()], tok)
     return tok, prose
 
@@ -46,7 +46,7 @@ def test_retrieval_row_lengths_and_answer_mask(tm, setup, lo_hi):
     tok, prose = setup
     lo, hi = lo_hi
     builder = tm.RetrievalBuilder(tok, prose, seed=3)
-    for _ in range(4):
+    for _ in range(2):
         ids, w = builder.training_row(2049, 10.0, lo, hi)
         assert ids.shape == w.shape == (2049,)
         assert ids[-1] == builder.eos
