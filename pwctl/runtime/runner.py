@@ -1,0 +1,64 @@
+"""One forward pass of a scheduled batch: every scheduled token in one packed row with its own
+position, attention through `pwctl_paged` (runtime/attention.py), logits only at the last token
+of the sequences that sample this step."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from pwctl.runtime.attention import ATTN_NAME, PagedBatch, SeqSpan
+from pwctl.runtime.kv_cache import KVCache
+from pwctl.runtime.scheduler import ScheduledBatch
+
+
+@contextmanager
+def attention_implementation(model: nn.Module, name: str):
+    """Switch the model's attention function for the duration (the reference path keeps sdpa)."""
+    config = model.config
+    old = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv: KVCache, device: str | torch.device = "cpu"):
+        self.model, self.kv, self.device = model, kv, torch.device(device)
+
+    def inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+        """Packed input ids and positions [1, T], and the attention metadata."""
+        ids, pos, slots, spans, start = [], [], [], [], 0
+        for seq, n in zip(batch.seqs, batch.n_tokens, strict=True):
+            past = seq.num_computed
+            ids.extend(seq.all_ids[past : past + n])
+            pos.extend(range(past, past + n))
+            slots.append(self.kv.slots(seq.seq_id, past, past + n))
+            kv_slots = self.kv.slots(seq.seq_id, 0, past + n).to(self.device)
+            spans.append(SeqSpan(start, start + n, past, kv_slots))
+            start += n
+        dev = self.device
+        paged = PagedBatch(self.kv, torch.cat(slots).to(dev), spans)
+        return torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), paged
+
+    @torch.no_grad()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [n, vocab] (fp32) for the sequences that sample, in batch order."""
+        ids, pos, paged = self.inputs(batch)
+        keep = [s.q_stop - 1 for s, on in zip(paged.spans, batch.sampling, strict=True) if on]
+        if not keep:
+            keep = [ids.shape[1] - 1]  # prefill chunks only: still run the layers
+        with attention_implementation(self.model, ATTN_NAME):
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, device=self.device),
+                pwctl_batch=paged,
+            )
+        logits = out.logits[0].float()
+        return logits if any(batch.sampling) else logits[:0]
