@@ -262,6 +262,46 @@ def test_cpu_mode_with_a_real_pack(packs):
 # --- CUDA backend (an H200 later; skipped without CUDA) ---------------------------------------
 
 
+def fitting_widths(table: PageTable, rng: np.random.Generator) -> np.ndarray:
+    """Random wanted widths lowered (random blocks, one bit at a time) until they fit the pool."""
+    wanted = rng.integers(table.min_bits, table.max_bits + 1, size=table.n_blocks)
+    rows = np.arange(table.n_blocks)
+    while table.cost_at[rows, wanted].sum() > table.n_slabs * table.slab_bytes:
+        b = rng.choice(np.flatnonzero(wanted > table.min_bits))
+        wanted[b] -= 1
+    return wanted
+
+
+def churn_and_compare(pack: Pack, table: PageTable, backend, work=lambda: None) -> None:
+    """12 random re-plans, commits interleaved with other work; resident planes equal the pack's."""
+    pager = Pager(table, backend)
+    rng = np.random.default_rng(0)
+    raws = {}
+    for step in range(12):
+        pager.request(fitting_widths(table, rng))
+        for _ in range(3):
+            work()
+            pager.commit()
+        pager.settle()
+        pager.check()
+        assert (table.width == table.wanted).all()
+        for b in rng.choice(table.n_blocks, size=8, replace=False):
+            for p in range(int(table.width[b])):
+                key = (int(b), p)
+                if key not in raws:
+                    bits, tab = pack.read_plane(pack.blocks[b], p)
+                    raws[key] = bits.tobytes() + (b"" if tab is None else tab.tobytes())
+                got = backend.read(table.slabs(b, p, p + 1), len(raws[key]))
+                assert got.tobytes() == raws[key], f"step {step} block {b} plane {p}"
+
+
+def test_cpu_backend_churn_matches_pack(packs):
+    pack = Pack(packs[("qwen2_moe", "per_expert")])
+    full = sum(b.bytes_at(pack.manifest.max_bits) for b in pack.blocks)
+    table = PageTable.from_pack(pack, budget_bytes=full // 2)
+    churn_and_compare(pack, table, CpuBackend.from_pack(pack, table))
+
+
 @pytest.mark.gpu
 def test_cuda_backend_matches_pack(packs):
     import torch
@@ -272,25 +312,7 @@ def test_cuda_backend_matches_pack(packs):
     full = sum(b.bytes_at(pack.manifest.max_bits) for b in pack.blocks)
     table = PageTable.from_pack(pack, budget_bytes=full // 2)
     backend = CudaBackend.from_pack(pack, table, staging_bytes=4 * table.slab_bytes)  # pieces
-    pager = Pager(table, backend)
-    rng = np.random.default_rng(0)
-    raws = {}
-    for step in range(12):
-        wanted = rng.integers(table.min_bits, table.max_bits + 1, size=table.n_blocks)
-        pager.request(wanted)
-        for _ in range(3):  # commits interleaved with compute-stream work
-            torch.ones(1 << 20, device="cuda").sum()
-            pager.commit()
-        pager.settle()
-        pager.check()
-        for b in rng.choice(table.n_blocks, size=8, replace=False):
-            for p in range(int(table.width[b])):
-                key = (int(b), p)
-                if key not in raws:
-                    bits, tab = pack.read_plane(pack.blocks[b], p)
-                    raws[key] = bits.tobytes() + (b"" if tab is None else tab.tobytes())
-                got = backend.read(table.slabs(b, p, p + 1), len(raws[key]))
-                assert got.tobytes() == raws[key], f"step {step} block {b} plane {p}"
+    churn_and_compare(pack, table, backend, lambda: torch.ones(1 << 20, device="cuda").sum())
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 
 from pwctl.bench import longbench as lb
@@ -55,6 +56,9 @@ def run(
     results: Annotated[
         bool, typer.Option("--results", help="regenerate docs/RESULTS.md + results.png")
     ] = False,
+    shape: Annotated[list[str] | None, typer.Option(help="--kernels: layer shapes")] = None,
+    width: Annotated[list[str] | None, typer.Option(help="--kernels: widths, or mixed")] = None,
+    tokens: Annotated[list[int] | None, typer.Option(help="--kernels: tokens per call")] = None,
     rows: Annotated[int, typer.Option(help="--quantizer: matrix rows")] = 1024,
     cols: Annotated[int, typer.Option(help="--quantizer: matrix inputs")] = 4096,
     data: Annotated[Path | None, typer.Option(help="text file (default: bundled eval)")] = None,
@@ -124,8 +128,31 @@ def run(
         print_table(f"synthetic retrieval accuracy (prose: {prose.name})", *syn.table(results))
         write_json(json, {"prose": str(prose), "results": [r.as_dict() for r in results]})
         return
-    if kernels or throughput:
-        not_built("bench --kernels/--throughput", "kernel and bench issues")
+    if kernels:
+        from pwctl.bench.kernels import SHAPES, run_kernel_bench
+
+        if not torch.cuda.is_available():
+            raise PwctlError("bench --kernels needs a CUDA device")
+        bad = set(shape or []) - set(SHAPES)
+        if bad:
+            raise PwctlError(f"unknown --shape {sorted(bad)}; choose from {sorted(SHAPES)}")
+        copy_bw, rows = run_kernel_bench(
+            shape or list(SHAPES), width or ["2", "3", "4", "8", "mixed"],
+            tokens or [1, 2, 4, 8, 16, 512],
+        )  # fmt: skip
+        print_table(
+            f"fused MoE layer, {torch.cuda.get_device_name()} (copy {copy_bw / 1e12:.2f} TB/s)",
+            ("shape", "width", "tokens", "path", "us", "MB read", "GB/s", "% copy",
+             "x fp16 floor", "x fp16 grouped"),
+            [(r.shape, r.width, r.tokens, r.path, f"{r.time_us:.1f}", f"{r.bytes_read / 1e6:.1f}",
+              f"{r.gb_s:.0f}", f"{r.pct_copy:.0f}", f"{r.speedup_vs_floor:.2f}",
+              f"{r.speedup_vs_grouped:.2f}") for r in rows],
+        )  # fmt: skip
+        write_json(json, {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bw,
+                          "rows": [r.as_dict() for r in rows]})  # fmt: skip
+        return
+    if throughput:
+        not_built("bench --throughput", "the serving and bench issues")
     if not ppl:
         raise PwctlError("choose a mode: --ppl, --longbench, --synthetic or --predictions FILE")
     if pack is None:

@@ -1,0 +1,242 @@
+// The fused mixed-precision MoE kernels (docs/KERNELS.md). Compiled by CuPy (NVRTC) at first use.
+//
+// Every expert block is read at its current width straight from its planes, wherever the pager
+// put them: a block's plane p is a chunk [bits | table] split over fixed-size slabs of one device
+// arena, and the descriptor (per-block width, per-plane first slab-map entry, slab map) lives in
+// device memory, rewritten by the pager between steps. Kernels never see host-side widths, so a
+// width change costs no recompile, no reallocation and no host sync.
+//
+// Inputs are read in "plane order": for an input vector x of K = 32*words columns, xp[8][words][4]
+// holds x[32w + 4q + i] at [q][w][i]. Lane l of a warp handles plane word w = l + 32m, so its
+// float4 loads of x are consecutive across the warp (coalesced), and one float4 feeds 4 columns.
+
+// No headers: NVRTC finds none of its own, and fp16 <-> fp32 is one PTX instruction each way.
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+typedef unsigned int u32;
+typedef long long i64;
+
+#define WARPS 8
+#define MAX_TABLE 256  // 2^max_bits, max_bits <= 8
+
+struct Paged {
+    const unsigned char* arena;  // [n_slabs, 1 << slab_shift]
+    const int* slab_map;         // slab id of every (block, plane, page)
+    const int* slab_off;         // [n_blocks, max_bits]: first slab-map entry of each plane
+    const int* width;            // [n_blocks]: planes a kernel may read
+    int slab_shift;
+    int max_bits;
+};
+
+__device__ __forceinline__ const unsigned char* paged(const Paged& g, int block, int plane, i64 off) {
+    int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
+    i64 slab = __ldg(g.slab_map + entry);
+    return g.arena + (slab << g.slab_shift) + (off & ((1LL << g.slab_shift) - 1));
+}
+
+// The width-B table row of block row `row` into this warp's shared memory (as float).
+template <int B>
+__device__ __forceinline__ void load_table(const Paged& g, int block, i64 bits_nbytes, int rpt,
+                                           int row, float* dst, int lane) {
+    i64 base = bits_nbytes + (i64)(row / rpt) * (2 << B);
+    for (int i = lane; i < (1 << B); i += 32)
+        dst[i] = h2f(*(const unsigned short*)paged(g, block, B - 1, base + 2 * i));
+}
+
+// acc[r][t] += sum over columns of W[row0 + r, :] * in[t, :], W read at width B.
+template <int B, int R, int TM>
+__device__ __forceinline__ void rows_dot(const Paged& g, int block, i64 bits_nbytes, int words,
+                                         int rpt, int row0, int nrows, const float* xp,
+                                         const int* in_row, int T, float (&acc)[R][TM],
+                                         float* tbl, int lane) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        if (r < nrows) load_table<B>(g, block, bits_nbytes, rpt, row0 + r, tbl + r * MAX_TABLE, lane);
+    __syncwarp();
+    const i64 xstride = (i64)8 * words * 4;  // floats per input row
+    for (int w = lane; w < words; w += 32) {
+        u32 P[R][B];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            int row = row0 + (r < nrows ? r : 0);
+            i64 off = ((i64)row * words + w) * 4;
+            #pragma unroll
+            for (int p = 0; p < B; ++p) P[r][p] = __ldg((const u32*)paged(g, block, p, off));
+        }
+        #pragma unroll
+        for (int q = 0; q < 8; ++q) {
+            float4 xv[TM];
+            #pragma unroll
+            for (int t = 0; t < TM; ++t)
+                if (t < T) xv[t] = __ldg((const float4*)(xp + in_row[t] * xstride + ((i64)q * words + w) * 4));
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = 4 * q + i;
+                #pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    u32 label = 0;
+                    #pragma unroll
+                    for (int p = 0; p < B; ++p) label |= ((P[r][p] >> j) & 1u) << (B - 1 - p);
+                    const float v = tbl[r * MAX_TABLE + label];
+                    #pragma unroll
+                    for (int t = 0; t < TM; ++t) {
+                        const float xi = i == 0 ? xv[t].x : i == 1 ? xv[t].y : i == 2 ? xv[t].z : xv[t].w;
+                        if (t < T) acc[r][t] = fmaf(v, xi, acc[r][t]);
+                    }
+                }
+            }
+        }
+    }
+    __syncwarp();
+}
+
+// Dispatch on the block's run-time width (uniform across the warp: one block per call).
+template <int R, int TM>
+__device__ void rows_dot_any(const Paged& g, int block, i64 bits_nbytes, int words, int rpt,
+                             int row0, int nrows, const float* xp, const int* in_row, int T,
+                             float (&acc)[R][TM], float* tbl, int lane) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int t = 0; t < TM; ++t) acc[r][t] = 0.f;
+    switch (__ldg(g.width + block)) {
+#define CASE(B) case B: rows_dot<B, R, TM>(g, block, bits_nbytes, words, rpt, row0, nrows, xp, in_row, T, acc, tbl, lane); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int t = 0; t < TM; ++t)
+            #pragma unroll
+            for (int s = 16; s > 0; s >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], s);
+}
+
+struct Slots {
+    const int* expert;  // [n_slots]: expert of the slot (its row in block_ids)
+    const int* lo;      // [n_slots]: first pair of the slot
+    const int* hi;      // [n_slots]: one past its last pair
+    const int* token;   // [pairs]: token of each pair (pairs sorted by slot)
+    const float* weight;  // [pairs]: combine weight of each pair
+    const int* block_ids;  // [experts (+ shared), 3]: block of gate, up, down
+};
+
+__device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
+
+// h[pair] = silu(gate x) * up x for every pair of a slot, written in plane order for the down
+// projection. grid: (ceil(I / (WARPS*R)), n_slots); block: 32*WARPS.
+template <int R, int TM>
+__device__ void gate_up(Paged g, Slots s, const float* xp, float* hp, int I, int words_in,
+                        int words_out, i64 bits_nbytes, int rpt) {
+    __shared__ float tables[WARPS][R * MAX_TABLE];
+    __shared__ int in_row[TM];
+    const int slot = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lo = __ldg(s.lo + slot), T = __ldg(s.hi + slot) - lo;
+    if (T <= 0) return;
+    if (threadIdx.x < T) in_row[threadIdx.x] = __ldg(s.token + lo + threadIdx.x);
+    __syncthreads();
+    const int e = __ldg(s.expert + slot);
+    const int row0 = (blockIdx.x * WARPS + warp) * R;
+    if (row0 >= I) return;
+    const int nrows = min(R, I - row0);
+    float ga[R][TM], ua[R][TM];
+    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e), bits_nbytes, words_in, rpt, row0, nrows, xp, in_row, T, ga, tables[warp], lane);
+    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e + 1), bits_nbytes, words_in, rpt, row0, nrows, xp, in_row, T, ua, tables[warp], lane);
+    if (lane != 0) return;
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int n = row0 + r;
+        if (r >= nrows) break;
+        const i64 col = ((i64)((n & 31) >> 2) * words_out + (n >> 5)) * 4 + (n & 3);
+        #pragma unroll
+        for (int t = 0; t < TM; ++t)
+            if (t < T) hp[(i64)(lo + t) * 8 * words_out * 4 + col] = silu(ga[r][t]) * ua[r][t];
+    }
+}
+
+// out[token] += weight * (down h[pair]) for every pair of a slot. grid: (ceil(H / (WARPS*R)), n_slots).
+template <int R, int TM>
+__device__ void down(Paged g, Slots s, const float* hp, float* out, int H, int words_in,
+                     i64 bits_nbytes, int rpt) {
+    __shared__ float tables[WARPS][R * MAX_TABLE];
+    __shared__ int in_row[TM];
+    const int slot = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lo = __ldg(s.lo + slot), T = __ldg(s.hi + slot) - lo;
+    if (T <= 0) return;
+    if (threadIdx.x < T) in_row[threadIdx.x] = lo + threadIdx.x;
+    __syncthreads();
+    const int e = __ldg(s.expert + slot);
+    const int row0 = (blockIdx.x * WARPS + warp) * R;
+    if (row0 >= H) return;
+    const int nrows = min(R, H - row0);
+    float acc[R][TM];
+    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e + 2), bits_nbytes, words_in, rpt, row0, nrows, hp, in_row, T, acc, tables[warp], lane);
+    if (lane != 0) return;
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r >= nrows) break;
+        #pragma unroll
+        for (int t = 0; t < TM; ++t)
+            if (t < T) atomicAdd(out + (i64)__ldg(s.token + lo + t) * H + row0 + r, __ldg(s.weight + lo + t) * acc[r][t]);
+    }
+}
+
+// Flat kernel parameters (CuPy passes scalars and raw pointers): the descriptor, then the slots.
+#define PAGED_ARGS const unsigned char *arena, const int *slab_map, const int *slab_off,             \
+                   const int *width, int slab_shift, int max_bits
+#define SLOT_ARGS const int *s_expert, const int *s_lo, const int *s_hi, const int *s_token,          \
+                  const float *s_weight, const int *block_ids
+#define PAGED Paged{arena, slab_map, slab_off, width, slab_shift, max_bits}
+#define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block_ids}
+
+#define ENTRY(TM, R)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) gate_up_t##TM(                    \
+        PAGED_ARGS, SLOT_ARGS, const float* xp, float* hp, int I, int words_in, int words_out,   \
+        i64 bits_nbytes, int rpt) {                                                              \
+        gate_up<R, TM>(PAGED, SLOTS, xp, hp, I, words_in, words_out, bits_nbytes, rpt);          \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) down_t##TM(                       \
+        PAGED_ARGS, SLOT_ARGS, const float* hp, float* out, int H, int words_in,                 \
+        i64 bits_nbytes, int rpt) {                                                              \
+        down<R, TM>(PAGED, SLOTS, hp, out, H, words_in, bits_nbytes, rpt);                       \
+    }
+
+ENTRY(1, 4)
+ENTRY(2, 4)
+ENTRY(4, 2)
+ENTRY(8, 2)
+ENTRY(16, 1)
+
+// Prefill: rows [row0, row0 + n) of one block at its current width, as fp16 [n, cols], into a
+// workspace small enough to stay in L2; cuBLAS multiplies it next. grid: (n, 1); block: 128.
+extern "C" __global__ void dequant_rows(PAGED_ARGS, int block, i64 bits_nbytes, int words,
+                                        int cols, int rpt, int row0, unsigned short* out) {
+    const Paged g = PAGED;
+    __shared__ float tbl[MAX_TABLE];
+    const int row = row0 + blockIdx.x;
+    const int B = __ldg(g.width + block);
+    const i64 tbase = bits_nbytes + (i64)(row / rpt) * (2 << B);
+    for (int i = threadIdx.x; i < (1 << B); i += blockDim.x)
+        tbl[i] = h2f(*(const unsigned short*)paged(g, block, B - 1, tbase + 2 * i));
+    __syncthreads();
+    for (int w = threadIdx.x; w < words; w += blockDim.x) {
+        const i64 off = ((i64)row * words + w) * 4;
+        u32 P[8];
+        for (int p = 0; p < B; ++p) P[p] = __ldg((const u32*)paged(g, block, p, off));
+        unsigned short* dst = out + (i64)blockIdx.x * cols + 32 * w;
+        for (int j = 0; j < 32 && 32 * w + j < cols; ++j) {
+            u32 label = 0;
+            for (int p = 0; p < B; ++p) label = (label << 1) | ((P[p] >> j) & 1u);
+            dst[j] = f2h(tbl[label]);
+        }
+    }
+}

@@ -1,0 +1,269 @@
+"""`pwctl bench --kernels`: the fused MoE kernels on real layer shapes with synthetic planes and
+tables generated on the GPU (random labels, random sorted tables), paged over shuffled slabs like a
+pager leaves them. Per shape x width x tokens: time, bytes read, GB/s, % of the device-to-device
+copy bandwidth measured in the same run, and speedups over the FP16 floor (fp16 bytes / copy
+bandwidth) and over a fused FP16 grouped GEMM timed in the same run. The tests build their layers
+with the same `synthetic_layer`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pwctl.pack import BlockInfo, PlaneInfo
+from pwctl.recipe import MoESpec
+from pwctl.runtime.device_table import DeviceTable
+from pwctl.runtime.fused_moe import FusedMoE
+from pwctl.runtime.moe import route
+from pwctl.runtime.page_table import GPU, PageTable, choose_slab
+
+
+def _spec(hidden, inter, experts, top_k, shared=0, order="softmax_topk", norm=False) -> MoESpec:
+    return MoESpec(experts, top_k, inter, hidden, order, norm, 1.0, shared, shared > 0, "silu")
+
+
+SHAPES = {  # one layer of each: Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B
+    "mixtral": _spec(4096, 14336, 8, 2, norm=True),
+    "qwen-moe": _spec(2048, 1408, 60, 4, shared=5632),
+    "qwen3-moe": _spec(2048, 768, 128, 8, norm=True),
+}
+
+
+def _rows_per_table(rows: int, cols: int, group: int = 1024) -> int:
+    return next(r for r in range(1, rows + 1) if rows % r == 0 and r * cols >= group)
+
+
+def layer_blocks(spec: MoESpec, max_bits: int, min_bits: int) -> list[BlockInfo]:
+    """BlockInfo of every block of one layer (layer 0), pack order: expert-major, gate/up/down."""
+    blocks = []
+    experts = [(e, spec.intermediate, False) for e in range(spec.num_experts)]
+    if spec.has_shared:
+        experts.append((spec.num_experts, spec.shared_intermediate, True))
+    for e, inter, shared in experts:
+        for proj, rows, cols in (("gate", inter, spec.hidden), ("up", inter, spec.hidden)) + (
+            ("down", spec.hidden, inter),
+        ):
+            words = -(-cols // 32)
+            rpt = _rows_per_table(rows, cols)
+            tables = [(rows // rpt) * 2 ** (p + 2) * (p + 1 >= min_bits) for p in range(max_bits)]
+            planes = [PlaneInfo(0, rows * words * 4, n, 0) for n in tables]
+            name = f"layers.0.experts.{e}.{proj}"
+            blocks.append(BlockInfo(name, 0, e, shared, proj, rows, cols, words, rpt, "", planes))
+    return blocks
+
+
+@dataclass
+class SyntheticLayer:
+    spec: MoESpec
+    blocks: list[BlockInfo]
+    table: PageTable
+    dt: DeviceTable
+    moe: FusedMoE
+
+    def set_widths(self, widths: np.ndarray) -> None:
+        self.table.width[:] = widths
+        self.dt.sync()
+
+
+def synthetic_layer(
+    spec: MoESpec, device: str = "cuda", min_bits: int = 2, max_bits: int = 8, seed: int = 0
+) -> SyntheticLayer:
+    """Every block of one layer at `max_bits` planes, resident in a shuffled slab arena."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks = layer_blocks(spec, max_bits, min_bits)
+    pb = np.array([[p.nbytes for p in b.planes] for b in blocks], dtype=np.int64)
+    slab = choose_slab(pb)
+    total = int((-(-pb // slab)).sum())
+    table = PageTable(pb, min_bits, total * slab, slab)
+    linear = torch.randint(-(2**31), 2**31 - 1, (total * slab // 4,), generator=gen, device=device)
+    linear = linear.to(torch.int32).view(torch.uint8)
+    for b, blk in enumerate(blocks):
+        for p in range(min_bits - 1, max_bits):
+            start = int(table.slab_off[b, p]) * slab + blk.planes[p].bits_nbytes
+            n = blk.planes[p].table_nbytes // 2
+            tab = torch.randn(n // 2 ** (p + 1), 2 ** (p + 1), generator=gen, device=device)
+            tab = (tab.sort(dim=1).values * 0.02).half().view(torch.uint8).reshape(-1)
+            linear[start : start + 2 * n] = tab
+    perm = np.random.default_rng(seed).permutation(total).astype(np.int32)
+    table.slab_map[:] = perm
+    table.state[:] = GPU
+    table.width[:] = max_bits
+    table.wanted[:] = max_bits
+    arena = torch.empty(total, slab, dtype=torch.uint8, device=device)
+    where = torch.as_tensor(perm, dtype=torch.int64, device=device)
+    arena.index_copy_(0, where, linear.view(-1, slab))
+    dt = DeviceTable(table, arena, blocks)
+    index = {(0, b.expert, b.proj): i for i, b in enumerate(blocks)}
+    return SyntheticLayer(spec, blocks, table, dt, FusedMoE(spec, dt, index))
+
+
+def random_routing(spec: MoESpec, T: int, device: str = "cuda", seed: int = 0):
+    """Tokens x [T, H], routing weights/indices and shared-expert gate scale, for a bench/test."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, spec.hidden, generator=gen, device=device)
+    logits = torch.randn(T, spec.num_experts, generator=gen, device=device)
+    weights, index = route(logits, spec)
+    scale = None
+    if spec.has_shared:
+        scale = torch.sigmoid(torch.randn(T, 1, generator=gen, device=device))
+    return x, weights, index, scale
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+
+def _graph_time(fn, iters: int = 50) -> float:
+    """Seconds per call of `fn` replayed as a CUDA graph (launch overhead excluded)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _event_time(graph.replay, iters)
+
+
+def _event_time(fn, iters: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes/s counted once (read; the write is the same again)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return nbytes / _event_time(lambda: b.copy_(a), 20)
+
+
+class GroupedFp16:
+    """The FP16 baseline: the same experts as dense fp16 weights, torch._grouped_mm over the
+    pairs sorted by expert (falls back to a loop of matmuls where grouped_mm is missing)."""
+
+    def __init__(self, layer: SyntheticLayer, x, weights, index):
+        spec, dt = layer.spec, layer.dt
+        self.x = x.half()
+        self.T, self.k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        self.tok, self.w = order // self.k, weights.reshape(-1)[order]
+        experts = flat.unique().tolist()
+        counts = torch.bincount(flat, minlength=spec.num_experts)[experts]
+        self.offs = counts.cumsum(0).to(torch.int32)
+        ids = layer.moe.block_ids[0]
+
+        def stack(j):
+            return torch.stack([dt.weight(int(ids[e, j])).half() for e in experts])
+
+        self.gu = torch.cat([stack(0), stack(1)], dim=1).transpose(1, 2)  # [n, H, 2I]
+        self.dn = stack(2).transpose(1, 2)  # [n, I, H]
+        self.I = spec.intermediate
+        self.fp16_bytes = (self.gu.numel() + self.dn.numel()) * 2
+        self.grouped = hasattr(torch, "_grouped_mm")
+
+    def _mm(self, a, b):
+        if self.grouped:
+            try:  # fp16 where supported, else bf16 (same bytes; sm90 kernels are bf16-only)
+                return torch._grouped_mm(a, b, offs=self.offs)
+            except (RuntimeError, TypeError):
+                try:
+                    out = torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=self.offs)
+                    self.x, self.gu, self.dn = (t.bfloat16() for t in (self.x, self.gu, self.dn))
+                    return out
+                except (RuntimeError, TypeError):
+                    self.grouped = False
+        out, lo = [], 0
+        for i, hi in enumerate(self.offs.tolist()):
+            out.append(a[lo:hi] @ b[i])
+            lo = hi
+        return torch.cat(out)
+
+    def __call__(self):
+        xs = self.x[self.tok]
+        gu = self._mm(xs, self.gu)
+        h = F.silu(gu[:, : self.I]) * gu[:, self.I :]
+        y = self._mm(h, self.dn) * self.w[:, None].half()
+        out = torch.zeros(self.T, self.x.shape[1], device="cuda", dtype=y.dtype)
+        return out.index_add_(0, self.tok, y)
+
+
+@dataclass
+class KernelRow:
+    shape: str
+    width: str
+    tokens: int
+    path: str  # decode (graph-replayed kernels) or prefill
+    time_us: float
+    bytes_read: int
+    gb_s: float
+    pct_copy: float
+    fp16_floor_us: float
+    speedup_vs_floor: float
+    fp16_grouped_us: float
+    speedup_vs_grouped: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def active_bytes(layer: SyntheticLayer, index: torch.Tensor) -> tuple[int, int]:
+    """(plane bytes at the widths in use, fp16 bytes) of the blocks a routing reads."""
+    experts = set(index.reshape(-1).tolist())
+    if layer.spec.has_shared:
+        experts.add(layer.spec.num_experts)
+    planes = fp16 = 0
+    for b, blk in enumerate(layer.blocks):
+        if blk.expert in experts:
+            planes += blk.bytes_at(int(layer.table.width[b]))
+            fp16 += blk.fp16_bytes
+    return planes, fp16
+
+
+def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: float, seed: int):
+    x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
+
+    def call():
+        return layer.moe(0, x, weights, index, scale)
+
+    decode = T <= 16
+    t = _graph_time(call) if decode else _event_time(call, 5)
+    planes, fp16 = active_bytes(layer, index)
+    tg = _event_time(GroupedFp16(layer, x, weights, index), 10)
+    floor = fp16 / copy_bw
+    return KernelRow(
+        name, width, T, "decode" if decode else "prefill", t * 1e6, planes, planes / t / 1e9,
+        100 * planes / t / copy_bw, floor * 1e6, floor / t, tg * 1e6, tg / t,
+    )  # fmt: skip
+
+
+def run_kernel_bench(
+    shapes: list[str], widths: list[str], tokens: list[int], seed: int = 0
+) -> tuple[float, list[KernelRow]]:
+    copy_bw = copy_bandwidth()
+    rows = []
+    for name in shapes:
+        layer = synthetic_layer(SHAPES[name], seed=seed)
+        rng = np.random.default_rng(seed)
+        t = layer.table
+        for width in widths:
+            if width == "mixed":
+                w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks)
+            else:
+                w = np.full(t.n_blocks, int(width))
+            layer.set_widths(w)
+            rows += [_measure(layer, name, width, T, copy_bw, seed) for T in tokens]
+        del layer
+        torch.cuda.empty_cache()
+    return copy_bw, rows
