@@ -48,3 +48,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def bundled_pack(tmp_path_factory, worker_id) -> Path:
+    """The bundled tiny-mixtral converted at widths 3..6 with a proxy profile, so budgeted
+    policies run on it; built once for all xdist workers (a file lock guards the build)."""
+    from filelock import FileLock
+
+    from pwctl.checkpoint import CALIB_SAMPLE
+    from pwctl.pack import Pack
+    from pwctl.profile import PROFILE_JSON, run_profile
+    from pwctl.runtime.engine import Engine
+    from pwctl.text import spread_windows
+
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent
+    out = root / "bundled-mixtral-3-6"
+    with FileLock(str(out) + ".lock"):
+        if not (out / PROFILE_JSON).is_file():
+            convert("tiny-mixtral", out, ConvertOptions(min_bits=3, max_bits=6, force=True))
+            engine = Engine(Pack(out))
+            ids = spread_windows(engine.tokenizer, [CALIB_SAMPLE], 4, 64)
+            run_profile(engine, ids, "proxy").save(engine.pack)
+    return out

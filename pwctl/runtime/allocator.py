@@ -89,6 +89,22 @@ class WidthAllocator:
         widths = self.last.widths
         return widths[self._block_layer] if self.per_layer else widths
 
+    def fit(self, plane_bytes: int) -> np.ndarray:
+        """Widths for the serving engine's memory budget: free the excess over `plane_bytes`
+        (never below BUDGET, nor below the planner's floors), or promote into the spare bytes
+        with the planner's hysteresis; static policies keep their first plan."""
+        self.last = self.planner.fit(max(int(plane_bytes), self.budget))
+        return self._widths()
+
+    def replan(self, plane_bytes: int) -> np.ndarray:
+        """A full re-plan at `plane_bytes` (never below BUDGET): the serving engine's start."""
+        self.last = self.planner.plan(max(int(plane_bytes), self.budget))
+        return self._widths()
+
+    def _widths(self) -> np.ndarray:
+        widths = self.last.widths
+        return widths[self._block_layer] if self.per_layer else widths
+
     def observe(self, tap: MoETap) -> None:
         """Signals of the step just run: router counts and the residual of its sequences."""
         if self.per_layer:

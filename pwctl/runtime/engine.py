@@ -1,8 +1,10 @@
 """The engine every front end shares (generate, bench, later serve): a pack loaded into a
 transformers model with pwctl MoE blocks, a tokenizer, and the expert widths of a policy.
 
-This first version runs one sequence at a time on the CPU reference path; the serving issue adds
-the scheduler, paged KV cache and the GPU kernels behind the same methods."""
+Two paths share the model: the single-sequence reference (`logits`, `generate_ids`: transformers'
+own attention and generate; bench and profile use them) and continuous batching
+(`start_batching`, then `add_request` / `step` / `abort`, or `generate_batch`): paged KV cache,
+scheduler and one memory budget for planes + KV + workspace (runtime/batcher.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,15 @@ import torch
 
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
-from pwctl.policy import Policy
+from pwctl.policy import Policy, parse_budget
 from pwctl.runtime.allocator import WidthAllocator
+from pwctl.runtime.batcher import BatchConfig, Batcher
+from pwctl.runtime.kv_cache import KVCache, KVLayout
 from pwctl.runtime.loader import load_model
+from pwctl.runtime.memory import MemoryBudget
 from pwctl.runtime.moe import MoETap
+from pwctl.runtime.runner import ModelRunner
+from pwctl.runtime.scheduler import SamplingParams, Scheduler, Sequence
 
 
 def open_pack(name_or_path: str | Path) -> Pack:
@@ -31,7 +38,9 @@ class Engine:
             raise PwctlError("--device cuda: no CUDA device visible")
         self.pack = pack
         self.device = device
+        self.dtype = dtype
         self.model, self.store = load_model(pack, device, dtype)
+        self.batcher: Batcher | None = None
         self._tokenizer = None
         self._allocators: dict[str, WidthAllocator] = {}
         self.allocator: WidthAllocator | None = None
@@ -98,3 +107,87 @@ class Engine:
     def generate(self, prompt: str, max_tokens: int) -> str:
         ids = self.tokenizer(prompt).input_ids
         return self.tokenizer.decode(self.generate_ids(ids, max_tokens), skip_special_tokens=True)
+
+    # --- continuous batching ------------------------------------------------------------------
+
+    def start_batching(
+        self,
+        policy: Policy,
+        memory_budget: str | None = None,
+        config: BatchConfig | None = None,
+    ) -> Batcher:
+        """Set `policy` and build the batching path under one memory budget (a size, or a
+        fraction: of free GPU memory on CUDA, of `full_need` on CPU; None: `full_need`, i.e.
+        the widest planes plus a full context for every sequence)."""
+        cfg = config or BatchConfig()
+        self.set_policy(policy)
+        dynamic = self.allocator is not None and self.allocator.dynamic
+        layout = KVLayout.from_config(self.model.config, self.dtype)
+        max_len = cfg.max_model_len or self.model.config.max_position_embeddings
+        block_bytes = KVCache.block_bytes_of(layout, cfg.block_size)
+        fixed = self.fixed_bytes(cfg)
+        floor = self.allocator.budget if dynamic else self.store.expert_bytes()
+        widest = self.widest_plane_bytes() if dynamic else floor
+        most_kv = cfg.max_seqs * -(-max_len // cfg.block_size)
+        total = self._resolve_budget(memory_budget, fixed + widest + most_kv * block_bytes)
+        capacity = min(most_kv, MemoryBudget.kv_capacity(total, fixed, floor, block_bytes))
+        if capacity < 1:
+            raise PwctlError(
+                f"--memory-budget {memory_budget}: {total / 1e6:.2f} MB leaves no KV block once "
+                f"the experts ({floor / 1e6:.2f} MB) and the rest ({fixed / 1e6:.2f} MB) are in"
+            )
+        kv = KVCache(layout, capacity, cfg.block_size, self.device)
+        memory = MemoryBudget(total, fixed, self.store, kv, self.allocator)
+        sched = Scheduler(kv, cfg.max_batch_tokens, cfg.max_seqs, cfg.max_queue, memory.make_room)
+        runner = ModelRunner(self.model, kv, self.device)
+        self.batcher = Batcher(
+            runner, sched, memory, self.tokenizer, self.eos_ids(), max_len,
+            self.allocator if dynamic else None,
+        )  # fmt: skip
+        return self.batcher
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        return self._batching().add(prompt_ids, params)
+
+    def abort(self, seq_id: int) -> None:
+        self._batching().abort(seq_id)
+
+    def step(self) -> list[Sequence]:
+        """One continuous-batching step: the sequences that got a token."""
+        return self._batching().step()
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        return self._batching().run(prompts, params)
+
+    def eos_ids(self) -> set[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        return ids | ({tok_eos} if tok_eos is not None else set())
+
+    def fixed_bytes(self, cfg: BatchConfig) -> int:
+        """Device bytes outside planes and KV: non-expert weights + an activation workspace
+        estimate (packed hidden states and attention/MLP temporaries, logits)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        c, elem = self.model.config, torch.empty(0, dtype=self.dtype).element_size()
+        work = cfg.max_batch_tokens * c.hidden_size * 16 * elem + cfg.max_seqs * c.vocab_size * 4
+        return weights + work
+
+    def widest_plane_bytes(self) -> int:
+        m = self.pack.manifest
+        return sum(b.bytes_at(m.max_bits) for b in self.pack.blocks)
+
+    def _batching(self) -> Batcher:
+        if self.batcher is None:
+            raise PwctlError("call Engine.start_batching first")
+        return self.batcher
+
+    def _resolve_budget(self, text: str | None, full_need: int) -> int:
+        if text is None:
+            return full_need
+        budget = parse_budget(text)
+        if budget.fraction is None:
+            return budget.resolve(0)
+        if self.device.startswith("cuda"):
+            return int(budget.fraction * torch.cuda.mem_get_info()[0])
+        return int(budget.fraction * full_need)

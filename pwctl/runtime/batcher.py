@@ -1,0 +1,162 @@
+"""The continuous-batching loop of the engine: schedule, run the packed batch, sample, check
+stops, feed the policy its signals, rebalance planes against KV blocks. `Engine.start_batching`
+builds one; `Batcher.step` is one step (the server's engine thread calls it in a loop)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from pwctl.errors import PwctlError
+from pwctl.runtime.allocator import WidthAllocator
+from pwctl.runtime.memory import MemoryBudget
+from pwctl.runtime.moe import MoETap
+from pwctl.runtime.runner import ModelRunner
+from pwctl.runtime.sampler import sample
+from pwctl.runtime.scheduler import SamplingParams, Scheduler, Sequence
+
+RATE_WINDOW_S = 10.0  # tokens/s is measured over this many recent seconds
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_seqs: int = 16  # sequences running at once
+    max_batch_tokens: int = 256  # tokens per step (decodes + prefill chunks)
+    max_queue: int = 64  # waiting requests before add() raises QueueFull
+    block_size: int = 16  # tokens per KV block
+    max_model_len: int | None = None  # prompt + output; None: the model's context
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    prompt_tokens: int = 0  # tokens prefilled (recomputed ones included)
+    generated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class Batcher:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        memory: MemoryBudget,
+        tokenizer: Any,
+        eos_ids: set[int],
+        max_model_len: int,
+        allocator: WidthAllocator | None = None,
+    ):
+        self.runner, self.scheduler, self.memory = runner, scheduler, memory
+        self.kv = scheduler.kv
+        self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, eos_ids, max_model_len
+        self.allocator = allocator
+        self.tap = MoETap(runner.model) if allocator is not None else None
+        self.counters = Counters()
+        self._recent: deque[tuple[float, int]] = deque()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def check(self, n_prompt: int, params: SamplingParams) -> None:
+        """Raise PwctlError if a request of `n_prompt` tokens and `params` can never run."""
+        total = n_prompt + params.max_tokens
+        if n_prompt < 1:
+            raise PwctlError("empty prompt")
+        if total > self.max_model_len:
+            raise PwctlError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens"
+            )
+        if self.kv.blocks_for(total) > self.kv.pool.capacity:
+            raise PwctlError(
+                f"prompt + max_tokens ({total} tokens) needs more KV memory than the memory "
+                f"budget can give ({self.kv.pool.capacity * self.kv.block_size} tokens)"
+            )
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.check(len(prompt_ids), params)
+        seq = Sequence(list(prompt_ids), params)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        seq = self.scheduler.abort(seq_id)
+        if seq is not None:
+            self.counters.aborted += 1
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """One step; returns the sequences that got a token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        with self.tap if self.tap is not None else nullcontext():
+            logits = self.runner.forward(batch)
+        self.scheduler.update(batch)
+        sampled = [s for s, on in zip(batch.seqs, batch.sampling, strict=True) if on]
+        for seq, token in zip(sampled, sample(logits, sampled), strict=True):
+            self._append(seq, token)
+        if self.allocator is not None:
+            self.allocator.observe(self.tap)
+        self.memory.rebalance(self._kv_wanted())
+        self._count(batch.total - len(sampled), len(sampled))
+        return sampled
+
+    def run(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Every prompt to completion (the queue bound applies: at most max_queue prompts)."""
+        seqs = [self.add(p, params) for p in prompts]
+        while self.has_work:
+            self.step()
+        return seqs
+
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the last RATE_WINDOW_S seconds."""
+        self._trim(time.monotonic())
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        return sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        p = seq.params
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return self._finish(seq, "stop")
+        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        hits = [i for i in (seq.text.find(s) for s in p.stop if s) if i >= 0]
+        if hits:
+            seq.text = seq.text[: min(hits)]
+            return self._finish(seq, "stop")
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length")
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.counters.finished += 1
+
+    def _kv_wanted(self) -> int:
+        """Blocks the KV cache should keep: in use, one more per running sequence, and the
+        prompts waiting (so planes do not take memory a queued request needs next)."""
+        waiting = sum(self.kv.blocks_for(s.remaining) for s in self.scheduler.waiting)
+        return min(self.kv.pool.capacity, self.kv.used + len(self.scheduler.running) + waiting)
+
+    def _count(self, prompt: int, generated: int) -> None:
+        c = self.counters
+        c.steps += 1
+        c.prompt_tokens += prompt
+        c.generated_tokens += generated
+        now = time.monotonic()
+        self._recent.append((now, generated))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()

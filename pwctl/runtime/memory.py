@@ -1,0 +1,123 @@
+"""One memory budget for the whole runtime: expert planes + KV blocks + a fixed part (non-expert
+weights and the activation workspace).
+
+    total = fixed + planes + kv_limit * block_bytes
+
+Fixed policies (fp16, uniform:B, static:BUDGET, pagedweight-paging) hold their plane bytes; the KV
+cache gets the rest. Dynamic ones hold between BUDGET (at peak KV pressure) and the widest widths:
+when the scheduler needs blocks beyond the limit, `make_room` asks the planner to free plane
+bytes (down to BUDGET and the planner's bit floors); after each step `rebalance` gives plane bytes
+the KV cache does not need back to the planner, which promotes with its own hysteresis. Widths
+change only here, between steps. Counts and bytes of both directions are kept for metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pwctl.errors import PwctlError
+from pwctl.runtime.allocator import WidthAllocator
+from pwctl.runtime.expert_store import ExpertStore
+from pwctl.runtime.kv_cache import KVCache
+
+
+@dataclass
+class WidthMoves:
+    """Width changes made for the KV cache (each counts blocks whose width moved)."""
+
+    demotions: int = 0
+    demoted_bytes: int = 0
+    promotions: int = 0
+    promoted_bytes: int = 0
+
+
+class MemoryBudget:
+    def __init__(
+        self,
+        total: int,
+        fixed: int,
+        store: ExpertStore,
+        kv: KVCache,
+        allocator: WidthAllocator | None = None,
+        on_widths: Callable[[np.ndarray], None] | None = None,
+    ):
+        """Changes `store.widths` in place (`on_widths` is called after each change: the GPU
+        path hands them to the pager). `allocator`: the policy's, if it is budgeted."""
+        self.total, self.fixed, self.store, self.kv = int(total), int(fixed), store, kv
+        self.widths = store.widths
+        self.allocator = allocator if allocator is not None and allocator.dynamic else None
+        self.on_widths = on_widths
+        self.moves = WidthMoves()
+        self.planes = store.expert_bytes()
+        self.floor = self.allocator.budget if self.allocator is not None else self.planes
+        if self.allocator is not None:
+            self._set(self.allocator.replan(self.total - self.fixed))
+        self._update_limit()
+
+    @staticmethod
+    def kv_capacity(total: int, fixed: int, floor: int, block_bytes: int) -> int:
+        """The most KV blocks the budget can ever give (planes at their floor)."""
+        return max(0, (int(total) - int(fixed) - int(floor)) // block_bytes)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv.pool.limit * self.kv.block_bytes
+
+    def make_room(self, n_blocks: int) -> bool:
+        """Raise the KV limit by `n_blocks` by demoting planes; whether it now fits."""
+        if self.allocator is None or n_blocks <= 0:
+            return n_blocks <= 0
+        want = self.kv.pool.limit + n_blocks
+        self._set(self.allocator.fit(self.total - self.fixed - want * self.kv.block_bytes))
+        self._update_limit()
+        return self.kv.available >= n_blocks
+
+    def rebalance(self, kv_wanted: int) -> None:
+        """After a step: planes may take what `kv_wanted` blocks (those in use plus what the
+        queue and the next decodes need) leave free; promotes only (demotion is on demand)."""
+        if self.allocator is None:
+            return
+        spare = self.total - self.fixed - kv_wanted * self.kv.block_bytes
+        if spare > self.planes:
+            self._set(self.allocator.fit(spare))
+            self._update_limit()
+
+    def widths_per_layer(self) -> dict[int, float]:
+        """Mean width (bits) of each MoE layer's blocks."""
+        layers = np.array([b.layer for b in self.store.pack.blocks])
+        return {int(li): float(self.widths[layers == li].mean()) for li in np.unique(layers)}
+
+    def _set(self, new: np.ndarray) -> None:
+        new = np.asarray(new, dtype=self.widths.dtype)
+        down, up = new < self.widths, new > self.widths
+        if not (down.any() or up.any()):
+            return
+        before = self.planes
+        self.moves.demotions += int(down.sum())
+        self.moves.promotions += int(up.sum())
+        self.widths[:] = new
+        self.planes = self.store.expert_bytes()
+        freed = self._moved_bytes(down, up, before)
+        self.moves.demoted_bytes += freed[0]
+        self.moves.promoted_bytes += freed[1]
+        if self.on_widths is not None:
+            self.on_widths(self.widths)
+
+    def _moved_bytes(self, down: np.ndarray, up: np.ndarray, before: int) -> tuple[int, int]:
+        delta = self.planes - before
+        if down.any() and up.any():  # both in one plan: split by the blocks that moved
+            return max(0, -delta), max(0, delta)
+        return (-delta, 0) if down.any() else (0, delta)
+
+    def _update_limit(self) -> None:
+        limit = (self.total - self.fixed - self.planes) // self.kv.block_bytes
+        if limit < 0:
+            raise PwctlError(
+                f"the memory budget ({self.total / 1e6:.2f} MB) is below what the experts "
+                f"({self.planes / 1e6:.2f} MB) and the rest of the model ({self.fixed / 1e6:.2f}"
+                " MB) take: raise --memory-budget or pick a smaller policy"
+            )
+        self.kv.pool.set_limit(limit)

@@ -1,0 +1,108 @@
+"""The continuous-batching engine equals the single-sequence reference path (transformers'
+own attention and generate) on every architecture, under chunked prefill and preemption, and
+shares one memory budget between expert planes and KV blocks."""
+
+import numpy as np
+import pytest
+import torch
+
+from pwctl import tiny
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
+from pwctl.policy import parse_policy
+from pwctl.runtime.batcher import BatchConfig
+from pwctl.runtime.engine import Engine
+from pwctl.runtime.scheduler import SamplingParams, Sequence
+
+PROMPTS = [
+    "In the beginning God created",
+    "The quick brown fox",
+    "It is a truth universally acknowledged that a single man",
+    "0123",
+]
+
+
+def greedy_equal(engine: Engine, n_tokens: int = 10) -> list[Sequence]:
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    seqs = engine.generate_batch(ids, SamplingParams(max_tokens=n_tokens))
+    for seq in seqs:
+        assert seq.output_ids == engine.generate_ids(seq.prompt_ids, n_tokens)
+        assert seq.finish_reason in ("stop", "length")
+    return seqs
+
+
+@pytest.mark.parametrize("arch", tiny.ARCHS)
+def test_greedy_and_logits_equal_reference_every_arch(arch, packs):
+    engine = Engine(Pack(packs[(arch, "per_expert")]))
+    # small blocks, a small token budget (chunked prefill) and few blocks (preemption): room
+    # for the longest sequence and one block more
+    cfg = BatchConfig(max_seqs=4, max_batch_tokens=7, block_size=4, max_model_len=64)
+    probe = engine.start_batching(parse_policy("uniform:4"), None, cfg)
+    longest = max(len(engine.tokenizer(p).input_ids) for p in PROMPTS) + 10
+    blocks = probe.kv.blocks_for(longest) + 1
+    budget = probe.memory.fixed + probe.memory.planes + blocks * probe.kv.block_bytes
+    batcher = engine.start_batching(parse_policy("uniform:4"), f"{budget}b", cfg)
+    assert batcher.kv.pool.capacity == blocks
+    seqs = greedy_equal(engine)
+    assert batcher.scheduler.preemptions > 0 and batcher.kv.used == 0
+    assert sum(s.preemptions for s in seqs) == batcher.scheduler.preemptions
+    # logits of one packed prefill step equal the reference path's, token for token
+    engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(block_size=2))
+    runner, sched = engine.batcher.runner, engine.batcher.scheduler
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    for i in ids:
+        sched.add(Sequence(i))
+    logits = runner.forward(sched.schedule())
+    for row, i in zip(logits, ids, strict=True):
+        ref = engine.logits(torch.tensor([i]))[0, -1]
+        torch.testing.assert_close(row, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["fp16", "uniform:3", "static:0.5", "pagedweight:0.5"])
+def test_bundled_model_policies_on_one_engine(policy, bundled_pack):
+    engine = Engine(Pack(bundled_pack))
+    engine.start_batching(parse_policy(policy), None, BatchConfig(max_batch_tokens=16))
+    seqs = greedy_equal(engine, 16)
+    assert any(len(s.text) > 0 for s in seqs)
+
+
+def test_memory_budget_demotes_under_kv_pressure_and_promotes_after(bundled_pack):
+    engine = Engine(Pack(bundled_pack))
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    probe = engine.start_batching(parse_policy("pagedweight:0.4"), None, cfg)
+    fixed, widest = probe.memory.fixed, engine.widest_plane_bytes()
+    budget = fixed + widest + 12 * probe.kv.block_bytes  # full planes leave 12 KV blocks
+    batcher = engine.start_batching(parse_policy("pagedweight:0.4"), f"{budget}b", cfg)
+    memory = batcher.memory
+    assert memory.planes == widest and batcher.kv.pool.limit == 12
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS * 2]
+    seqs = engine.generate_batch(ids, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 24 for s in seqs)
+    moves = memory.moves
+    assert moves.demotions > 0 and moves.demoted_bytes > 0
+    # planes went down at most one width step per block past BUDGET (the planner's overshoot)
+    assert memory.planes < widest and memory.planes >= 0.95 * engine.allocator.budget
+    assert memory.total >= fixed + memory.planes + batcher.kv.pool.limit * batcher.kv.block_bytes
+    pressed, peak_limit = memory.planes, batcher.kv.pool.limit
+    assert batcher.kv.used == 0 and peak_limit > 12
+    # KV drained: the planner promotes back as its cooldown allows
+    for _ in range(40):
+        engine.allocator.planner.tick()
+        memory.rebalance(0)
+    assert moves.promotions > 0 and moves.promoted_bytes > 0
+    # back up (blocks whose profile shows no damage from a lower width may stay there)
+    assert memory.planes > pressed and batcher.kv.pool.limit < peak_limit
+    assert memory.total >= fixed + memory.planes + batcher.kv.pool.limit * batcher.kv.block_bytes
+
+
+def test_fixed_policy_keeps_widths_and_checks_the_budget(bundled_pack):
+    engine = Engine(Pack(bundled_pack))
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=2))
+    widths = engine.store.widths.copy()
+    engine.generate_batch([engine.tokenizer("The earth").input_ids], SamplingParams(8))
+    assert np.array_equal(widths, engine.store.widths) and batcher.memory.moves.demotions == 0
+    with pytest.raises(PwctlError, match="leaves no KV block"):
+        engine.start_batching(parse_policy("fp16"), "1MB")
+    with pytest.raises(PwctlError, match="exceeds the context"):
+        engine.start_batching(parse_policy("fp16"), None, BatchConfig(max_model_len=8))
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=6))

@@ -1,0 +1,109 @@
+"""The continuous-batching scheduler: token budget, chunked prefill, queue bound, preemption by
+recompute, make_room before preemption, aborts free blocks."""
+
+import pytest
+
+from pwctl.errors import PwctlError
+from pwctl.runtime.kv_cache import KVCache, KVLayout
+from pwctl.runtime.scheduler import QueueFull, SamplingParams, Scheduler, Sequence, Status
+
+LAYOUT = KVLayout(n_layers=1, kv_heads=1, head_dim=2)
+
+
+def make(capacity=16, block=4, **kw):
+    kv = KVCache(LAYOUT, capacity, block)
+    return kv, Scheduler(kv, **kw)
+
+
+def run_step(s: Scheduler, token: int = 1):
+    """What the engine does after the model ran: cache the tokens, sample for those at the end."""
+    b = s.schedule()
+    s.update(b)
+    for seq, on in zip(b.seqs, b.sampling, strict=True):
+        if on:
+            seq.output_ids.append(token)
+    return b
+
+
+def test_token_budget_mixes_decode_and_chunked_prefill():
+    kv, s = make(max_batch_tokens=6, max_seqs=4)
+    a, b = Sequence([1] * 3), Sequence([2] * 10)
+    s.add(a)
+    s.add(b)
+    first = run_step(s)
+    assert first.n_tokens == [3, 3] and first.sampling == [True, False]  # b: a prefill chunk
+    second = run_step(s)
+    assert second.seqs == [a, b] and second.n_tokens == [1, 5]  # a decodes, b's next chunk
+    assert second.total == 6
+    third = run_step(s)
+    assert third.n_tokens == [1, 2] and third.sampling == [True, True]
+    assert b.num_computed == 10 and len(b.output_ids) == 1
+    assert kv.used == kv.blocks_for(a.num_computed) + kv.blocks_for(b.num_computed)
+
+
+def test_max_seqs_and_bounded_queue():
+    _, s = make(max_batch_tokens=64, max_seqs=2, max_queue=2)
+    seqs = [Sequence([i + 1] * 2) for i in range(2)]
+    for q in seqs:
+        s.add(q)
+    with pytest.raises(QueueFull):
+        s.add(Sequence([9]))
+    run_step(s)
+    assert len(s.running) == 2 and not s.waiting
+    s.add(Sequence([3]))
+    assert run_step(s).seqs == seqs  # the third waits for a free slot
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    kv, s = make(capacity=3, block=4, max_batch_tokens=64, max_seqs=4)
+    old, new = Sequence([1] * 4), Sequence([2] * 4)
+    s.add(old)
+    s.add(new)
+    run_step(s)  # 2 blocks used, each sequence has 5 tokens: needs a second block
+    b = run_step(s)
+    assert b.preempted == [new] and b.seqs == [old]
+    assert new.status is Status.WAITING and new.num_computed == 0 and new.preemptions == 1
+    assert s.waiting[0] is new and kv.used == 2 and new.seq_id not in kv.tables
+    s.finish(old, "length")
+    b = run_step(s)  # recompute: the prompt plus the token it had generated
+    assert b.seqs == [new] and b.n_tokens == [5] and b.sampling == [True]
+    assert new.output_ids == [1, 1] and s.preemptions == 1
+
+
+def test_make_room_is_asked_before_preempting():
+    asked = []
+    kv = KVCache(LAYOUT, 4, 4)
+    kv.pool.set_limit(2)
+
+    def make_room(n):
+        asked.append(n)
+        kv.pool.set_limit(kv.pool.limit + n)
+        return True
+
+    s = Scheduler(kv, max_batch_tokens=64, make_room=make_room)
+    s.add(Sequence([1] * 4))
+    s.add(Sequence([2] * 4))
+    run_step(s)
+    b = run_step(s)
+    assert asked == [1, 1] and not b.preempted and kv.used == 4
+
+
+def test_abort_and_finish_free_blocks():
+    kv, s = make(max_batch_tokens=64)
+    a, b = Sequence([1] * 9), Sequence([2] * 3)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert kv.used == 4
+    assert s.abort(a.seq_id) is a and a.finish_reason == "abort" and kv.used == 1
+    assert s.abort(a.seq_id) is None
+    s.finish(b, "stop")
+    assert kv.used == 0 and not s.has_work
+
+
+def test_sampling_params_are_checked():
+    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}):
+        with pytest.raises(PwctlError):
+            SamplingParams(**bad)
+    with pytest.raises(PwctlError, match="empty"):
+        Sequence([])
