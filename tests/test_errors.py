@@ -159,7 +159,14 @@ def test_cli_errors_are_one_line(args, message):
     assert "Traceback" not in result.output
 
 
-def test_commands_not_built_yet_exit_nonzero():
-    for cmd in (["serve", "x"], ["bench", "x", "--kernels"]):
+def test_serve_and_kernel_bench_refuse_cleanly():
+    cases = [
+        (["serve", "/nonexistent/pack"], "no such pack"),
+        (["serve", "/nonexistent/pack", "--memory-budget", "lots"], "bad BUDGET"),
+        (["serve", "/nonexistent/pack", "--port", "70000"], "--port"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["bench", "x", "--kernels"], "needs a CUDA device"))
+    for cmd, message in cases:
         result = runner.invoke(app, cmd)
-        assert result.exit_code == 3 and "not built yet" in result.output
+        assert result.exit_code == 2 and message in result.output, (cmd, result.output)

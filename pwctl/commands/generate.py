@@ -1,4 +1,4 @@
-"""pwctl generate PACK --prompt TEXT: one greedy generation on the engine."""
+"""pwctl generate PACK --prompt TEXT: one greedy generation on the serving engine's batched path."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import typer
 from pwctl.commands.common import console, handles_errors, write_json
 from pwctl.policy import parse_policy
 from pwctl.runtime.engine import Engine, open_pack
+from pwctl.runtime.scheduler import SamplingParams
 
 
 @handles_errors
@@ -17,22 +18,28 @@ def run(
     pack: Annotated[Path, typer.Argument(help="pack folder")],
     prompt: Annotated[str, typer.Option(help="prompt text")],
     max_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 32,
-    policy: Annotated[str, typer.Option(help="fp16 or uniform:B")] = "fp16",
+    policy: Annotated[str, typer.Option(help="fp16, uniform:B or a budgeted policy")] = "fp16",
+    memory_budget: Annotated[
+        str | None, typer.Option(help="planes + KV + workspace: a size (800MB) or a fraction")
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
     pol = parse_policy(policy)
     engine = Engine(open_pack(pack), device)
-    engine.set_policy(pol)
-    text = engine.generate(prompt, max_tokens)
-    console.print(text, highlight=False, markup=False)
+    engine.start_batching(pol, memory_budget)
+    ids = engine.tokenizer(prompt).input_ids
+    (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))
+    console.print(seq.text, highlight=False, markup=False)
     write_json(
         json,
         {
             "policy": str(pol),
             "prompt": prompt,
-            "completion": text,
+            "completion": seq.text,
+            "tokens": len(seq.output_ids),
+            "finish_reason": seq.finish_reason,
             "expert_bytes": engine.store.expert_bytes(),
         },
     )

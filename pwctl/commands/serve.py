@@ -1,14 +1,54 @@
-"""pwctl serve: not built yet (serving engine issue)."""
+"""pwctl serve PACK: the OpenAI-compatible HTTP server on the continuous-batching engine."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from pwctl.commands.common import not_built
+from pwctl.commands.common import console, handles_errors
+from pwctl.errors import PwctlError
+from pwctl.policy import parse_budget, parse_policy
+from pwctl.runtime.batcher import BatchConfig
 
 
-def run(pack: Annotated[str, typer.Argument(help="pack folder")]) -> None:
-    """Not built yet: lands with the serving engine issue."""
-    not_built("serve", "serving engine issue")
+@handles_errors
+def run(
+    pack: Annotated[Path, typer.Argument(help="pack folder")],
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 8000,
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(help="planes + KV + workspace: a size (12GiB) or a fraction of free memory"),
+    ] = None,
+    policy: Annotated[str, typer.Option(help="fp16, uniform:B or a budgeted policy")] = "fp16",
+    api_key: Annotated[str | None, typer.Option(help="require Authorization: Bearer KEY")] = None,
+    max_queue: Annotated[int, typer.Option(help="waiting requests before 429")] = 64,
+    max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 16,
+    max_batch_tokens: Annotated[int, typer.Option(help="tokens per engine step")] = 256,
+    max_model_len: Annotated[int | None, typer.Option(help="context (default: model's)")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+) -> None:
+    """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics. The KV cache and the expert planes share --memory-budget."""
+    if not 0 < port < 65536:
+        raise PwctlError(f"--port {port}: use 1..65535")
+    pol = parse_policy(policy)
+    if memory_budget is not None:
+        parse_budget(memory_budget)  # a bad size fails before the model loads
+    from pwctl.runtime.engine import Engine, open_pack
+    from pwctl.runtime.server import run_server
+    from pwctl.runtime.worker import EngineWorker
+
+    engine = Engine(open_pack(pack), device)
+    cfg = BatchConfig(max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len)
+    batcher = engine.start_batching(pol, memory_budget, cfg)
+    m = batcher.metrics()
+    console.print(
+        f"pwctl serve {pack.name}: policy {pol}, budget {m['memory_budget_bytes'] / 1e6:.1f} MB "
+        f"(planes {m['plane_bytes'] / 1e6:.1f}, KV up to {m['kv_blocks_capacity']} blocks), "
+        f"http://{host}:{port}/v1",
+        highlight=False,
+    )
+    run_server(EngineWorker(engine), pack.name, host, port, api_key)

@@ -4,11 +4,13 @@ builds one; `Batcher.step` is one step (the server's engine thread calls it in a
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pwctl.errors import PwctlError
 from pwctl.runtime.allocator import WidthAllocator
@@ -18,6 +20,7 @@ from pwctl.runtime.runner import ModelRunner
 from pwctl.runtime.sampler import sample
 from pwctl.runtime.scheduler import SamplingParams, Scheduler, Sequence
 
+T = TypeVar("T")
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this many recent seconds
 
 
@@ -56,6 +59,7 @@ class Batcher:
         self.allocator = allocator
         self.tap = MoETap(runner.model) if allocator is not None else None
         self.counters = Counters()
+        self._tok_lock = threading.Lock()  # the server tokenizes in another thread
         self._recent: deque[tuple[float, int]] = deque()
 
     @property
@@ -77,6 +81,14 @@ class Batcher:
                 f"prompt + max_tokens ({total} tokens) needs more KV memory than the memory "
                 f"budget can give ({self.kv.pool.capacity * self.kv.block_size} tokens)"
             )
+
+    def encode(self, text: str) -> list[int]:
+        return self.locked(lambda: self.tokenizer(text).input_ids)
+
+    def locked(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (which uses the tokenizer) while no other thread uses it."""
+        with self._tok_lock:
+            return fn()
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self.check(len(prompt_ids), params)
@@ -107,6 +119,13 @@ class Batcher:
         self._count(batch.total - len(sampled), len(sampled))
         return sampled
 
+    def idle(self) -> None:
+        """No work: the planner's step clock advances (its cooldown counts engine steps) and
+        the KV cache's spare memory goes back to the planes."""
+        if self.allocator is not None:
+            self.allocator.planner.tick()
+            self.memory.rebalance(self._kv_wanted())
+
     def run(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Every prompt to completion (the queue bound applies: at most max_queue prompts)."""
         seqs = [self.add(p, params) for p in prompts]
@@ -129,7 +148,9 @@ class Batcher:
         p = seq.params
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return self._finish(seq, "stop")
-        seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        seq.text = self.locked(
+            lambda: self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        )
         hits = [i for i in (seq.text.find(s) for s in p.stop if s) if i >= 0]
         if hits:
             seq.text = seq.text[: min(hits)]
@@ -160,3 +181,30 @@ class Batcher:
     def _trim(self, now: float) -> None:
         while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
             self._recent.popleft()
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot for /metrics and logs (call from the thread that runs steps)."""
+        mem, kv, c, moves = self.memory, self.kv, self.counters, self.memory.moves
+        return {
+            "memory_budget_bytes": mem.total,
+            "fixed_bytes": mem.fixed,
+            "plane_bytes": mem.planes,
+            "kv_block_bytes": kv.block_bytes,
+            "kv_blocks_used": kv.used,
+            "kv_blocks_limit": kv.pool.limit,
+            "kv_blocks_capacity": kv.pool.capacity,
+            "width_demotions": moves.demotions,
+            "width_demoted_bytes": moves.demoted_bytes,
+            "width_promotions": moves.promotions,
+            "width_promoted_bytes": moves.promoted_bytes,
+            "preemptions": self.scheduler.preemptions,
+            "queue_length": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "steps": c.steps,
+            "prompt_tokens": c.prompt_tokens,
+            "generated_tokens": c.generated_tokens,
+            "finished": c.finished,
+            "aborted": c.aborted,
+            "tokens_per_s": self.tokens_per_s(),
+            "widths_per_layer": mem.widths_per_layer(),
+        }
