@@ -11,7 +11,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# two torch threads per core-pair, split between xdist workers: two workers each spinning two
+# threads on two cores run many-small-op tests (the batched engine, convert) several times slower
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 from pwctl import tiny  # noqa: E402
 from pwctl.convert import ConvertOptions, convert  # noqa: E402
