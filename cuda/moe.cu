@@ -43,6 +43,31 @@ __device__ __forceinline__ const unsigned char* paged(const Paged& g, int block,
     return g.arena + (slab << g.slab_shift) + (off & ((1LL << g.slab_shift) - 1));
 }
 
+// Where one plane of one block row lies: its words [0, split) from p0, the rest from p1 (a row
+// crosses at most one slab boundary: slabs are at least as large as a row's plane bytes).
+struct RowPtr {
+    const u32* p0;
+    const u32* p1;  // already offset by -split words, so word w is p1[w] past the split
+    int split;
+};
+
+__device__ __forceinline__ RowPtr row_ptr(const Paged& g, int block, int plane, int row, int words) {
+    const i64 off = (i64)row * words * 4;
+    const i64 mask = (1LL << g.slab_shift) - 1;
+    const int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
+    RowPtr rp;
+    rp.p0 = (const u32*)(g.arena + ((i64)__ldg(g.slab_map + entry) << g.slab_shift) + (off & mask));
+    rp.split = (int)min((i64)words, ((mask + 1) - (off & mask)) >> 2);
+    rp.p1 = rp.split < words
+        ? (const u32*)(g.arena + ((i64)__ldg(g.slab_map + entry + 1) << g.slab_shift)) - rp.split
+        : rp.p0;
+    return rp;
+}
+
+__device__ __forceinline__ u32 word_at(const RowPtr& rp, int w) {
+    return __ldg((w < rp.split ? rp.p0 : rp.p1) + w);
+}
+
 // The width-B table row of block row `row` into this warp's shared memory (as float).
 template <int B>
 __device__ __forceinline__ void load_table(const Paged& g, int block, i64 bits_nbytes, int rpt,
@@ -57,21 +82,20 @@ template <int B, int R, int TM>
 __device__ __forceinline__ void rows_dot(const Paged& g, int block, i64 bits_nbytes, int words,
                                          int rpt, int row0, int nrows, const float* xp,
                                          const int* in_row, int T, float (&acc)[R][TM],
-                                         float* tbl, int lane) {
+                                         float* tbl, RowPtr* ptrs, int lane) {
     #pragma unroll
     for (int r = 0; r < R; ++r)
         if (r < nrows) load_table<B>(g, block, bits_nbytes, rpt, row0 + r, tbl + r * MAX_TABLE, lane);
+    if (lane < R * B)  // one lane per (row, plane) finds the pages; the loop reads them from smem
+        ptrs[lane] = row_ptr(g, block, lane % B, row0 + min(lane / B, nrows - 1), words);
     __syncwarp();
     const i64 xstride = (i64)8 * words * 4;  // floats per input row
     for (int w = lane; w < words; w += 32) {
         u32 P[R][B];
         #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            int row = row0 + (r < nrows ? r : 0);
-            i64 off = ((i64)row * words + w) * 4;
+        for (int r = 0; r < R; ++r)
             #pragma unroll
-            for (int p = 0; p < B; ++p) P[r][p] = __ldg((const u32*)paged(g, block, p, off));
-        }
+            for (int p = 0; p < B; ++p) P[r][p] = word_at(ptrs[r * B + p], w);
         #pragma unroll
         for (int q = 0; q < 8; ++q) {
             float4 xv[TM];
@@ -103,13 +127,13 @@ __device__ __forceinline__ void rows_dot(const Paged& g, int block, i64 bits_nby
 template <int R, int TM>
 __device__ void rows_dot_any(const Paged& g, int block, i64 bits_nbytes, int words, int rpt,
                              int row0, int nrows, const float* xp, const int* in_row, int T,
-                             float (&acc)[R][TM], float* tbl, int lane) {
+                             float (&acc)[R][TM], float* tbl, RowPtr* ptrs, int lane) {
     #pragma unroll
     for (int r = 0; r < R; ++r)
         #pragma unroll
         for (int t = 0; t < TM; ++t) acc[r][t] = 0.f;
     switch (__ldg(g.width + block)) {
-#define CASE(B) case B: rows_dot<B, R, TM>(g, block, bits_nbytes, words, rpt, row0, nrows, xp, in_row, T, acc, tbl, lane); break;
+#define CASE(B) case B: rows_dot<B, R, TM>(g, block, bits_nbytes, words, rpt, row0, nrows, xp, in_row, T, acc, tbl, ptrs, lane); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     }
@@ -138,6 +162,7 @@ template <int R, int TM>
 __device__ void gate_up(Paged g, Slots s, const float* xp, float* hp, int I, int words_in,
                         int words_out, i64 bits_nbytes, int rpt) {
     __shared__ float tables[WARPS][R * MAX_TABLE];
+    __shared__ RowPtr ptrs[WARPS][32];
     __shared__ int in_row[TM];
     const int slot = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int lo = __ldg(s.lo + slot), T = __ldg(s.hi + slot) - lo;
@@ -149,8 +174,8 @@ __device__ void gate_up(Paged g, Slots s, const float* xp, float* hp, int I, int
     if (row0 >= I) return;
     const int nrows = min(R, I - row0);
     float ga[R][TM], ua[R][TM];
-    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e), bits_nbytes, words_in, rpt, row0, nrows, xp, in_row, T, ga, tables[warp], lane);
-    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e + 1), bits_nbytes, words_in, rpt, row0, nrows, xp, in_row, T, ua, tables[warp], lane);
+    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e), bits_nbytes, words_in, rpt, row0, nrows, xp, in_row, T, ga, tables[warp], ptrs[warp], lane);
+    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e + 1), bits_nbytes, words_in, rpt, row0, nrows, xp, in_row, T, ua, tables[warp], ptrs[warp], lane);
     if (lane != 0) return;
     #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -168,6 +193,7 @@ template <int R, int TM>
 __device__ void down(Paged g, Slots s, const float* hp, float* out, int H, int words_in,
                      i64 bits_nbytes, int rpt) {
     __shared__ float tables[WARPS][R * MAX_TABLE];
+    __shared__ RowPtr ptrs[WARPS][32];
     __shared__ int in_row[TM];
     const int slot = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int lo = __ldg(s.lo + slot), T = __ldg(s.hi + slot) - lo;
@@ -179,7 +205,7 @@ __device__ void down(Paged g, Slots s, const float* hp, float* out, int H, int w
     if (row0 >= H) return;
     const int nrows = min(R, H - row0);
     float acc[R][TM];
-    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e + 2), bits_nbytes, words_in, rpt, row0, nrows, hp, in_row, T, acc, tables[warp], lane);
+    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e + 2), bits_nbytes, words_in, rpt, row0, nrows, hp, in_row, T, acc, tables[warp], ptrs[warp], lane);
     if (lane != 0) return;
     #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -216,27 +242,53 @@ ENTRY(4, 2)
 ENTRY(8, 2)
 ENTRY(16, 1)
 
-// Prefill: rows [row0, row0 + n) of one block at its current width, as fp16 [n, cols], into a
-// workspace small enough to stay in L2; cuBLAS multiplies it next. grid: (n, 1); block: 128.
-extern "C" __global__ void dequant_rows(PAGED_ARGS, int block, i64 bits_nbytes, int words,
-                                        int cols, int rpt, int row0, unsigned short* out) {
-    const Paged g = PAGED;
-    __shared__ float tbl[MAX_TABLE];
-    const int row = row0 + blockIdx.x;
-    const int B = __ldg(g.width + block);
+// Prefill: rows [row0, row0 + gridDim.x) of one block at its current width, as fp16 [n, cols],
+// into a workspace small enough to stay in L2; cuBLAS multiplies it next. Each thread makes 8
+// consecutive columns (one byte of each plane) and stores them as one 16-byte write, so a warp
+// writes 512 contiguous bytes. grid: (n, 1); block: 128.
+template <int B>
+__device__ void dequant_row(const Paged& g, int block, i64 bits_nbytes, int words, int cols,
+                            int rpt, int row, unsigned short* dst, float* tbl, RowPtr* ptrs) {
     const i64 tbase = bits_nbytes + (i64)(row / rpt) * (2 << B);
     for (int i = threadIdx.x; i < (1 << B); i += blockDim.x)
         tbl[i] = h2f(*(const unsigned short*)paged(g, block, B - 1, tbase + 2 * i));
+    if (threadIdx.x < B) ptrs[threadIdx.x] = row_ptr(g, block, threadIdx.x, row, words);
     __syncthreads();
-    for (int w = threadIdx.x; w < words; w += blockDim.x) {
-        const i64 off = ((i64)row * words + w) * 4;
-        u32 P[8];
-        for (int p = 0; p < B; ++p) P[p] = __ldg((const u32*)paged(g, block, p, off));
-        unsigned short* dst = out + (i64)blockIdx.x * cols + 32 * w;
-        for (int j = 0; j < 32 && 32 * w + j < cols; ++j) {
-            u32 label = 0;
-            for (int p = 0; p < B; ++p) label = (label << 1) | ((P[p] >> j) & 1u);
-            dst[j] = f2h(tbl[label]);
+    for (int c8 = threadIdx.x; c8 < words * 4; c8 += blockDim.x) {
+        const int w = c8 >> 2, shift = 8 * (c8 & 3);
+        u32 P[B];
+        #pragma unroll
+        for (int p = 0; p < B; ++p) P[p] = word_at(ptrs[p], w) >> shift;
+        u32 out[4];
+        #pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            u32 l0 = 0, l1 = 0;
+            #pragma unroll
+            for (int p = 0; p < B; ++p) {
+                l0 |= ((P[p] >> j) & 1u) << (B - 1 - p);
+                l1 |= ((P[p] >> (j + 1)) & 1u) << (B - 1 - p);
+            }
+            out[j / 2] = (u32)f2h(tbl[l0]) | ((u32)f2h(tbl[l1]) << 16);
         }
+        const int c = 8 * c8;
+        if (c + 8 <= cols && (cols & 7) == 0) {
+            *(uint4*)(dst + c) = make_uint4(out[0], out[1], out[2], out[3]);
+        } else {
+            for (int j = 0; j < 8 && c + j < cols; ++j) dst[c + j] = (unsigned short)(out[j / 2] >> (16 * (j & 1)));
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) dequant_rows(PAGED_ARGS, int block,
+        i64 bits_nbytes, int words, int cols, int rpt, int row0, unsigned short* out) {
+    const Paged g = PAGED;
+    __shared__ float tbl[MAX_TABLE];
+    __shared__ RowPtr ptrs[8];
+    unsigned short* dst = out + (i64)blockIdx.x * cols;
+    const int row = row0 + blockIdx.x;
+    switch (__ldg(g.width + block)) {
+#define CASE(B) case B: dequant_row<B>(g, block, bits_nbytes, words, cols, rpt, row, dst, tbl, ptrs); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
     }
 }

@@ -26,6 +26,8 @@ class DeviceTable:
             raise ValueError(f"slab size {s} is not a power of two")
         if arena.shape != (table.n_slabs, s) or arena.dtype != torch.uint8:
             raise ValueError("arena must be uint8 [n_slabs, slab_bytes] of the page table")
+        if max(b.words * 4 for b in blocks) > s:
+            raise ValueError(f"slab size {s} is smaller than a row of plane words")
         self.table, self.arena, self.blocks = table, arena, blocks
         self.device = arena.device
         self.slab_shift = s.bit_length() - 1

@@ -36,10 +36,19 @@ def module():
     )
 
 
-def _stream():
+@functools.cache
+def _external(handle: int):
+    import warnings
+
     import cupy
 
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    with warnings.catch_warnings():  # ExternalStream: deprecated in CuPy 14, still the way to
+        warnings.simplefilter("ignore", DeprecationWarning)  # wrap a raw handle on 12 and 13
+        return cupy.cuda.ExternalStream(handle)
+
+
+def _stream():
+    return _external(torch.cuda.current_stream().cuda_stream)
 
 
 def ptr(t: torch.Tensor) -> np.uint64:
