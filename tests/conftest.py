@@ -53,10 +53,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def bundled_pack(tmp_path_factory, worker_id) -> Path:
-    """The bundled tiny-mixtral converted at widths 3..6 with a proxy profile, so budgeted
-    policies run on it; built once for all xdist workers (a file lock guards the build)."""
+def _bundled(name: str, root: Path, profile: bool) -> Path:
+    """A bundled model converted at widths 3..6 (with a proxy profile, so budgeted policies run
+    on it), built once for all xdist workers under a file lock."""
     from filelock import FileLock
 
     from pwctl.checkpoint import CALIB_SAMPLE
@@ -65,13 +64,30 @@ def bundled_pack(tmp_path_factory, worker_id) -> Path:
     from pwctl.runtime.engine import Engine
     from pwctl.text import spread_windows
 
-    root = tmp_path_factory.getbasetemp()
-    root = root if worker_id == "master" else root.parent
-    out = root / "bundled-mixtral-3-6"
+    out = root / f"bundled-{name}-3-6"
+    done = out / (PROFILE_JSON if profile else "manifest.json")
     with FileLock(str(out) + ".lock"):
-        if not (out / PROFILE_JSON).is_file():
-            convert("tiny-mixtral", out, ConvertOptions(min_bits=3, max_bits=6, force=True))
-            engine = Engine(Pack(out))
-            ids = spread_windows(engine.tokenizer, [CALIB_SAMPLE], 4, 64)
-            run_profile(engine, ids, "proxy").save(engine.pack)
+        if not done.is_file():
+            convert(name, out, ConvertOptions(min_bits=3, max_bits=6, force=True))
+            if profile:
+                engine = Engine(Pack(out))
+                ids = spread_windows(engine.tokenizer, [CALIB_SAMPLE], 4, 64)
+                run_profile(engine, ids, "proxy").save(engine.pack)
     return out
+
+
+def _shared_root(tmp_path_factory, worker_id) -> Path:
+    root = tmp_path_factory.getbasetemp()
+    return root if worker_id == "master" else root.parent
+
+
+@pytest.fixture(scope="session")
+def bundled_pack(tmp_path_factory, worker_id) -> Path:
+    """tiny-mixtral, profiled."""
+    return _bundled("tiny-mixtral", _shared_root(tmp_path_factory, worker_id), profile=True)
+
+
+@pytest.fixture(scope="session")
+def bundled_qwen_pack(tmp_path_factory, worker_id) -> Path:
+    """tiny-qwen-moe (shared expert and its gate), not profiled."""
+    return _bundled("tiny-qwen-moe", _shared_root(tmp_path_factory, worker_id), profile=False)

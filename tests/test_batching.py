@@ -46,7 +46,11 @@ def test_greedy_and_logits_equal_reference_every_arch(arch, packs):
     seqs = greedy_equal(engine)
     assert batcher.scheduler.preemptions > 0 and batcher.kv.used == 0
     assert sum(s.preemptions for s in seqs) == batcher.scheduler.preemptions
-    # logits of one packed prefill step equal the reference path's, token for token
+    packed_prefill_logits_equal(engine)
+
+
+def packed_prefill_logits_equal(engine: Engine) -> None:
+    """Logits of one packed prefill step equal the reference path's, sequence for sequence."""
     engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(block_size=2))
     runner, sched = engine.batcher.runner, engine.batcher.scheduler
     ids = [engine.tokenizer(p).input_ids for p in PROMPTS]
@@ -58,12 +62,22 @@ def test_greedy_and_logits_equal_reference_every_arch(arch, packs):
         torch.testing.assert_close(row, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_bundled_qwen_moe_equals_reference(bundled_qwen_pack):
+    engine = Engine(Pack(bundled_qwen_pack))
+    for policy in ("fp16", "uniform:3"):
+        engine.start_batching(parse_policy(policy), None, BatchConfig(max_batch_tokens=16))
+        assert any(s.text for s in greedy_equal(engine, 16))
+    packed_prefill_logits_equal(engine)
+
+
 @pytest.mark.parametrize("policy", ["fp16", "uniform:3", "static:0.5", "pagedweight:0.5"])
 def test_bundled_model_policies_on_one_engine(policy, bundled_pack):
     engine = Engine(Pack(bundled_pack))
     engine.start_batching(parse_policy(policy), None, BatchConfig(max_batch_tokens=16))
     seqs = greedy_equal(engine, 16)
     assert any(len(s.text) > 0 for s in seqs)
+    if policy == "fp16":
+        packed_prefill_logits_equal(engine)
 
 
 def test_memory_budget_demotes_under_kv_pressure_and_promotes_after(bundled_pack):
