@@ -1,4 +1,4 @@
-"""The engine every front end shares (generate, bench, later serve): a pack loaded into a
+"""The engine every front end shares (generate, bench, serve): a pack loaded into a
 transformers model with pwctl MoE blocks, a tokenizer, and the expert widths of a policy.
 
 Two paths share the model: the single-sequence reference (`logits`, `generate_ids`: transformers'
@@ -8,8 +8,10 @@ scheduler and one memory budget for planes + KV + workspace (runtime/batcher.py)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
@@ -115,29 +117,20 @@ class Engine:
         policy: Policy,
         memory_budget: str | None = None,
         config: BatchConfig | None = None,
+        on_widths: Callable[[np.ndarray], None] | None = None,
     ) -> Batcher:
         """Set `policy` and build the batching path under one memory budget (a size, or a
         fraction: of free GPU memory on CUDA, of `full_need` on CPU; None: `full_need`, i.e.
-        the widest planes plus a full context for every sequence)."""
+        the widest planes plus a full context for every sequence). `on_widths(widths)` is
+        called after every width change, between steps (the GPU path: Pager.request)."""
         cfg = config or BatchConfig()
         self.set_policy(policy)
         dynamic = self.allocator is not None and self.allocator.dynamic
         layout = KVLayout.from_config(self.model.config, self.dtype)
         max_len = cfg.max_model_len or self.model.config.max_position_embeddings
-        block_bytes = KVCache.block_bytes_of(layout, cfg.block_size)
-        fixed = self.fixed_bytes(cfg)
-        floor = self.allocator.budget if dynamic else self.store.expert_bytes()
-        widest = self.widest_plane_bytes() if dynamic else floor
-        most_kv = cfg.max_seqs * -(-max_len // cfg.block_size)
-        total = self._resolve_budget(memory_budget, fixed + widest + most_kv * block_bytes)
-        capacity = min(most_kv, MemoryBudget.kv_capacity(total, fixed, floor, block_bytes))
-        if capacity < 1:
-            raise PwctlError(
-                f"--memory-budget {memory_budget}: {total / 1e6:.2f} MB leaves no KV block once "
-                f"the experts ({floor / 1e6:.2f} MB) and the rest ({fixed / 1e6:.2f} MB) are in"
-            )
+        total, fixed, capacity = self._split_budget(memory_budget, cfg, layout, max_len, dynamic)
         kv = KVCache(layout, capacity, cfg.block_size, self.device)
-        memory = MemoryBudget(total, fixed, self.store, kv, self.allocator)
+        memory = MemoryBudget(total, fixed, self.store, kv, self.allocator, on_widths)
         sched = Scheduler(kv, cfg.max_batch_tokens, cfg.max_seqs, cfg.max_queue, memory.make_room)
         runner = ModelRunner(self.model, kv, self.device)
         self.batcher = Batcher(
@@ -145,6 +138,24 @@ class Engine:
             self.allocator if dynamic else None,
         )  # fmt: skip
         return self.batcher
+
+    def _split_budget(
+        self, text: str | None, cfg: BatchConfig, layout: KVLayout, max_len: int, dynamic: bool
+    ) -> tuple[int, int, int]:
+        """(total, fixed, KV capacity in blocks) for the memory budget `text`."""
+        block_bytes = KVCache.block_bytes_of(layout, cfg.block_size)
+        fixed = self.fixed_bytes(cfg)
+        floor = self.allocator.budget if dynamic else self.store.expert_bytes()
+        widest = self.widest_plane_bytes() if dynamic else floor
+        most_kv = cfg.max_seqs * -(-max_len // cfg.block_size)
+        total = self._resolve_budget(text, fixed + widest + most_kv * block_bytes)
+        capacity = min(most_kv, MemoryBudget.kv_capacity(total, fixed, floor, block_bytes))
+        if capacity < 1:
+            raise PwctlError(
+                f"--memory-budget {text}: {total / 1e6:.2f} MB leaves no KV block once "
+                f"the experts ({floor / 1e6:.2f} MB) and the rest ({fixed / 1e6:.2f} MB) are in"
+            )
+        return total, fixed, capacity
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         return self._batching().add(prompt_ids, params)
