@@ -107,3 +107,25 @@ def test_sampling_params_are_checked():
             SamplingParams(**bad)
     with pytest.raises(PwctlError, match="empty"):
         Sequence([])
+
+
+def test_sampler_greedy_top_p_and_seed():
+    import torch
+
+    from pwctl.runtime.sampler import sample, sample_one
+
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    greedy = Sequence([1], SamplingParams(temperature=0))
+    assert sample_one(logits, greedy) == 1
+    narrow = Sequence([1], SamplingParams(temperature=1.0, top_p=0.01, seed=0))
+    assert all(sample_one(logits, narrow) == 1 for _ in range(20))  # only the top token left
+    draws = [
+        sample(logits[None], [Sequence([1], SamplingParams(temperature=2.0, seed=s))])[0]
+        for s in range(40)
+    ]
+    assert {1, 2} <= set(draws)  # really sampled
+    again = [
+        sample(logits[None], [Sequence([1], SamplingParams(temperature=2.0, seed=s))])[0]
+        for s in range(40)
+    ]
+    assert draws == again  # a seed fixes the draw

@@ -188,6 +188,22 @@ def test_disconnect_mid_stream_frees_blocks(served):
     assert m["pwctl_aborted_total"] == before + 1 and m["pwctl_kv_blocks_used"] == 0
 
 
+def test_disconnect_while_waiting_for_a_full_response_frees_blocks(served):
+    server, _, _ = served
+    before = server.metrics()["pwctl_aborted_total"]
+    body = {"prompt": PROMPTS[5], "max_tokens": 200, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pwctl_aborted_total"] > before and m["pwctl_kv_blocks_used"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["pwctl_aborted_total"] == before + 1 and m["pwctl_kv_blocks_used"] == 0
+
+
 def test_bad_requests_get_400_and_server_keeps_serving(served):
     server, expected, _ = served
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

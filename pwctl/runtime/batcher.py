@@ -106,7 +106,7 @@ class Batcher:
         """One step; returns the sequences that got a token (finished ones included)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return self._unschedulable()
         with self.tap if self.tap is not None else nullcontext():
             logits = self.runner.forward(batch)
         self.scheduler.update(batch)
@@ -158,6 +158,16 @@ class Batcher:
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return self._finish(seq, "length")
         return None
+
+    def _unschedulable(self) -> list[Sequence]:
+        """Nothing runs and the queue's head does not fit even after demoting to the floors
+        (hot-expert floors can hold planes above BUDGET): drop it rather than spin."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            return []
+        seq = sched.waiting[0]
+        self._finish(seq, "abort")
+        return [seq]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -29,8 +29,6 @@ from pwctl.runtime.scheduler import QueueFull
 from pwctl.runtime.worker import EngineWorker, Update
 from pwctl.runtime.worker import Request as Job
 
-POLL_S = 0.25  # how often a non-streaming request checks whether its client is still there
-
 
 def create_app(worker: EngineWorker, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="pwctl", docs_url=None, redoc_url=None, openapi_url=None)
@@ -171,19 +169,28 @@ async def _json(request: Request) -> Any:
 
 
 async def _collect(worker: EngineWorker, job: Job, request: Request) -> Update:
-    """Wait for the final update; a client that went away gets its sequence aborted."""
-    while True:
-        try:
-            update = await asyncio.wait_for(job.updates.get(), POLL_S)
-        except TimeoutError:
-            if await request.is_disconnected():
+    """Wait for the final update; a client that goes away gets its sequence aborted."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            update = asyncio.ensure_future(job.updates.get())
+            await asyncio.wait({update, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():
+                update.cancel()
                 worker.cancel(job)
-                raise RequestError("client disconnected", None, None, 499) from None
-            continue
-        if update.error is not None:
-            raise _engine_error(update)
-        if update.finish_reason is not None:
-            return update
+                raise RequestError("client disconnected", None, None, 499)
+            if update.result().error is not None:
+                raise _engine_error(update.result())
+            if update.result().finish_reason is not None:
+                return update.result()
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _engine_error(update: Update) -> RequestError:
