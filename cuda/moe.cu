@@ -7,8 +7,9 @@
 // width change costs no recompile, no reallocation and no host sync.
 //
 // Inputs are read in "plane order": for an input vector x of K = 32*words columns, xp[8][words][4]
-// holds x[32w + 4q + i] at [q][w][i]. Lane l of a warp handles plane word w = l + 32m, so its
-// float4 loads of x are consecutive across the warp (coalesced), and one float4 feeds 4 columns.
+// holds at [q][w][i] the input of column 32w + 8(q/2) + rev3(4(q%2) + i) (the nibble order of
+// `nibbles`). Lane l of a warp handles plane word w = l + 32m, so its float4 loads of x are
+// consecutive across the warp (coalesced), and two float4 feed one nibble word.
 
 // No headers: NVRTC finds none of its own, and fp16 <-> fp32 is one PTX instruction each way.
 __device__ __forceinline__ float h2f(unsigned short h) {
@@ -68,13 +69,46 @@ __device__ __forceinline__ u32 word_at(const RowPtr& rp, int w) {
     return __ldg((w < rp.split ? rp.p0 : rp.p1) + w);
 }
 
-// The width-B table row of block row `row` into this warp's shared memory (as float).
+// Labels are decoded 8 columns at a time into nibbles (see `nibbles`), with the plane bits in a
+// fixed but scrambled order inside each nibble; the table in shared memory is stored in that
+// order, so the scramble costs nothing per weight. Plane p (p < 4) lands on nibble bit NIB[p];
+// planes 4..7 make a second nibble, the high half of an 8-bit index.
+__device__ __forceinline__ int nibble_bit(int p) { return (((p & 1) << 1) | ((p >> 1) & 1)) + 4 * (p >> 2); }
+
+// The width-B table row of block row `row` into this warp's shared memory (as float), indexed by
+// the decoded index v: entry v holds table[label(v)].
 template <int B>
 __device__ __forceinline__ void load_table(const Paged& g, int block, i64 bits_nbytes, int rpt,
                                            int row, float* dst, int lane) {
-    i64 base = bits_nbytes + (i64)(row / rpt) * (2 << B);
-    for (int i = lane; i < (1 << B); i += 32)
-        dst[i] = h2f(*(const unsigned short*)paged(g, block, B - 1, base + 2 * i));
+    const i64 base = bits_nbytes + (i64)(row / rpt) * (2 << B);
+    for (int v = lane; v < (B <= 4 ? 16 : 256); v += 32) {
+        int label = 0;
+        #pragma unroll
+        for (int p = 0; p < B; ++p) label |= ((v >> nibble_bit(p)) & 1) << (B - 1 - p);
+        dst[v] = h2f(*(const unsigned short*)paged(g, block, B - 1, base + 2 * label));
+    }
+}
+
+// Four plane words (32 columns) -> four words of 8 nibbles: word k holds columns 8k..8k+7, nibble
+// n column 8k + rev3(n) (rev3: 3-bit reversal), bit NIB[p] of a nibble is plane p. A 4x4 byte
+// transpose (8 PRMT) then two delta swaps per word exchanging position bits 4<->0 and 3<->1:
+// about 1.25 instructions per weight for up to 4 planes, instead of 2 per plane per weight.
+__device__ __forceinline__ void nibbles(u32 p0, u32 p1, u32 p2, u32 p3, u32 (&q)[4]) {
+    const u32 a = __byte_perm(p0, p1, 0x5140), b = __byte_perm(p2, p3, 0x5140);
+    const u32 c = __byte_perm(p0, p1, 0x7362), d = __byte_perm(p2, p3, 0x7362);
+    q[0] = __byte_perm(a, b, 0x5410);
+    q[1] = __byte_perm(a, b, 0x7632);
+    q[2] = __byte_perm(c, d, 0x5410);
+    q[3] = __byte_perm(c, d, 0x7632);
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 x = q[k], t;
+        t = (x ^ (x >> 15)) & 0x0000AAAAu;
+        x ^= t ^ (t << 15);
+        t = (x ^ (x >> 6)) & 0x00CC00CCu;
+        x ^= t ^ (t << 6);
+        q[k] = x;
+    }
 }
 
 // acc[r][t] += sum over columns of W[row0 + r, :] * in[t, :], W read at width B.
@@ -90,31 +124,40 @@ __device__ __forceinline__ void rows_dot(const Paged& g, int block, i64 bits_nby
         ptrs[lane] = row_ptr(g, block, lane % B, row0 + min(lane / B, nrows - 1), words);
     __syncwarp();
     const i64 xstride = (i64)8 * words * 4;  // floats per input row
+    constexpr int HI = B > 4 ? 1 : 0;  // a second nibble word set for planes 4..7
     for (int w = lane; w < words; w += 32) {
-        u32 P[R][B];
+        u32 lo[R][4], hi[R][4];
         #pragma unroll
-        for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r) {
+            u32 P[8];
             #pragma unroll
-            for (int p = 0; p < B; ++p) P[r][p] = word_at(ptrs[r * B + p], w);
+            for (int p = 0; p < 8; ++p) P[p] = p < B ? word_at(ptrs[r * B + p], w) : 0u;
+            nibbles(P[0], P[1], P[2], P[3], lo[r]);
+            if (HI) nibbles(P[4], P[5], P[6], P[7], hi[r]);
+        }
         #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            float4 xv[TM];
+        for (int k = 0; k < 4; ++k) {
+            float4 xa[TM], xb[TM];  // the 8 inputs of nibble word k, in nibble order
             #pragma unroll
             for (int t = 0; t < TM; ++t)
-                if (t < T) xv[t] = __ldg((const float4*)(xp + in_row[t] * xstride + ((i64)q * words + w) * 4));
+                if (t < T) {
+                    const float* base = xp + in_row[t] * xstride + ((i64)(2 * k) * words + w) * 4;
+                    xa[t] = __ldg((const float4*)base);
+                    xb[t] = __ldg((const float4*)(base + (i64)words * 4));
+                }
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int j = 4 * q + i;
+            for (int r = 0; r < R; ++r) {
                 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    u32 label = 0;
-                    #pragma unroll
-                    for (int p = 0; p < B; ++p) label |= ((P[r][p] >> j) & 1u) << (B - 1 - p);
-                    const float v = tbl[r * MAX_TABLE + label];
+                for (int n = 0; n < 8; ++n) {
+                    u32 v = (lo[r][k] >> (4 * n)) & 15u;
+                    if (HI) v |= ((hi[r][k] >> (4 * n)) & 15u) << 4;
+                    const float wv = tbl[r * MAX_TABLE + v];
                     #pragma unroll
                     for (int t = 0; t < TM; ++t) {
-                        const float xi = i == 0 ? xv[t].x : i == 1 ? xv[t].y : i == 2 ? xv[t].z : xv[t].w;
-                        if (t < T) acc[r][t] = fmaf(v, xi, acc[r][t]);
+                        const float4& xv = n < 4 ? xa[t] : xb[t];
+                        const int i = n & 3;
+                        const float xi = i == 0 ? xv.x : i == 1 ? xv.y : i == 2 ? xv.z : xv.w;
+                        if (t < T) acc[r][t] = fmaf(wv, xi, acc[r][t]);
                     }
                 }
             }
@@ -181,7 +224,9 @@ __device__ void gate_up(Paged g, Slots s, const float* xp, float* hp, int I, int
     for (int r = 0; r < R; ++r) {
         const int n = row0 + r;
         if (r >= nrows) break;
-        const i64 col = ((i64)((n & 31) >> 2) * words_out + (n >> 5)) * 4 + (n & 3);
+        const int m = __brev(n & 7) >> 29;  // nibble slot of column n within its 8 (rev3)
+        const int q = 2 * ((n & 31) >> 3) + (m >> 2);
+        const i64 col = ((i64)q * words_out + (n >> 5)) * 4 + (m & 3);
         #pragma unroll
         for (int t = 0; t < TM; ++t)
             if (t < T) hp[(i64)(lo + t) * 8 * words_out * 4 + col] = silu(ga[r][t]) * ua[r][t];
@@ -239,8 +284,7 @@ __device__ void down(Paged g, Slots s, const float* hp, float* out, int H, int w
 ENTRY(1, 4)
 ENTRY(2, 4)
 ENTRY(4, 2)
-ENTRY(8, 2)
-ENTRY(16, 1)
+ENTRY(8, 1)
 
 // Prefill: rows [row0, row0 + gridDim.x) of one block at its current width, as fp16 [n, cols],
 // into a workspace small enough to stay in L2; cuBLAS multiplies it next. Each thread makes 8

@@ -17,6 +17,7 @@ from pwctl.pack import BlockInfo, PlaneInfo
 from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.fused_moe import FusedMoE
+from pwctl.runtime.kernels import DECODE_MAX_TOKENS
 from pwctl.runtime.moe import route
 from pwctl.runtime.page_table import GPU, PageTable, choose_slab
 
@@ -233,20 +234,28 @@ def active_bytes(layer: SyntheticLayer, index: torch.Tensor) -> tuple[int, int]:
 
 
 def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: float, seed: int):
+    """One row per path that takes T tokens: decode (CUDA-graph replay: launch overhead out) up to
+    8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows)."""
     x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
-
-    def call():
-        return layer.moe(0, x, weights, index, scale)
-
-    decode = T <= 16
-    t = _graph_time(call) if decode else _event_time(call, 5)
     planes, fp16 = active_bytes(layer, index)
     tg = _event_time(GroupedFp16(layer, x, weights, index), 10)
     floor = fp16 / copy_bw
-    return KernelRow(
-        name, width, T, "decode" if decode else "prefill", t * 1e6, planes, planes / t / 1e9,
-        100 * planes / t / copy_bw, floor * 1e6, floor / t, tg * 1e6, tg / t,
-    )  # fmt: skip
+    rows = []
+    for path in ("decode", "prefill"):
+        if (path == "decode" and T > DECODE_MAX_TOKENS) or (path == "prefill" and T < 4):
+            continue
+
+        def call(path=path):
+            return layer.moe(0, x, weights, index, scale, path=path)
+
+        t = _graph_time(call) if path == "decode" else _event_time(call, 5)
+        rows.append(
+            KernelRow(
+                name, width, T, path, t * 1e6, planes, planes / t / 1e9,
+                100 * planes / t / copy_bw, floor * 1e6, floor / t, tg * 1e6, tg / t,
+            )
+        )  # fmt: skip
+    return rows
 
 
 def run_kernel_bench(
@@ -264,7 +273,8 @@ def run_kernel_bench(
             else:
                 w = np.full(t.n_blocks, int(width))
             layer.set_widths(w)
-            rows += [_measure(layer, name, width, T, copy_bw, seed) for T in tokens]
+            for T in tokens:
+                rows += _measure(layer, name, width, T, copy_bw, seed)
         del layer
         torch.cuda.empty_cache()
     return copy_bw, rows

@@ -18,7 +18,12 @@ from pwctl.recipe import MoESpec
 from pwctl.runtime import kernels
 from pwctl.runtime.device_table import DeviceTable
 
-PREFILL_WORKSPACE = 16 << 20  # bytes of fp16 rows dequantized at once (stays in the 50 MB L2)
+# bytes of fp16 rows dequantized at once: one whole expert matrix of Mixtral-8x7B (117 MB). Measured
+# on the H200: 16 MB chunks (L2-resident) made prefill launch-bound (7 launches per matrix).
+PREFILL_WORKSPACE = 128 << 20
+
+
+DECODE_TOKENS = kernels.DECODE_MAX_TOKENS  # up to this many tokens: the decode kernels
 
 
 @dataclass(frozen=True)
@@ -87,13 +92,18 @@ def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.de
     )
 
 
+NIBBLE_ORDER = [0, 4, 2, 6, 1, 5, 3, 7]  # column of nibble n within 8 (3-bit reversal)
+
+
 def plane_order(x: torch.Tensor, words: int) -> torch.Tensor:
-    """[n, K] -> float32 [n, 8, words, 4] (cuda/moe.cu's input layout), zero-padded to 32*words."""
+    """[n, K] -> float32 [n, 8, words, 4] (cuda/moe.cu's input layout), zero-padded to 32*words:
+    [q, w, i] holds column 32w + 8(q // 2) + NIBBLE_ORDER[4(q % 2) + i]."""
     n, K = x.shape
     xp = x.float()
     if 32 * words > K:
         xp = F.pad(xp, (0, 32 * words - K))
-    return xp.view(n, words, 8, 4).transpose(1, 2).contiguous()
+    xp = xp.view(n, words, 4, 8)[..., NIBBLE_ORDER]
+    return xp.reshape(n, words, 8, 4).transpose(1, 2).contiguous()
 
 
 class FusedMoE:
@@ -124,8 +134,10 @@ class FusedMoE:
         index: torch.Tensor,
         shared_scale: torch.Tensor | None = None,
         reference: bool = False,
+        path: str | None = None,
     ) -> torch.Tensor:
-        """Sum over routed experts (and the shared one) for tokens x [T, H]: float32 [T, H]."""
+        """Sum over routed experts (and the shared one) for tokens x [T, H]: float32 [T, H].
+        `path` forces "decode" or "prefill" on CUDA (benchmarks); default: by token count."""
         T = x.shape[0]
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
         jobs = [(group(index, weights, self.spec.num_experts), False)]
@@ -134,7 +146,7 @@ class FusedMoE:
         for pairs, shared in jobs:
             if reference or not x.is_cuda:
                 self._torch(layer, shared, x, pairs, out)
-            elif T <= kernels.DECODE_MAX_TOKENS:
+            elif (path or ("decode" if T <= DECODE_TOKENS else "prefill")) == "decode":
                 self._decode(layer, shared, x, pairs, out)
             else:
                 self._prefill(layer, shared, x, pairs, out)

@@ -13,9 +13,9 @@ import torch
 from pwctl.errors import PwctlError
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
-TOKEN_TILES = (1, 2, 4, 8, 16)  # decode kernels are compiled for at most this many tokens a slot
+TOKEN_TILES = (1, 2, 4, 8)  # decode kernels are compiled for at most this many tokens a slot
 WARPS = 8  # warps per block (cuda/moe.cu)
-ROWS = {1: 4, 2: 4, 4: 2, 8: 2, 16: 1}  # rows per warp of each token tile (cuda/moe.cu ENTRY)
+ROWS = {1: 4, 2: 4, 4: 2, 8: 1}  # rows per warp of each token tile (cuda/moe.cu ENTRY)
 DECODE_MAX_TOKENS = TOKEN_TILES[-1]
 
 
