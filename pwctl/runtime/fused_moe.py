@@ -102,7 +102,9 @@ def plane_order(x: torch.Tensor, words: int) -> torch.Tensor:
     xp = x.float()
     if 32 * words > K:
         xp = F.pad(xp, (0, 32 * words - K))
-    xp = xp.view(n, words, 4, 8)[..., NIBBLE_ORDER]
+    # NIBBLE_ORDER is the 3-bit reversal: reverse the three binary axes of each group of 8
+    # (view ops only: no index tensor, so CUDA-graph capture works)
+    xp = xp.view(n, words, 4, 2, 2, 2).permute(0, 1, 2, 5, 4, 3)
     return xp.reshape(n, words, 8, 4).transpose(1, 2).contiguous()
 
 
