@@ -86,7 +86,7 @@ def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.de
     return Pairs(
         token=torch.arange(T, dtype=i32, device=device),
         weight=weight,
-        expert=torch.tensor([expert], dtype=i32, device=device),
+        expert=torch.full((1,), expert, dtype=i32, device=device),  # no host copy: graphs
         lo=torch.zeros(1, dtype=i32, device=device),
         hi=torch.full((1,), T, dtype=i32, device=device),
     )
