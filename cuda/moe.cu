@@ -75,20 +75,6 @@ __device__ __forceinline__ u32 word_at(const RowPtr& rp, int w) {
 // planes 4..7 make a second nibble, the high half of an 8-bit index.
 __device__ __forceinline__ int nibble_bit(int p) { return (((p & 1) << 1) | ((p >> 1) & 1)) + 4 * (p >> 2); }
 
-// The width-B table row of block row `row` into this warp's shared memory (as float), indexed by
-// the decoded index v: entry v holds table[label(v)].
-template <int B>
-__device__ __forceinline__ void load_table(const Paged& g, int block, i64 bits_nbytes, int rpt,
-                                           int row, float* dst, int lane) {
-    const i64 base = bits_nbytes + (i64)(row / rpt) * (2 << B);
-    for (int v = lane; v < (B <= 4 ? 16 : 256); v += 32) {
-        int label = 0;
-        #pragma unroll
-        for (int p = 0; p < B; ++p) label |= ((v >> nibble_bit(p)) & 1) << (B - 1 - p);
-        dst[v] = h2f(*(const unsigned short*)paged(g, block, B - 1, base + 2 * label));
-    }
-}
-
 // Four plane words (32 columns) -> four words of 8 nibbles: word k holds columns 8k..8k+7, nibble
 // n column 8k + rev3(n) (rev3: 3-bit reversal), bit NIB[p] of a nibble is plane p. A 4x4 byte
 // transpose (8 PRMT) then two delta swaps per word exchanging position bits 4<->0 and 3<->1:
@@ -117,11 +103,30 @@ __device__ __forceinline__ void rows_dot(const Paged& g, int block, i64 bits_nby
                                          int rpt, int row0, int nrows, const float* xp,
                                          const int* in_row, int T, float (&acc)[R][TM],
                                          float* tbl, RowPtr* ptrs, int lane) {
+    // Prologue: every lane issues all its table loads at once (independent, so their latencies
+    // overlap; loading row by row serialised R chains of three dependent loads), then the
+    // (row, plane) page pointers, then stores.
+    constexpr int NT = B <= 4 ? 16 : 256;  // decoded indices per table
+    constexpr int PER = (R * NT + 31) / 32;
+    unsigned short hv[PER];
     #pragma unroll
-    for (int r = 0; r < R; ++r)
-        if (r < nrows) load_table<B>(g, block, bits_nbytes, rpt, row0 + r, tbl + r * MAX_TABLE, lane);
+    for (int i = 0; i < PER; ++i) {
+        const int e = lane + 32 * i, r = e / NT, v = e % NT;
+        if (r < R) {
+            int label = 0;
+            #pragma unroll
+            for (int p = 0; p < B; ++p) label |= ((v >> nibble_bit(p)) & 1) << (B - 1 - p);
+            const i64 off = bits_nbytes + (i64)((row0 + min(r, nrows - 1)) / rpt) * (2 << B);
+            hv[i] = __ldg((const unsigned short*)paged(g, block, B - 1, off + 2 * label));
+        }
+    }
     if (lane < R * B)  // one lane per (row, plane) finds the pages; the loop reads them from smem
         ptrs[lane] = row_ptr(g, block, lane % B, row0 + min(lane / B, nrows - 1), words);
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int e = lane + 32 * i, r = e / NT, v = e % NT;
+        if (r < R) tbl[r * MAX_TABLE + v] = h2f(hv[i]);
+    }
     __syncwarp();
     const i64 xstride = (i64)8 * words * 4;  // floats per input row
     constexpr int HI = B > 4 ? 1 : 0;  // a second nibble word set for planes 4..7
