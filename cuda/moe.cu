@@ -341,3 +341,41 @@ extern "C" __global__ void __launch_bounds__(128) dequant_rows(PAGED_ARGS, int b
 #undef CASE
     }
 }
+
+// Decode-time grouping of (token, expert) pairs by expert, in one launch (it replaced ~20 small
+// torch kernels: 53 us of a Mixtral decode step on the H200). Pairs are placed stably (sorted by
+// expert, then by token); slots list the active experts in increasing order, empty slots after.
+// One block; dynamic shared memory: experts ints. For <= a few hundred pairs (decode).
+extern "C" __global__ void group_pairs(const i64* index, const float* weights, int pairs, int k,
+                                       int experts, int slots, int* token, float* weight,
+                                       int* s_expert, int* s_lo, int* s_hi) {
+    extern __shared__ int first[];  // per expert: count, then its first pair
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) first[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) atomicAdd(&first[(int)index[i]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int start = 0, n = 0;
+        for (int e = 0; e < experts; ++e) {
+            const int c = first[e];
+            first[e] = start;
+            if (c > 0 && n < slots) {
+                s_expert[n] = e;
+                s_lo[n] = start;
+                s_hi[n] = start + c;
+                ++n;
+            }
+            start += c;
+        }
+        for (; n < slots; ++n) s_expert[n] = s_lo[n] = s_hi[n] = 0;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+        const i64 e = index[i];
+        int rank = 0;
+        for (int j = 0; j < i; ++j) rank += index[j] == e;
+        const int pos = first[e] + rank;
+        token[pos] = i / k;
+        weight[pos] = weights[i];
+    }
+}

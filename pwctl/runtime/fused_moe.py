@@ -79,6 +79,32 @@ def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs
     )
 
 
+def group_on_device(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs:
+    """`group` in one kernel launch (decode sizes, CUDA): same pairs, same slots."""
+    T, k = index.shape
+    n, slots = T * k, min(num_experts, T * k)
+    dev = index.device
+    i32 = torch.int32
+    pairs = Pairs(
+        token=torch.empty(n, dtype=i32, device=dev),
+        weight=torch.empty(n, dtype=torch.float32, device=dev),
+        expert=torch.empty(slots, dtype=i32, device=dev),
+        lo=torch.empty(slots, dtype=i32, device=dev),
+        hi=torch.empty(slots, dtype=i32, device=dev),
+    )
+    idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
+    p = kernels.ptr
+    kernels.launch(
+        "group_pairs",
+        (1,),
+        (256,),
+        (p(idx), p(w), np.int32(n), np.int32(k), np.int32(num_experts), np.int32(slots))
+        + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi)),
+        shared_mem=4 * num_experts,
+    )
+    return pairs
+
+
 def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.device) -> Pairs:
     """One slot holding every token (the shared expert), weighted by its gate."""
     i32 = torch.int32
@@ -142,7 +168,10 @@ class FusedMoE:
         `path` forces "decode" or "prefill" on CUDA (benchmarks); default: by token count."""
         T = x.shape[0]
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        jobs = [(group(index, weights, self.spec.num_experts), False)]
+        decode = x.is_cuda and not reference and T <= DECODE_TOKENS and path != "prefill"
+        E = self.spec.num_experts
+        pairs = group_on_device(index, weights, E) if decode else group(index, weights, E)
+        jobs = [(pairs, False)]
         if self.spec.has_shared:
             jobs.append((all_tokens(T, shared_scale, self.spec.num_experts, x.device), True))
         for pairs, shared in jobs:

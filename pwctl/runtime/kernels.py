@@ -55,8 +55,10 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def launch(name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
-    module().get_function(name)(grid, block, args, stream=_stream())
+def launch(
+    name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+) -> None:
+    module().get_function(name)(grid, block, args, stream=_stream(), shared_mem=shared_mem)
 
 
 def token_tile(n: int) -> int:
