@@ -123,6 +123,8 @@ def _kl_per_seq(ref: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 def run_profile(engine: Engine, ids: torch.Tensor, method: str, progress=None) -> Profile:
     if method not in METHODS:
         raise PwctlError(f"--method must be one of {METHODS}")
+    if engine.paged is not None:  # the sweeps below set single blocks' widths in the store
+        raise PwctlError("profile runs on the store experts: Engine(..., experts='store')")
     t0 = time.perf_counter()
     pack, store = engine.pack, engine.store
     m = pack.manifest

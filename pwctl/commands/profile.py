@@ -27,7 +27,7 @@ def run(
 ) -> None:
     """Measure what running each block at each width costs (written into the pack)."""
     data = data or [CALIB_SAMPLE]
-    engine = Engine(open_pack(pack), device)
+    engine = Engine(open_pack(pack), device, experts="store")  # per-block width sweeps
     ids = spread_windows(engine.tokenizer, data, samples, seq_len)
     columns = (TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:

@@ -40,6 +40,7 @@ class Counters:
     generated_tokens: int = 0
     finished: int = 0
     aborted: int = 0
+    copied_bytes: int = 0  # planes copied host -> device at step boundaries (paged backend)
 
 
 class Batcher:
@@ -52,8 +53,14 @@ class Batcher:
         eos_ids: set[int],
         max_model_len: int,
         allocator: WidthAllocator | None = None,
+        boundary: Callable[[], int] | None = None,
     ):
+        """`boundary`: called at every step boundary, after the schedule's demotions and the
+        last step's promotions were requested and before the step launches anything (the
+        paged backend's commit: the only time the widths kernels read change); returns the
+        bytes it started copying."""
         self.runner, self.scheduler, self.memory = runner, scheduler, memory
+        self.boundary = boundary
         self.kv = scheduler.kv
         self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, eos_ids, max_model_len
         self.allocator = allocator
@@ -107,6 +114,7 @@ class Batcher:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return self._unschedulable()
+        self._boundary()
         with self.tap if self.tap is not None else nullcontext():
             logits = self.runner.forward(batch)
         self.scheduler.update(batch)
@@ -125,6 +133,7 @@ class Batcher:
         if self.allocator is not None:
             self.allocator.planner.tick()
             self.memory.rebalance(self._kv_wanted())
+        self._boundary()  # promotions start copying now, not at the next step
 
     def run(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Every prompt to completion (the queue bound applies: at most max_queue prompts)."""
@@ -158,6 +167,10 @@ class Batcher:
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return self._finish(seq, "length")
         return None
+
+    def _boundary(self) -> None:
+        if self.boundary is not None:
+            self.counters.copied_bytes += self.boundary()
 
     def _unschedulable(self) -> list[Sequence]:
         """Nothing runs and the queue's head does not fit even after demoting to the floors
@@ -207,6 +220,7 @@ class Batcher:
             "width_demoted_bytes": moves.demoted_bytes,
             "width_promotions": moves.promotions,
             "width_promoted_bytes": moves.promoted_bytes,
+            "plane_copied_bytes": c.copied_bytes,
             "preemptions": self.scheduler.preemptions,
             "queue_length": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),

@@ -4,7 +4,13 @@ transformers model with pwctl MoE blocks, a tokenizer, and the expert widths of 
 Two paths share the model: the single-sequence reference (`logits`, `generate_ids`: transformers'
 own attention and generate; bench and profile use them) and continuous batching
 (`start_batching`, then `add_request` / `step` / `abort`, or `generate_batch`): paged KV cache,
-scheduler and one memory budget for planes + KV + workspace (runtime/batcher.py)."""
+scheduler and one memory budget for planes + KV + workspace (runtime/batcher.py).
+
+Two expert backends (`experts`): "store" (ExpertStore: dequantized weights per width, the CPU
+reference; fp16 and RTN variants) and "paged" (PagedExperts: planes paged into slabs by the
+pager, the fused MoE reads them; the default on CUDA). With "paged", every width change is a
+`PagedExperts.request` and the widths kernels read change only at `PagedExperts.commit`, which
+the batcher calls at each step boundary (set_policy settles at once: no step is running)."""
 
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ from pwctl.runtime.batcher import BatchConfig, Batcher
 from pwctl.runtime.kv_cache import KVCache, KVLayout
 from pwctl.runtime.loader import load_model
 from pwctl.runtime.memory import MemoryBudget
-from pwctl.runtime.moe import MoETap
+from pwctl.runtime.moe import MoEBlock, MoETap
+from pwctl.runtime.paged_experts import PagedExperts
 from pwctl.runtime.runner import ModelRunner
 from pwctl.runtime.scheduler import SamplingParams, Scheduler, Sequence
 
@@ -34,18 +41,54 @@ def open_pack(name_or_path: str | Path) -> Pack:
     return Pack(path)
 
 
+EXPERTS = ("store", "paged")
+
+
 class Engine:
-    def __init__(self, pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        pack: Pack,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        experts: str | None = None,
+    ):
+        """`experts`: "store" or "paged" (None: paged on CUDA, store on the CPU)."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise PwctlError("--device cuda: no CUDA device visible")
+        experts = experts or ("paged" if device.startswith("cuda") else "store")
+        if experts not in EXPERTS:
+            raise PwctlError(f"experts {experts!r}: choose from {EXPERTS}")
         self.pack = pack
         self.device = device
         self.dtype = dtype
         self.model, self.store = load_model(pack, device, dtype)
+        self.paged = self._install_paged() if experts == "paged" else None
         self.batcher: Batcher | None = None
         self._tokenizer = None
         self._allocators: dict[str, WidthAllocator] = {}
         self.allocator: WidthAllocator | None = None
+
+    @property
+    def experts(self) -> str:
+        return "store" if self.paged is None else "paged"
+
+    def _install_paged(self) -> PagedExperts:
+        """Build the paged backend (pool for the widest widths), load the store's widths and
+        hand it to every MoE block."""
+        paged = PagedExperts(self.pack, self.device)
+        paged.request(self.store.widths)
+        paged.settle()
+        for m in self.model.modules():
+            if isinstance(m, MoEBlock):
+                m.paged = paged
+        return paged
+
+    def _check_paged(self, policy: Policy) -> None:
+        if self.paged is not None and (policy.name == "fp16" or self.store.has_variant(policy)):
+            raise PwctlError(
+                f"policy {policy}: not expressible in bit planes, so the paged experts cannot "
+                "run it; use Engine(..., experts='store')"
+            )
 
     @property
     def tokenizer(self):
@@ -64,15 +107,24 @@ class Engine:
         """Fixed policies set widths once; budgeted ones get a WidthAllocator (kept per policy,
         so its live signals survive switching between policies in a bench). `headroom`: plane
         memory the KV cache leaves free now, as a fraction of BUDGET (dynamic policies only)."""
+        self._check_paged(policy)
         self.allocator = None
         if policy.budget is None:
             self.store.apply(policy)
-            return
-        key = str(policy)
-        if key not in self._allocators:
-            self._allocators[key] = WidthAllocator(self.pack, policy)
-        self.allocator = self._allocators[key]
-        self.store.widths[:] = self.allocator.widths(headroom)
+        else:
+            key = str(policy)
+            if key not in self._allocators:
+                self._allocators[key] = WidthAllocator(self.pack, policy)
+            self.allocator = self._allocators[key]
+            self.store.widths[:] = self.allocator.widths(headroom)
+        self._settle_paged()
+
+    def _settle_paged(self) -> None:
+        """The store's widths are the plan: the paged backend runs them from the next forward
+        (callers between forwards only: settling waits for the copies)."""
+        if self.paged is not None:
+            self.paged.request(self.store.widths)
+            self.paged.settle()
 
     def reset_policies(self) -> None:
         """Forget every budgeted policy's live state (a new run starts from the profile)."""
@@ -122,7 +174,7 @@ class Engine:
         """Set `policy` and build the batching path under one memory budget (a size, or a
         fraction: of free GPU memory on CUDA, of `full_need` on CPU; None: `full_need`, i.e.
         the widest planes plus a full context for every sequence). `on_widths(widths)` is
-        called after every width change, between steps (the GPU path: Pager.request)."""
+        called after every width change, between steps (after the paged backend's request)."""
         cfg = config or BatchConfig()
         self.set_policy(policy)
         dynamic = self.allocator is not None and self.allocator.dynamic
@@ -130,14 +182,33 @@ class Engine:
         max_len = cfg.max_model_len or self.model.config.max_position_embeddings
         total, fixed, capacity = self._split_budget(memory_budget, cfg, layout, max_len, dynamic)
         kv = KVCache(layout, capacity, cfg.block_size, self.device)
-        memory = MemoryBudget(total, fixed, self.store, kv, self.allocator, on_widths)
+        memory = MemoryBudget(
+            total, fixed, self.store, kv, self.allocator, self._on_widths(on_widths)
+        )
+        self._settle_paged()  # the budget's first plan runs from the first step
         sched = Scheduler(kv, cfg.max_batch_tokens, cfg.max_seqs, cfg.max_queue, memory.make_room)
         runner = ModelRunner(self.model, kv, self.device)
         self.batcher = Batcher(
             runner, sched, memory, self.tokenizer, self.eos_ids(), max_len,
             self.allocator if dynamic else None,
+            self.paged.commit if self.paged is not None else None,
         )  # fmt: skip
         return self.batcher
+
+    def _on_widths(
+        self, hook: Callable[[np.ndarray], None] | None
+    ) -> Callable[[np.ndarray], None] | None:
+        """The memory budget's width hook: the paged backend's request, then the caller's."""
+        if self.paged is None:
+            return hook
+        paged = self.paged
+
+        def on_widths(widths: np.ndarray) -> None:
+            paged.request(widths)
+            if hook is not None:
+                hook(widths)
+
+        return on_widths
 
     def _split_budget(
         self, text: str | None, cfg: BatchConfig, layout: KVLayout, max_len: int, dynamic: bool
@@ -182,6 +253,8 @@ class Engine:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         c, elem = self.model.config, torch.empty(0, dtype=self.dtype).element_size()
         work = cfg.max_batch_tokens * c.hidden_size * 16 * elem + cfg.max_seqs * c.vocab_size * 4
+        if self.paged is not None:  # the CUDA backend's staging buffer (outside the slab pool)
+            work += getattr(self.paged.backend, "workspace_bytes", 0)
         return weights + work
 
     def widest_plane_bytes(self) -> int:

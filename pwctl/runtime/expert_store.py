@@ -42,6 +42,10 @@ class ExpertStore:
         for index, w in weights.items():
             self._cache[(index, code)] = w.to(self.device, self.dtype)
 
+    def has_variant(self, policy: Policy) -> bool:
+        """Whether `policy` names a registered variant (weights outside the pack's planes)."""
+        return policy.name in self._variants
+
     def apply(self, policy: Policy) -> None:
         """Set every block's width for a fixed policy (fp16, uniform:B or a variant)."""
         if policy.name in self._variants:

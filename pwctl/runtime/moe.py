@@ -1,8 +1,12 @@
 """The MoE block pwctl puts in place of each transformers MoE block: routing per recipe, routed
-experts, the shared expert and its gate, weighted combine. This is what the fused kernel later
-computes in one launch; here it is the CPU reference."""
+experts, the shared expert and its gate, weighted combine. Two execution backends share the
+routing: the ExpertStore (CPU reference, dequantized weights per width) and, once the engine
+installs one in `paged`, PagedExperts (paged planes and the fused MoE: CUDA kernels on the GPU,
+the same pairs in torch on the CPU)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +14,9 @@ from torch import nn
 
 from pwctl.recipe import MoESpec
 from pwctl.runtime.expert_store import ExpertStore
+
+if TYPE_CHECKING:
+    from pwctl.runtime.paged_experts import PagedExperts
 
 
 def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,12 +43,27 @@ class MoEBlock(nn.Module):
         )
         # profile's tap: called as observer(layer, x [T, H], index [T, k], weights [T, k])
         self.observer = None
+        self.paged: PagedExperts | None = None  # set by the engine: the paged backend
+
+    def shared_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's gate per token [T, 1] (None: ungated or no shared expert)."""
+        if self.shared_expert_gate is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, self.spec.hidden)
         weights, index = route(self.gate(x), self.spec)
         if self.observer is not None:
             self.observer(self.layer, x, index, weights)
+        if self.paged is not None:
+            out = self.paged(self.layer, x, weights, index, self.shared_scale(x))
+            return out.to(x.dtype).view_as(hidden)
+        return self._store_forward(x, weights, index).view_as(hidden)
+
+    def _store_forward(
+        self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in index.unique().tolist():
             tokens, slot = torch.where(index == e)
@@ -49,10 +71,9 @@ class MoEBlock(nn.Module):
             out.index_add_(0, tokens, y.to(out.dtype))
         if self.spec.has_shared:
             shared = self.store.mlp(self.layer, self.spec.num_experts, x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out.view_as(hidden)
+            scale = self.shared_scale(x)
+            out = out + (shared if scale is None else scale * shared)
+        return out
 
 
 class MoETap:
