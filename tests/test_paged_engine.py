@@ -1,0 +1,186 @@
+"""The paged experts backend (page table + pager + device table + fused MoE) in the engine gives
+what the ExpertStore backend gives: same logits, same greedy tokens, same batched outputs, also
+while the memory budget demotes and promotes planes through the pager mid-generation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pwctl import tiny
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
+from pwctl.policy import Policy, parse_policy
+from pwctl.profile import run_profile
+from pwctl.runtime.batcher import BatchConfig
+from pwctl.runtime.engine import Engine
+from pwctl.runtime.moe import MoETap
+from pwctl.runtime.paged_experts import PagedExperts
+from pwctl.runtime.scheduler import SamplingParams
+
+PROMPTS = [
+    "In the beginning God created",
+    "The quick brown fox",
+    "It is a truth universally acknowledged that a single man",
+    "0123",
+]
+
+
+def engines(path, device: str = "cpu") -> tuple[Engine, Engine]:
+    pack = Pack(path)
+    return Engine(pack, device, experts="store"), Engine(pack, device, experts="paged")
+
+
+def same_logits_and_tokens(store: Engine, paged: Engine, policy: str, n_tokens: int = 8) -> None:
+    store.set_policy(parse_policy(policy))
+    paged.set_policy(parse_policy(policy))
+    assert np.array_equal(paged.paged.widths, store.store.widths)
+    ids = torch.tensor([store.tokenizer(PROMPTS[2]).input_ids])
+    with MoETap(store.model) as want, MoETap(paged.model) as got:
+        ref, out = store.logits(ids), paged.logits(ids)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for layer, (x, index, weights) in want.seen.items():  # the tap sees the same routing
+        gx, gi, gw = got.seen[layer]
+        assert torch.equal(gi, index)
+        torch.testing.assert_close(gx, x, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gw, weights, rtol=1e-4, atol=1e-4)
+    prompt = ids[0].tolist()
+    assert paged.generate_ids(prompt, n_tokens) == store.generate_ids(prompt, n_tokens)
+
+
+@pytest.mark.parametrize("arch", tiny.ARCHS)
+def test_paged_equals_store_every_arch(arch, packs):
+    store, paged = engines(packs[(arch, "per_expert")])
+    m = store.pack.manifest
+    for policy in (f"uniform:{m.max_bits}", "uniform:3"):
+        same_logits_and_tokens(store, paged, policy)
+
+
+@pytest.mark.parametrize("fixture", ["bundled_pack", "bundled_qwen_pack"])
+def test_paged_equals_store_bundled(fixture, request):
+    store, paged = engines(request.getfixturevalue(fixture))
+    for policy in ("uniform:6", "uniform:3"):
+        same_logits_and_tokens(store, paged, policy, 16)
+        cfg = BatchConfig(max_batch_tokens=16)
+        ids = [store.tokenizer(p).input_ids for p in PROMPTS]
+        outs = []
+        for engine in (store, paged):
+            engine.start_batching(parse_policy(policy), None, cfg)
+            outs.append([s.output_ids for s in engine.generate_batch(ids, SamplingParams(16))])
+        assert outs[0] == outs[1]
+        assert outs[1][0] == paged.generate_ids(ids[0], 16)
+
+
+def pressure_run(engine: Engine, budget: int | None, cfg: BatchConfig) -> tuple[list, list]:
+    """Eight requests under KV pressure (demotions), the short ones finish, the long one keeps
+    decoding while the freed KV memory goes back to the planes (promotions after the planner's
+    cooldown). Returns the outputs and the widths of every step."""
+    policy = parse_policy("pagedweight:0.4")
+    batcher = engine.start_batching(policy, None if budget is None else f"{budget}b", cfg)
+    if engine.paged is not None:  # each boundary: the widths kernels read are the plan's
+        commit = batcher.boundary
+
+        def checked() -> int:
+            moved = commit()
+            assert np.array_equal(engine.paged.widths, engine.store.widths)
+            engine.paged.pager.check()
+            return moved
+
+        batcher.boundary = checked
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS * 2]
+    seqs = [
+        engine.add_request(i, SamplingParams(max_tokens=56 if n == 0 else 12, ignore_eos=True))
+        for n, i in enumerate(ids)
+    ]
+    trace = []
+    while batcher.has_work:
+        engine.step()
+        trace.append(engine.store.widths.copy())
+    return [s.output_ids for s in seqs], trace
+
+
+def test_paged_pressure_demotes_and_promotes_through_pager(bundled_pack):
+    store, paged = engines(bundled_pack)
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    probe = store.start_batching(parse_policy("pagedweight:0.4"), None, cfg)
+    budget = probe.memory.fixed + store.widest_plane_bytes() + 12 * probe.kv.block_bytes
+    want, want_trace = pressure_run(store, budget, cfg)
+    got, got_trace = pressure_run(paged, budget, cfg)
+    assert got == want
+    assert all(np.array_equal(a, b) for a, b in zip(got_trace, want_trace, strict=True))
+    moves = paged.batcher.memory.moves
+    assert moves.demotions > 0 and moves.promotions > 0
+    assert paged.batcher.counters.copied_bytes > 0  # promotions copied planes mid-generation
+    assert paged.batcher.metrics()["plane_copied_bytes"] == paged.batcher.counters.copied_bytes
+    widths = np.stack(got_trace)
+    first_low = np.flatnonzero((widths < widths[0]).any(1))
+    assert first_low.size and (widths[first_low[0] :] > widths[first_low[0]]).any()
+
+
+def test_paged_refuses_what_planes_cannot_hold(bundled_pack):
+    paged = Engine(Pack(bundled_pack), experts="paged")
+    with pytest.raises(PwctlError, match="not expressible in bit planes"):
+        paged.set_policy(parse_policy("fp16"))
+    paged.store.add_variant("rtn-g128:3", {}, 0)
+    with pytest.raises(PwctlError, match="not expressible in bit planes"):
+        paged.set_policy(Policy("rtn-g128:3"))
+    with pytest.raises(PwctlError, match="store experts"):
+        run_profile(paged, torch.zeros(1, 4, dtype=torch.long), "proxy")
+    with pytest.raises(PwctlError, match="experts 'gpu'"):
+        Engine(Pack(bundled_pack), experts="gpu")
+    assert Engine(Pack(bundled_pack)).experts == "store"  # the CPU default
+
+
+def test_paged_experts_fit_a_small_pool(packs):
+    pack = Pack(packs[("qwen2_moe", "per_expert")])
+    m = pack.manifest
+    full = PagedExperts(pack)
+    assert np.all(full.widths == 0)  # nothing resident before the first request
+    full.request(np.full(full.table.n_blocks, m.max_bits))
+    full.settle()
+    widest = full.table.cost_at[:, m.max_bits].sum()
+    assert full.device_bytes() == widest == full.table.device_bytes()
+    assert np.all(full.widths == m.max_bits)
+    small = PagedExperts(pack, budget_bytes=int(0.6 * widest))
+    small.request(np.full(small.table.n_blocks, m.max_bits))
+    small.settle()
+    t = small.table
+    assert t.cost_at[np.arange(t.n_blocks), small.widths].sum() <= t.n_slabs * t.slab_bytes
+    assert small.widths.min() >= m.min_bits and small.widths.max() < m.max_bits
+    small.pager.check()
+    assert small.commit() == 0  # settled: nothing moves
+    small.request(np.full(t.n_blocks, m.min_bits))
+    assert small.commit() == 0 and np.all(small.widths == m.min_bits)  # demotion: no copy
+    small.request(np.full(t.n_blocks, m.min_bits + 1))
+    assert small.commit() > 0 and np.all(small.widths == m.min_bits + 1)  # CPU: confirmed now
+    with pytest.raises(ValueError, match="minimum width"):
+        PagedExperts(pack, budget_bytes=int(t.cost_at[:, m.min_bits].sum()) - 1).request(
+            np.full(t.n_blocks, m.min_bits)
+        )
+
+
+# --- CUDA (skipped without a device): the kernels inside the engine ---------------------------
+
+
+@pytest.mark.gpu
+def test_paged_engine_on_cuda_matches_store(bundled_pack):
+    """The CUDA kernels (decode <= 8 tokens, prefill above) in the serving engine against the
+    store engine on the same GPU: fp16 activations in prefill, so a looser tolerance."""
+    store, paged = engines(bundled_pack, "cuda")
+    assert paged.experts == "paged" and paged.paged.dt.arena.is_cuda
+    ids = [store.tokenizer(p).input_ids for p in PROMPTS]
+    for policy in ("uniform:6", "uniform:3"):
+        store.set_policy(parse_policy(policy))
+        paged.set_policy(parse_policy(policy))
+        for prompt in (ids[2], ids[3][:4]):  # prefill path, decode path
+            x = torch.tensor([prompt])
+            ref, out = store.logits(x), paged.logits(x)
+            err = float((out - ref).norm() / ref.norm())
+            assert err < 1e-2, f"{policy}: logits relative error {err:.2e}"
+        assert paged.generate_ids(ids[0], 16) == store.generate_ids(ids[0], 16)
+        outs = []
+        for engine in (store, paged):
+            engine.start_batching(parse_policy(policy), None, BatchConfig(max_batch_tokens=16))
+            outs.append([s.output_ids for s in engine.generate_batch(ids, SamplingParams(16))])
+        assert outs[0] == outs[1]
