@@ -14,7 +14,7 @@ from pwctl.pack import Pack
 from pwctl.policy import Policy, parse_policy
 from pwctl.profile import run_profile
 from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine
+from pwctl.runtime.engine import Engine, experts_for
 from pwctl.runtime.moe import MoETap
 from pwctl.runtime.paged_experts import PagedExperts
 from pwctl.runtime.scheduler import SamplingParams
@@ -130,6 +130,8 @@ def test_paged_refuses_what_planes_cannot_hold(bundled_pack):
     with pytest.raises(PwctlError, match="experts 'gpu'"):
         Engine(Pack(bundled_pack), experts="gpu")
     assert Engine(Pack(bundled_pack)).experts == "store"  # the CPU default
+    assert experts_for(parse_policy("uniform:3"), "cuda") == "paged"
+    assert experts_for(parse_policy("fp16"), "cuda") == experts_for(Policy("x"), "cpu") == "store"
 
 
 def test_paged_experts_fit_a_small_pool(packs):
@@ -173,7 +175,7 @@ def test_paged_engine_on_cuda_matches_store(bundled_pack):
     for policy in ("uniform:6", "uniform:3"):
         store.set_policy(parse_policy(policy))
         paged.set_policy(parse_policy(policy))
-        for prompt in (ids[2], ids[3][:4]):  # prefill path, decode path
+        for prompt in (ids[2] + ids[0], ids[2][:4]):  # prefill path (> 8 tokens), decode
             x = torch.tensor([prompt])
             ref, out = store.logits(x), paged.logits(x)
             err = float((out - ref).norm() / ref.norm())

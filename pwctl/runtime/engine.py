@@ -44,6 +44,13 @@ def open_pack(name_or_path: str | Path) -> Pack:
 EXPERTS = ("store", "paged")
 
 
+def experts_for(policy: Policy, device: str) -> str:
+    """The expert backend a front end serving one `policy` wants: paged on CUDA, except fp16
+    (reference weights are not planes), which stays on the store."""
+    cuda = device.startswith("cuda")
+    return "paged" if cuda and policy.name != "fp16" else "store"
+
+
 class Engine:
     def __init__(
         self,
@@ -75,7 +82,12 @@ class Engine:
     def _install_paged(self) -> PagedExperts:
         """Build the paged backend (pool for the widest widths), load the store's widths and
         hand it to every MoE block."""
-        paged = PagedExperts(self.pack, self.device)
+        try:
+            paged = PagedExperts(self.pack, self.device)
+        except ValueError as e:  # e.g. an activation the fused MoE does not implement
+            raise PwctlError(
+                f"{self.pack.path}: the paged experts cannot run this pack ({e})"
+            ) from None
         paged.request(self.store.widths)
         paged.settle()
         for m in self.model.modules():
