@@ -19,7 +19,6 @@ from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.commands.common import (
     console,
     handles_errors,
-    not_built,
     print_ppl,
     print_table,
     write_json,
@@ -50,7 +49,28 @@ def run(
     examples: Annotated[
         int | None, typer.Option(help="examples per task (--synthetic: per length, default 10)")
     ] = None,
-    throughput: Annotated[bool, typer.Option("--throughput")] = False,
+    throughput: Annotated[
+        bool, typer.Option("--throughput", help="serving speed on the batched engine")
+    ] = False,
+    input_len: Annotated[int, typer.Option(help="--throughput: prompt tokens")] = 2048,
+    output_len: Annotated[int, typer.Option(help="--throughput: output tokens")] = 256,
+    batch: Annotated[
+        list[int] | None, typer.Option(help="--throughput: requests submitted at once")
+    ] = None,
+    concurrency: Annotated[
+        list[int] | None, typer.Option(help="--throughput: requests kept in flight")
+    ] = None,
+    requests: Annotated[
+        int | None, typer.Option(help="--concurrency: requests to complete (default 2 x C)")
+    ] = None,
+    max_seqs: Annotated[
+        int | None, typer.Option(help="--throughput: running at once (default: the load)")
+    ] = None,
+    max_batch_tokens: Annotated[int, typer.Option(help="--throughput: tokens per step")] = 256,
+    memory_budget: Annotated[
+        str | None, typer.Option(help="--throughput: planes + KV + workspace, as in serve")
+    ] = None,
+    warmup: Annotated[bool, typer.Option(help="--throughput: one short request first")] = True,
     quantizer: Annotated[bool, typer.Option("--quantizer", help="nested vs RTN g128")] = False,
     planner: Annotated[bool, typer.Option("--planner", help="planner latency (CPU)")] = False,
     results: Annotated[
@@ -152,7 +172,21 @@ def run(
                           "rows": [r.as_dict() for r in rows]})  # fmt: skip
         return
     if throughput:
-        not_built("bench --throughput", "the serving and bench issues")
+        from pwctl.bench import throughput as tp
+
+        spec = tp.ThroughputSpec(
+            input_len, output_len, tuple(batch or (() if concurrency else (1, 4))),
+            tuple(concurrency or ()), requests, max_seqs, max_batch_tokens, memory_budget, warmup,
+        )  # fmt: skip
+        spec.validate()
+        if pack is None:
+            raise PwctlError("bench --throughput needs a PACK")
+        policies = [parse_policy(p) for p in (policy or tp.DEFAULT_POLICIES)]
+        engine = Engine(open_pack(pack), device, tp.dtype_for(device))
+        results = tp.run_throughput(engine, policies, spec, data or EVAL_SAMPLE)
+        print_table(*tp.table(results))
+        write_json(json, tp.report(pack, device, spec, results))
+        return
     if not ppl:
         raise PwctlError("choose a mode: --ppl, --longbench, --synthetic or --predictions FILE")
     if pack is None:
