@@ -25,7 +25,7 @@ from pwctl.commands.common import (
 )
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
-from pwctl.runtime.engine import Engine, open_pack
+from pwctl.runtime.engine import Engine, experts_for, open_pack
 from pwctl.text import token_windows
 
 DEFAULT_POLICIES = ["fp16", "uniform:8", "uniform:4", "uniform:3", "uniform:2"]
@@ -131,7 +131,7 @@ def run(
         if pack is None:
             raise PwctlError("bench --longbench/--synthetic needs a PACK")
         policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
-        engine = Engine(open_pack(pack), device)
+        engine = Engine(open_pack(pack), device, experts="store")  # quality: reference math
     if longbench:
         if data is None:
             raise PwctlError("bench --longbench needs --data DIR (LongBench jsonl files)")
@@ -182,8 +182,13 @@ def run(
         if pack is None:
             raise PwctlError("bench --throughput needs a PACK")
         policies = [parse_policy(p) for p in (policy or tp.DEFAULT_POLICIES)]
-        engine = Engine(open_pack(pack), device, tp.dtype_for(device))
-        results = tp.run_throughput(engine, policies, spec, data or EVAL_SAMPLE)
+        engines: dict[str, Engine] = {}  # paged (kernels) on CUDA; fp16 stays on the store
+        results = []
+        for p in policies:
+            kind = experts_for(p, device)
+            if kind not in engines:
+                engines[kind] = Engine(open_pack(pack), device, tp.dtype_for(device), experts=kind)
+            results += tp.run_throughput(engines[kind], [p], spec, data or EVAL_SAMPLE)
         print_table(*tp.table(results))
         write_json(json, tp.report(pack, device, spec, results))
         return
@@ -193,7 +198,7 @@ def run(
         raise PwctlError("bench --ppl needs a PACK")
     policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
     data = data or EVAL_SAMPLE
-    engine = Engine(open_pack(pack), device)
+    engine = Engine(open_pack(pack), device, experts="store")  # quality: reference math
     policies += [add_rtn_variant(engine, b) for b in rtn or []]
     if kv_peak < 0:
         raise PwctlError("--kv-peak must be >= 0")
