@@ -1,5 +1,6 @@
 """The paged KV cache: block pool bounds, per-sequence tables, slots, freeing."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,3 +47,60 @@ def test_tables_slots_and_free():
     assert kv.k[0][kv.slots(7, 2, 7)].sum() == 40
     assert kv.free(8) == 3 and kv.free(8) == 0 and kv.available == 3
     assert kv.grow(7, 9) and kv.free(7) == 3 and kv.used == 0
+
+
+class Slabs:
+    """A slab pool standing for the paged backend's arena (PagedExperts' lending side)."""
+
+    def __init__(self, n_slabs: int, slab_bytes: int):
+        from pwctl.runtime.pager import SlabPool
+
+        self.slab_bytes, self.pool = slab_bytes, SlabPool(n_slabs)
+        self.arena = torch.zeros((n_slabs, slab_bytes), dtype=torch.uint8)
+
+    def lend(self, n):
+        return self.pool.take(n)
+
+    def give_back(self, ids):
+        self.pool.give(np.asarray(ids, dtype=np.int32))
+
+    def drain(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        LAYOUT,  # rows of 32 bytes: 8 per slab
+        KVLayout(n_layers=3, kv_heads=2, head_dim=64),  # 512-byte rows over two slabs
+        KVLayout(n_layers=2, kv_heads=3, head_dim=4, dtype=torch.float16),  # 24-byte rows
+    ],
+)
+def test_arena_blocks_hold_what_own_tensors_hold(layout):
+    k = KVCache.slabs_of(layout, 4, 256)
+    slabs = Slabs(4 * k, 256)
+    own, arena = KVCache(layout, 6, block_size=4), KVCache(layout, 6, 4, slabs=slabs)
+    assert arena.block_bytes == k * 256 >= own.block_bytes and arena.slabs_per_block == k
+    g = torch.Generator().manual_seed(0)
+    lengths = {1: 7, 2: 3}
+    for kv in (own, arena):
+        for seq, n in lengths.items():
+            assert kv.grow(seq, n)
+    held = arena.slab_ids()
+    assert held.size == len(np.unique(held)) == 3 * k and slabs.pool.top == k
+    for layer in range(layout.n_layers):
+        for seq, n in lengths.items():
+            shape = (n, layout.kv_heads, layout.head_dim)
+            key = torch.randn(shape, generator=g).to(layout.dtype)
+            value = torch.randn(shape, generator=g).to(layout.dtype)
+            for kv in (own, arena):
+                kv.write(layer, kv.slots(seq, 0, n), key, value)
+    for layer in range(layout.n_layers):
+        for seq, n in lengths.items():
+            want = own.read(layer, own.slots(seq, 0, n))
+            got = arena.read(layer, arena.slots(seq, 0, n))
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert arena.free(1) == 2 and slabs.pool.top == 3 * k
+    short = KVCache(layout, 6, 4, slabs=Slabs(k, 256))  # one block's slabs in the arena
+    assert short.grow(1, 4) and not short.grow(2, 1) and short.used == 1  # nothing taken
+    assert short.free(1) == 1 and short.grow(2, 1)

@@ -118,6 +118,89 @@ def test_paged_pressure_demotes_and_promotes_through_pager(bundled_pack):
     assert first_low.size and (widths[first_low[0] :] > widths[first_low[0]]).any()
 
 
+def arena_run(engine: Engine, deferred: bool = False) -> None:
+    """Eight requests under KV pressure on a paged engine, then idle steps: checks at every
+    step boundary that one arena, never reallocated, holds planes and KV blocks (planes + KV
+    + free slabs = the arena, pager invariants, the budget's slab accounting), that demoted
+    planes' slabs become KV blocks and, once the load drained, KV blocks' slabs planes. On
+    the CPU backend copies land at submit, so the widths kernels read are the plan's at every
+    boundary (test_paged_pressure_... compares the outputs with the store engine's), unless
+    `deferred`: then copies land only when the test says, as on a GPU."""
+    cuda = engine.device.startswith("cuda")
+    synchronous = not cuda and not deferred
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    probe = engine.start_batching(parse_policy("pagedweight:0.4"), None, cfg)
+    budget = probe.memory.fixed + engine.widest_plane_bytes() + 12 * probe.kv.block_bytes
+    batcher = engine.start_batching(parse_policy("pagedweight:0.4"), f"{budget}b", cfg)
+    paged, kv, memory = engine.paged, batcher.kv, batcher.memory
+    pager, arena = paged.pager, paged.dt.arena
+    n_slabs = paged.table.n_slabs
+    if not cuda:
+        paged.backend.deferred = deferred
+    assert n_slabs * paged.slab_bytes == budget - memory.fixed  # the whole budget but fixed
+    assert kv.k is None and kv.block_bytes % paged.slab_bytes == 0  # no KV tensors of its own
+    assert memory.planes + 12 * kv.block_bytes == memory.space  # widest planes + 12 blocks
+    snaps: list[tuple[set, set]] = []
+    flying: list[int] = []  # blocks promoting at each boundary
+    commit = batcher.boundary
+
+    def checked() -> int:
+        moved = commit()
+        assert paged.pager is pager and paged.dt.arena is arena  # never reallocated
+        assert arena.shape == (n_slabs, paged.slab_bytes) and paged.table.n_slabs == n_slabs
+        pager.check()  # page-table invariants, and planes + lent + free = the pool
+        c = pager.counts()
+        t = paged.table
+        planes = set(t.slab_map[t.slab_map >= 0].tolist())
+        kv_ids = set(kv.slab_ids().tolist())
+        assert kv_ids == set(np.flatnonzero(pager.lent).tolist())
+        assert len(kv_ids) == kv.used * kv.slabs_per_block
+        assert c["planes"] + c["lent"] + c["free"] == n_slabs
+        assert c["planes"] >= len(planes) and c["lent"] >= len(kv_ids)
+        # the accounting: slabs of the plan (whole slabs) + KV limit never exceed the arena
+        assert memory.planes == paged.plane_cost(engine.store.widths)
+        assert memory.planes + kv.pool.limit * kv.block_bytes <= memory.space
+        assert not synchronous or np.array_equal(paged.widths, engine.store.widths)
+        snaps.append((planes, kv_ids))
+        flying.append(int((t.target > 0).sum()))
+        return moved
+
+    batcher.boundary = checked
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS * 2]
+    for n, i in enumerate(ids):
+        engine.add_request(i, SamplingParams(max_tokens=40 if n == 0 else 12, ignore_eos=True))
+    while batcher.has_work:
+        engine.step()
+        if deferred and len(snaps) % 3 == 0:
+            paged.backend.complete()  # copies land every third step
+    assert memory.moves.demotions > 0 and kv.used == 0
+    drained, promoted = len(snaps), memory.moves.promotions
+    for _ in range(80):  # the load drained: planes come back as the cooldown allows
+        batcher.idle()
+        if cuda:
+            torch.cuda.synchronize()  # copies land: the next boundary confirms them
+        elif deferred:
+            paged.backend.complete()
+    assert memory.moves.promotions > promoted
+    # slabs planes held at one boundary and KV blocks at the next (demotions made room) ...
+    to_kv = [i for i in range(1, drained) if snaps[i - 1][0] & snaps[i][1]]
+    # ... and, after the load, planes again in slabs KV blocks held (promotions took them)
+    was_kv = set().union(*(kv_ids for _, kv_ids in snaps[:drained]))
+    to_planes = [i for i in range(drained, len(snaps)) if (snaps[i][0] - snaps[i - 1][0]) & was_kv]
+    assert to_kv and to_planes
+    assert not deferred or max(flying) > 0  # some boundaries ran while promotions copied
+    paged.settle()  # CUDA: the last promotions' copies are confirmed
+    c = pager.counts()
+    assert c["lent"] == 0 and c["planes"] + c["free"] == n_slabs
+    assert np.array_equal(paged.widths, engine.store.widths)
+    assert batcher.metrics()["arena_slabs"] == c
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_planes_and_kv_blocks_share_one_arena(bundled_pack, deferred):
+    arena_run(Engine(Pack(bundled_pack), experts="paged"), deferred)
+
+
 def test_paged_refuses_what_planes_cannot_hold(bundled_pack):
     paged = Engine(Pack(bundled_pack), experts="paged")
     with pytest.raises(PwctlError, match="not expressible in bit planes"):
@@ -186,3 +269,20 @@ def test_paged_engine_on_cuda_matches_store(bundled_pack):
             engine.start_batching(parse_policy(policy), None, BatchConfig(max_batch_tokens=16))
             outs.append([s.output_ids for s in engine.generate_batch(ids, SamplingParams(16))])
         assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+def test_paged_arena_on_cuda(bundled_pack):
+    """The shared arena on the CUDA backend (rebuilt from the budget, KV blocks read and
+    written through slabs in device memory, fences as CUDA events), under KV pressure; and
+    serving allocates no KV memory outside the arena."""
+    engine = Engine(Pack(bundled_pack), "cuda", experts="paged")
+    assert engine.paged.dt.arena.is_cuda
+    arena_run(engine)
+    before = torch.cuda.memory_allocated()
+    batcher = engine.batcher
+    torch.cuda.reset_peak_memory_stats()
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS * 2]
+    batcher.run(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    # activations only: KV blocks live in the arena (fixed: weights + workspace estimate)
+    assert torch.cuda.max_memory_allocated() - before <= batcher.memory.fixed

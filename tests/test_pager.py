@@ -405,3 +405,39 @@ def test_cuda_promotion_bandwidth_and_interference():
         f"{1e3 * busy:.1f} us beside a promotion ({100 * (busy / alone - 1):+.1f}%)"
     )
     assert full_bw >= 0.5 * full_raw
+
+
+def test_lent_slabs_come_from_reclaimed_planes_and_return_behind_a_fence():
+    """The KV cache's share of the pool: lent slabs are only reclaimed ones, promotions never
+    take lent slabs, and slabs given back return only after the fence of the kernels before."""
+    probe, _, _ = synthetic(budget_slabs=1000)
+    t, be, pg = synthetic(budget_slabs=int(probe.cost_at[:, 4].sum()) // SLAB)
+    pg.request(np.array([4, 4, 4]))
+    pg.settle()
+    assert pg.pool.top == 0 and pg.lend(1) is None
+    old = set(t.slabs(0, 2, 4).tolist())
+    seq = be.launch()  # reads block 0 at width 4
+    pg.request(np.array([2, 4, 4]))
+    pg.commit()
+    assert t.width[0] == 2 and pg.lend(1) is None  # retiring: not free before the fence
+    be.finish(seq)
+    ids = pg.lend(len(old))
+    assert ids is not None and set(ids.tolist()) == old  # the demoted planes' bytes
+    pg.check()
+    assert pg.counts() == {"planes": t.n_slabs - len(old), "lent": len(old), "free": 0,
+                           "all": t.n_slabs}  # fmt: skip
+    pg.request(np.array([4, 4, 4]))
+    assert pg.commit().waiting == [0]  # lent slabs are not the planes'
+    seq = be.launch()  # a kernel reads the KV blocks
+    pg.give_back(ids)
+    assert pg.commit().waiting == [0] and pg.pool.top == 0  # given back, behind the fence
+    assert pg.counts()["lent"] == len(old)
+    pg.check()
+    be.finish(seq)
+    assert pg.commit().submitted == [0] and set(t.slabs(0, 2, 4).tolist()) == old
+    be.complete()
+    pg.commit()
+    assert t.width[0] == 4 and pg.counts()["lent"] == 0
+    pg.check()
+    with pytest.raises(ValueError, match="not lent"):
+        pg.give_back(ids)

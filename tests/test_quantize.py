@@ -37,7 +37,9 @@ def test_prefix_property_is_bit_for_bit():
 
 
 def test_error_falls_with_width_and_matches_apl_on_student_t():
-    w = torch.distributions.StudentT(5).sample((64, 2048))
+    with torch.random.fork_rng():  # seeded: the global RNG's state depends on earlier tests
+        torch.manual_seed(0)
+        w = torch.distributions.StudentT(5).sample((64, 2048))
     q = quantize_nested(w, None, 2, 8)
     rel = [
         float(((q.tables[b].gather(1, q.labels.long() >> (8 - b)) - w) ** 2).mean() / (w**2).mean())

@@ -22,7 +22,9 @@ STATIC = PlannerConfig(use_router_stats=False, use_residual=False, dynamic_pagin
 
 
 class WidthAllocator:
-    def __init__(self, pack: Pack, policy: Policy):
+    def __init__(self, pack: Pack, policy: Policy, cost_at: np.ndarray | None = None):
+        """`cost_at` [n_blocks, max_bits + 1]: device bytes of each block per width (the paged
+        backend's whole slabs, PageTable.cost_at); default: the planes' exact bytes."""
         if policy.budget is None:
             raise PwctlError(f"policy {policy} has no budget")
         m = pack.manifest
@@ -33,7 +35,10 @@ class WidthAllocator:
         if self.residual is not None and not self.residual.usable:
             self.residual = None  # a model that does not predict held-out sequences adds noise
         widths = range(m.min_bits, m.max_bits + 1)
-        cost = np.array([[b.bytes_at(w) for w in widths] for b in pack.blocks], dtype=np.int64)
+        if cost_at is None:
+            cost = np.array([[b.bytes_at(w) for w in widths] for b in pack.blocks], np.int64)
+        else:
+            cost = np.asarray(cost_at, dtype=np.int64)[:, m.min_bits : m.max_bits + 1]
         self.budget = policy.budget.resolve(sum(b.fp16_bytes for b in pack.blocks))
         if self.budget < cost[:, 0].sum():
             raise PwctlError(

@@ -4,9 +4,11 @@ The engine runs the model on one packed row of every scheduled token (per-token 
 padding, no transformers cache). transformers computes q, k, v (projections, q/k norms, RoPE)
 and hands them to `paged_attention`, which writes this step's k, v into the paged KV cache at
 their slots and attends each sequence's queries over its cached keys, read through its block
-table. An attention name transformers has no mask function for makes it skip mask creation, so
-masking (causal, sliding window, sequence boundaries) happens here. CPU path: one SDPA call per
-sequence; the GPU path replaces this function with a paged kernel reading the same tables.
+table (`KVCache.write` / `read`: the cache's own tensors on the store backend, slabs of the
+paged backend's arena otherwise). An attention name transformers has no mask function for
+makes it skip mask creation, so masking (causal, sliding window, sequence boundaries) happens
+here. CPU path: one SDPA call per sequence; the GPU path replaces this function with a paged
+kernel reading the same tables.
 """
 
 from __future__ import annotations
@@ -70,16 +72,15 @@ def paged_attention(
     if pwctl_batch is None:
         raise RuntimeError(f"{ATTN_NAME} attention runs only inside Engine.step")
     batch, layer = pwctl_batch, module.layer_idx
-    k_cache, v_cache = batch.kv.k[layer], batch.kv.v[layer]
-    k_cache[batch.slots] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[batch.slots] = value[0].transpose(0, 1).to(v_cache.dtype)
+    kv = batch.kv
+    kv.write(layer, batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
     groups = query.shape[1] // key.shape[1]
     out = torch.empty_like(query[0].transpose(0, 1))  # [T, q_heads, D]
     for span in batch.spans:
         q = query[0, :, span.q_start : span.q_stop]
-        k = k_cache[span.kv_slots].transpose(0, 1).to(q.dtype)
-        v = v_cache[span.kv_slots].transpose(0, 1).to(q.dtype)
+        k, v = kv.read(layer, span.kv_slots)
+        k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
         if groups > 1:
             k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
         mask = _mask(span, window, q.device)

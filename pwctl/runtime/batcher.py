@@ -208,7 +208,7 @@ class Batcher:
     def metrics(self) -> dict[str, Any]:
         """A snapshot for /metrics and logs (call from the thread that runs steps)."""
         mem, kv, c, moves = self.memory, self.kv, self.counters, self.memory.moves
-        return {
+        out = {
             "memory_budget_bytes": mem.total,
             "fixed_bytes": mem.fixed,
             "plane_bytes": mem.planes,
@@ -232,3 +232,6 @@ class Batcher:
             "tokens_per_s": self.tokens_per_s(),
             "widths_per_layer": mem.widths_per_layer(),
         }
+        if mem.paged is not None:  # the one arena: slabs held by planes, KV blocks, free
+            out["arena_slabs"] = mem.paged.pager.counts()
+        return out

@@ -4,7 +4,8 @@ transformers model with pwctl MoE blocks, a tokenizer, and the expert widths of 
 Two paths share the model: the single-sequence reference (`logits`, `generate_ids`: transformers'
 own attention and generate; bench and profile use them) and continuous batching
 (`start_batching`, then `add_request` / `step` / `abort`, or `generate_batch`): paged KV cache,
-scheduler and one memory budget for planes + KV + workspace (runtime/batcher.py).
+scheduler and one memory budget for planes + KV + workspace (runtime/batcher.py); with "paged",
+planes and KV blocks live in one arena of slabs sized from that budget at `start_batching`.
 
 Two expert backends (`experts`): "store" (ExpertStore: dequantized weights per width, the CPU
 reference; fp16 and RTN variants) and "paged" (PagedExperts: planes paged into slabs by the
@@ -119,6 +120,11 @@ class Engine:
         """Fixed policies set widths once; budgeted ones get a WidthAllocator (kept per policy,
         so its live signals survive switching between policies in a bench). `headroom`: plane
         memory the KV cache leaves free now, as a fraction of BUDGET (dynamic policies only)."""
+        self._apply_policy(policy, headroom)
+        self._settle_paged()
+
+    def _apply_policy(self, policy: Policy, headroom: float = 0.0) -> None:
+        """The store's widths (the plan) for `policy`; the paged backend follows at a settle."""
         self._check_paged(policy)
         self.allocator = None
         if policy.budget is None:
@@ -126,10 +132,11 @@ class Engine:
         else:
             key = str(policy)
             if key not in self._allocators:
-                self._allocators[key] = WidthAllocator(self.pack, policy)
+                # the paged backend counts whole slabs, as its memory budget does
+                cost = None if self.paged is None else self.paged.table.cost_at
+                self._allocators[key] = WidthAllocator(self.pack, policy, cost)
             self.allocator = self._allocators[key]
             self.store.widths[:] = self.allocator.widths(headroom)
-        self._settle_paged()
 
     def _settle_paged(self) -> None:
         """The store's widths are the plan: the paged backend runs them from the next forward
@@ -188,14 +195,17 @@ class Engine:
         the widest planes plus a full context for every sequence). `on_widths(widths)` is
         called after every width change, between steps (after the paged backend's request)."""
         cfg = config or BatchConfig()
-        self.set_policy(policy)
+        self.batcher = None  # the previous batcher's KV blocks go with its arena
+        self._apply_policy(policy)
         dynamic = self.allocator is not None and self.allocator.dynamic
         layout = KVLayout.from_config(self.model.config, self.dtype)
         max_len = cfg.max_model_len or self.model.config.max_position_embeddings
         total, fixed, capacity = self._split_budget(memory_budget, cfg, layout, max_len, dynamic)
-        kv = KVCache(layout, capacity, cfg.block_size, self.device)
+        if self.paged is not None:  # one arena for planes and KV blocks: total - fixed
+            self.paged.rebuild(total - fixed)
+        kv = KVCache(layout, capacity, cfg.block_size, self.device, self.paged)
         memory = MemoryBudget(
-            total, fixed, self.store, kv, self.allocator, self._on_widths(on_widths)
+            total, fixed, self.store, kv, self.allocator, self._on_widths(on_widths), self.paged
         )
         self._settle_paged()  # the budget's first plan runs from the first step
         sched = Scheduler(kv, cfg.max_batch_tokens, cfg.max_seqs, cfg.max_queue, memory.make_room)
@@ -225,10 +235,17 @@ class Engine:
     def _split_budget(
         self, text: str | None, cfg: BatchConfig, layout: KVLayout, max_len: int, dynamic: bool
     ) -> tuple[int, int, int]:
-        """(total, fixed, KV capacity in blocks) for the memory budget `text`."""
-        block_bytes = KVCache.block_bytes_of(layout, cfg.block_size)
+        """(total, fixed, KV capacity in blocks) for the memory budget `text`. On the paged
+        backend planes and KV blocks count in whole slabs of its arena."""
+        slab = None if self.paged is None else self.paged.slab_bytes
+        block_bytes = KVCache.block_bytes_of(layout, cfg.block_size, slab)
         fixed = self.fixed_bytes(cfg)
-        floor = self.allocator.budget if dynamic else self.store.expert_bytes()
+        planes = (
+            self.store.expert_bytes()
+            if self.paged is None
+            else self.paged.plane_cost(self.store.widths)
+        )
+        floor = self.allocator.budget if dynamic else planes
         widest = self.widest_plane_bytes() if dynamic else floor
         most_kv = cfg.max_seqs * -(-max_len // cfg.block_size)
         total = self._resolve_budget(text, fixed + widest + most_kv * block_bytes)
@@ -270,6 +287,9 @@ class Engine:
         return weights + work
 
     def widest_plane_bytes(self) -> int:
+        """Every block at its widest width (whole slabs on the paged backend)."""
+        if self.paged is not None:
+            return self.paged.widest_bytes(self.paged.table)
         m = self.pack.manifest
         return sum(b.bytes_at(m.max_bits) for b in self.pack.blocks)
 

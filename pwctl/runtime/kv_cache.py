@@ -1,17 +1,29 @@
 """Paged KV cache: one pool of fixed-size token blocks shared by every sequence, a block table
 per sequence, blocks back to the pool when a sequence finishes, is aborted or preempted.
 
-The pool is allocated once for the most blocks the memory budget could ever give the KV cache
-(`capacity`); `limit` is how many of them may be in use now (the memory budget moves it as the
-planner frees or takes back plane bytes). Keys and values of layer `l` live in `k[l]`, `v[l]`
-of shape [capacity * block_size, kv_heads, head_dim]: token `t` of a sequence sits at slot
-`table[t // block_size] * block_size + t % block_size`.
+Block ids run 0..capacity-1, `capacity` being the most blocks the memory budget could ever give
+the KV cache; `limit` is how many of them may be in use now (the memory budget moves it as the
+planner frees or takes back plane bytes). Token `t` of a sequence sits at slot
+`table[t // block_size] * block_size + t % block_size`; `write` / `read` move the keys and
+values of one layer at given slots. Two storages:
+
+- own tensors (the store backend): `k[l]`, `v[l]` of shape [capacity * block_size, kv_heads,
+  head_dim], allocated once;
+- slabs of the paged backend's arena (`slabs`: the PagedExperts), shared with the expert planes:
+  a block is `block_slabs` whole slabs taken from the pager's pool when a sequence grows into it
+  and given back when it is freed. Inside a block, row `r = (2 * layer + kv) * block_size + s`
+  (kv 0: keys, 1: values; s: the token's place in the block) starts at byte
+  `r * row_bytes` of the block's bytes; byte `o` of them is in slab `block_slabs[block, o //
+  slab]` at offset `o % slab`. Rows are moved in units of the largest power of two dividing
+  `row_bytes` (at most a slab), so a unit never crosses a slab edge.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
@@ -72,6 +84,24 @@ class BlockPool:
         self._free.extend(reversed(ids))
 
 
+class SlabSource(Protocol):
+    """A pool of fixed-size device slabs the KV cache borrows from (PagedExperts)."""
+
+    arena: torch.Tensor  # uint8 [n_slabs, slab_bytes]
+    slab_bytes: int
+
+    def lend(self, n: int) -> np.ndarray | None: ...
+
+    def give_back(self, ids: np.ndarray) -> None: ...
+
+    def drain(self) -> None: ...
+
+
+def _unit_bytes(row_bytes: int, slab_bytes: int) -> int:
+    """The largest power of two dividing `row_bytes`, at most a slab."""
+    return min(row_bytes & -row_bytes, slab_bytes)
+
+
 class KVCache:
     def __init__(
         self,
@@ -79,11 +109,18 @@ class KVCache:
         capacity: int,
         block_size: int = 16,
         device: str | torch.device = "cpu",
+        slabs: SlabSource | None = None,
     ):
+        """`slabs`: keep the blocks in this arena's slabs (taken when needed) instead of own
+        tensors allocated for `capacity` blocks."""
         self.layout = layout
         self.block_size = block_size
         self.pool = BlockPool(capacity)
         self.tables: dict[int, list[int]] = {}
+        self.slabs = slabs
+        if slabs is not None:
+            self._init_slabs(slabs, capacity)
+            return
         shape = (capacity * block_size, layout.kv_heads, layout.head_dim)
         self.k = [
             torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.n_layers)
@@ -91,6 +128,23 @@ class KVCache:
         self.v = [
             torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.n_layers)
         ]
+
+    def _init_slabs(self, slabs: SlabSource, capacity: int) -> None:
+        lay, S = self.layout, slabs.slab_bytes
+        elem = torch.empty(0, dtype=lay.dtype).element_size()
+        row = lay.kv_heads * lay.head_dim * elem
+        unit = _unit_bytes(row, S)
+        self._upr = row // unit  # units per row
+        self._ups = S // unit  # units per slab
+        self._unit_elems = unit // elem
+        self.slabs_per_block = self.slabs_of(lay, self.block_size, S)
+        arena = slabs.arena
+        self._j = torch.arange(self._upr, device=arena.device)
+        self._host_slabs = np.full((capacity, self.slabs_per_block), -1, dtype=np.int64)
+        self.block_slabs = torch.full(
+            (capacity, self.slabs_per_block), -1, dtype=torch.long, device=arena.device
+        )
+        self.k = self.v = None  # type: ignore[assignment]
 
     @classmethod
     def from_budget(
@@ -106,12 +160,33 @@ class KVCache:
         )
 
     @staticmethod
-    def block_bytes_of(layout: KVLayout, block_size: int) -> int:
-        return layout.bytes_per_token() * block_size
+    def block_bytes_of(layout: KVLayout, block_size: int, slab_bytes: int | None = None) -> int:
+        """Bytes of one block (all layers, keys and values); in whole slabs of `slab_bytes`
+        when it lives in an arena."""
+        if slab_bytes is None:
+            return layout.bytes_per_token() * block_size
+        return KVCache.slabs_of(layout, block_size, slab_bytes) * slab_bytes
+
+    @staticmethod
+    def slabs_of(layout: KVLayout, block_size: int, slab_bytes: int) -> int:
+        """Slabs one block takes in an arena of `slab_bytes` slabs."""
+        elem = torch.empty(0, dtype=layout.dtype).element_size()
+        row = layout.kv_heads * layout.head_dim * elem
+        unit = _unit_bytes(row, slab_bytes)
+        units = 2 * layout.n_layers * block_size * (row // unit)
+        return -(-units // (slab_bytes // unit))
 
     @property
     def block_bytes(self) -> int:
-        return self.block_bytes_of(self.layout, self.block_size)
+        s = None if self.slabs is None else self.slabs.slab_bytes
+        return self.block_bytes_of(self.layout, self.block_size, s)
+
+    def slab_ids(self) -> np.ndarray:
+        """Slabs held by the blocks in use (arena storage; empty otherwise)."""
+        if self.slabs is None:
+            return np.zeros(0, dtype=np.int64)
+        ids = [b for t in self.tables.values() for b in t]
+        return self._host_slabs[ids].ravel()
 
     @property
     def used(self) -> int:
@@ -136,12 +211,34 @@ class KVCache:
         ids = self.pool.take(n)
         if ids is None:
             return False
+        if self.slabs is not None and not self._take_slabs(ids):
+            self.pool.give_back(ids)
+            return False
         self.tables.setdefault(seq_id, []).extend(ids)
+        return True
+
+    def _take_slabs(self, ids: list[int]) -> bool:
+        """Slabs of the arena for blocks `ids`; waits for retiring slabs once if short."""
+        n = len(ids) * self.slabs_per_block
+        got = self.slabs.lend(n)
+        if got is None:  # slabs still retiring behind fences: wait for them once
+            self.slabs.drain()
+            got = self.slabs.lend(n)
+        if got is None:
+            return False
+        rows = got.astype(np.int64).reshape(len(ids), self.slabs_per_block)
+        self._host_slabs[ids] = rows
+        dev = self.block_slabs.device
+        index = torch.tensor(ids, dtype=torch.long, device=dev)
+        self.block_slabs[index] = torch.from_numpy(rows).to(dev)
         return True
 
     def free(self, seq_id: int) -> int:
         """Give every block of `seq_id` back; returns how many."""
         ids = self.tables.pop(seq_id, [])
+        if self.slabs is not None and ids:
+            self.slabs.give_back(self._host_slabs[ids].ravel().astype(np.int32))
+            self._host_slabs[ids] = -1
         self.pool.give_back(ids)
         return len(ids)
 
@@ -150,3 +247,40 @@ class KVCache:
         table = torch.tensor(self.tables[seq_id], dtype=torch.long)
         pos = torch.arange(start, stop, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def write(
+        self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Keys and values [T, kv_heads, head_dim] of `layer` into `slots`."""
+        if self.slabs is None:
+            self.k[layer][slots] = key.to(self.k[layer].dtype)
+            self.v[layer][slots] = value.to(self.v[layer].dtype)
+            return
+        arena = self._units()
+        for kv, x in ((0, key), (1, value)):
+            units = x.to(arena.dtype).reshape(-1, self._upr, self._unit_elems)
+            arena[self._addr(layer, kv, slots)] = units
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [L, kv_heads, head_dim] of `layer` at `slots`."""
+        if self.slabs is None:
+            return self.k[layer][slots], self.v[layer][slots]
+        lay, arena = self.layout, self._units()
+        return tuple(  # type: ignore[return-value]
+            arena[self._addr(layer, kv, slots)].view(-1, lay.kv_heads, lay.head_dim)
+            for kv in (0, 1)
+        )
+
+    def _units(self) -> torch.Tensor:
+        """The arena as [units, unit elements] of the cache's dtype (a view, taken per call:
+        the cache keeps no reference to an arena its source may replace)."""
+        return self.slabs.arena.view(-1).view(self.layout.dtype).view(-1, self._unit_elems)
+
+    def _addr(self, layer: int, kv: int, slots: torch.Tensor) -> torch.Tensor:
+        """[T, units per row] arena units of `layer`'s keys (kv 0) or values (1) at `slots`."""
+        slots = slots.to(self.block_slabs.device)
+        block, s = slots // self.block_size, slots % self.block_size
+        row = (2 * layer + kv) * self.block_size + s
+        unit = row[:, None] * self._upr + self._j[None, :]
+        slab = self.block_slabs[block[:, None], unit // self._ups]
+        return slab * self._ups + unit % self._ups

@@ -9,12 +9,19 @@ when the scheduler needs blocks beyond the limit, `make_room` asks the planner t
 bytes (down to BUDGET and the planner's bit floors); after each step `rebalance` gives plane bytes
 the KV cache does not need back to the planner, which promotes with its own hysteresis. Widths
 change only here, between steps. Counts and bytes of both directions are kept for metrics.
+
+On the paged backend (`paged`) planes and KV blocks share one arena of slabs, sized `total -
+fixed` once at start-up: planes count in whole slabs (PageTable.cost_at), and per block the
+larger of the plan and what it holds now (in flight, retiring), so the KV limit never counts
+bytes a demotion has not freed yet; `make_room` makes its demotions real at once (commit, wait
+for the fences, reclaim), and the KV cache then takes the freed slabs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +29,9 @@ from pwctl.errors import PwctlError
 from pwctl.runtime.allocator import WidthAllocator
 from pwctl.runtime.expert_store import ExpertStore
 from pwctl.runtime.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from pwctl.runtime.paged_experts import PagedExperts
 
 
 @dataclass
@@ -43,18 +53,25 @@ class MemoryBudget:
         kv: KVCache,
         allocator: WidthAllocator | None = None,
         on_widths: Callable[[np.ndarray], None] | None = None,
+        paged: PagedExperts | None = None,
     ):
         """Changes `store.widths` in place (`on_widths` is called after each change: the GPU
-        path hands them to the pager). `allocator`: the policy's, if it is budgeted."""
+        path hands them to the pager). `allocator`: the policy's, if it is budgeted. `paged`:
+        the paged backend whose arena holds planes and `kv`'s blocks."""
         self.total, self.fixed, self.store, self.kv = int(total), int(fixed), store, kv
+        self.paged = paged
+        # bytes planes and KV blocks share: the arena's whole slabs on the paged backend
+        self.space = self.total - self.fixed
+        if paged is not None:
+            self.space = paged.table.n_slabs * paged.table.slab_bytes
         self.widths = store.widths
         self.allocator = allocator if allocator is not None and allocator.dynamic else None
         self.on_widths = on_widths
         self.moves = WidthMoves()
-        self.planes = store.expert_bytes()
+        self.planes = self._plane_bytes()
         self.floor = self.allocator.budget if self.allocator is not None else self.planes
         if self.allocator is not None:
-            self._set(self.allocator.replan(self.total - self.fixed))
+            self._set(self.allocator.replan(self.space))
         self._update_limit()
 
     @staticmethod
@@ -71,7 +88,9 @@ class MemoryBudget:
         if self.allocator is None or n_blocks <= 0:
             return n_blocks <= 0
         want = self.kv.pool.limit + n_blocks
-        self._set(self.allocator.fit(self.total - self.fixed - want * self.kv.block_bytes))
+        self._set(self.allocator.fit(self.space - want * self.kv.block_bytes))
+        if self.paged is not None:
+            self.paged.reclaim()  # the demoted planes' slabs are free now
         self._update_limit()
         return self.kv.available >= n_blocks
 
@@ -80,7 +99,7 @@ class MemoryBudget:
         queue and the next decodes need) leave free; promotes only (demotion is on demand)."""
         if self.allocator is None:
             return
-        spare = self.total - self.fixed - kv_wanted * self.kv.block_bytes
+        spare = self.space - kv_wanted * self.kv.block_bytes
         if spare > self.planes:
             self._set(self.allocator.fit(spare))
             self._update_limit()
@@ -99,7 +118,7 @@ class MemoryBudget:
         self.moves.demotions += int(down.sum())
         self.moves.promotions += int(up.sum())
         self.widths[:] = new
-        self.planes = self.store.expert_bytes()
+        self.planes = self._plane_bytes()
         freed = self._moved_bytes(down, up, before)
         self.moves.demoted_bytes += freed[0]
         self.moves.promoted_bytes += freed[1]
@@ -112,8 +131,17 @@ class MemoryBudget:
             return max(0, -delta), max(0, delta)
         return (-delta, 0) if down.any() else (0, delta)
 
+    def _plane_bytes(self) -> int:
+        """Bytes of the planes at the planned widths (whole slabs on the paged backend)."""
+        if self.paged is None:
+            return self.store.expert_bytes()
+        return self.paged.plane_cost(self.widths)
+
     def _update_limit(self) -> None:
-        limit = (self.total - self.fixed - self.planes) // self.kv.block_bytes
+        planes = self.planes
+        if self.paged is not None:  # slabs still held above the plan are not free yet
+            planes = self.paged.committed_bytes(self.widths)
+        limit = (self.space - planes) // self.kv.block_bytes
         if limit < 0:
             raise PwctlError(
                 f"the memory budget ({self.total / 1e6:.2f} MB) is below what the experts "

@@ -4,7 +4,12 @@ widths and slab map, and the fused MoE that reads them (docs/RUNTIME.md).
 
 The engine hands it the planner's widths (`request`) whenever they change and calls `commit`
 at every step boundary; `MoEBlock` calls `__call__` for the experts of its layer. The widths the
-kernels read (`widths`) lag the requested ones while promotions copy."""
+kernels read (`widths`) lag the requested ones while promotions copy.
+
+The slab arena is the one device allocation of planes and KV blocks: the serving engine sizes
+it once from its memory budget (`rebuild`), and the KV cache takes slabs out of the pager's pool
+(`lend`) and gives them back (`give_back`, reclaimed behind a fence like a demoted plane), so
+bytes a demotion frees become KV blocks and KV bytes a finished sequence frees become planes."""
 
 from __future__ import annotations
 
@@ -23,22 +28,88 @@ class PagedExperts:
     def __init__(self, pack: Pack, device: str = "cpu", budget_bytes: int | None = None):
         """`budget_bytes`: the slab pool; default: every block at its widest width (in whole
         slabs), so any plan fits and no promotion ever waits for slabs."""
+        self.pack, self.device = pack, device
         probe = PageTable.from_pack(pack, 0)  # the slab size and per-width costs only
+        self.slab_bytes = probe.slab_bytes
         if budget_bytes is None:
-            budget_bytes = int(probe.cost_at[:, probe.max_bits].sum())
+            budget_bytes = self.widest_bytes(probe)
         self.table = PageTable.from_pack(pack, budget_bytes, probe.slab_bytes)
         if device.startswith("cuda"):
             self.backend: CpuBackend | CudaBackend = CudaBackend.from_pack(
                 pack, self.table, device=device
             )
-            arena = self.backend.slabs
         else:
             self.backend = CpuBackend.from_pack(pack, self.table)
-            arena = torch.from_numpy(self.backend.arena)
-        self.pager = Pager(self.table, self.backend)
-        self.dt = DeviceTable(self.table, arena, pack.blocks)
-        self.fused = FusedMoE(MoESpec(**pack.manifest.spec), self.dt, pack.index)
+        self._attach()
         self.moved_bytes = 0  # host -> device bytes of every promotion submitted so far
+
+    @staticmethod
+    def widest_bytes(table: PageTable) -> int:
+        """Device bytes of every block at its widest width, in whole slabs."""
+        return int(table.cost_at[:, table.max_bits].sum())
+
+    def _attach(self) -> None:
+        """Pager, device table and fused MoE over the current page table and backend."""
+        if isinstance(self.backend, CudaBackend):
+            self.arena = self.backend.slabs
+        else:
+            self.arena = torch.from_numpy(self.backend.arena)
+        self.pager = Pager(self.table, self.backend)
+        self.dt = DeviceTable(self.table, self.arena, self.pack.blocks)
+        self.fused = FusedMoE(MoESpec(**self.pack.manifest.spec), self.dt, self.pack.index)
+
+    def rebuild(self, budget_bytes: int) -> None:
+        """A fresh arena of `budget_bytes // slab_bytes` slabs, every plane on the host and
+        nothing lent (the serving engine's start-up; request and settle the widths next). The
+        old arena is released first, so device memory never holds both."""
+        self.backend.sync()  # no copy may still write the old arena
+        host = self.backend.host
+        cuda = isinstance(self.backend, CudaBackend)
+        self.table = PageTable.from_pack(self.pack, budget_bytes, self.slab_bytes)
+        del self.backend, self.pager, self.dt, self.fused, self.arena  # the old arena goes
+        if cuda:
+            torch.cuda.empty_cache()
+            self.backend = CudaBackend(host, self.table.n_slabs, self.slab_bytes, self.device)
+        else:
+            self.backend = CpuBackend(host, self.table.n_slabs, self.slab_bytes)
+        self._attach()
+
+    # --- the pool shared with the KV cache ------------------------------------------------------
+
+    def lend(self, n: int) -> np.ndarray | None:
+        """`n` free (reclaimed) slabs for the KV cache, or None."""
+        return self.pager.lend(n)
+
+    def give_back(self, ids: np.ndarray) -> None:
+        """KV slabs back to the pool, behind a fence (kernels may still read them)."""
+        self.pager.give_back(ids)
+
+    def reclaim(self) -> None:
+        """Make demotions requested since the last commit real now (between steps, e.g. while
+        scheduling): commit without promoting, wait for the fences, reclaim. Afterwards every
+        slab the plan and the KV cache do not hold is free."""
+        self.pager.commit(promote=False)
+        self.pager.drain()
+        self.dt.sync()
+
+    def drain(self) -> None:
+        """Wait for kernels and copies and reclaim what they held (nothing commits)."""
+        self.pager.drain()
+
+    def plane_cost(self, widths: np.ndarray) -> int:
+        """Device bytes of planes at `widths`: whole slabs (PageTable.cost_at)."""
+        t = self.table
+        return int(t.cost_at[np.arange(t.n_blocks), np.asarray(widths, dtype=np.int64)].sum())
+
+    def committed_bytes(self, widths: np.ndarray) -> int:
+        """Device bytes planes hold or will hold: per block the larger of its cost at `widths`
+        (the plan) and the slabs it holds now (resident, in flight, retiring), plus the slabs
+        of cancelled copies that are still writing."""
+        t = self.table
+        held = np.add.reduceat((t.slab_map >= 0).astype(np.int64), t.slab_off[:, 0])
+        plan = t.cost_at[np.arange(t.n_blocks), np.asarray(widths, dtype=np.int64)]
+        cancelled = self.pager.cancelled_slabs()
+        return int(np.maximum(plan, held * t.slab_bytes).sum()) + cancelled * t.slab_bytes
 
     @property
     def widths(self) -> np.ndarray:
@@ -55,7 +126,8 @@ class PagedExperts:
         give one bit each, those that free the most slabs first, one level at a time."""
         t, out = self.table, widths.copy()
         rows = np.arange(t.n_blocks)
-        over = int(t.cost_at[rows, out].sum()) - t.n_slabs * t.slab_bytes
+        room = t.n_slabs - int(self.pager.lent.sum())  # slabs the KV cache holds are not theirs
+        over = int(t.cost_at[rows, out].sum()) - room * t.slab_bytes
         for level in range(t.max_bits, t.min_bits, -1):
             if over <= 0:
                 break

@@ -6,6 +6,9 @@ kernel launched before the change finished. Promotion copies all missing planes,
 arrival, then raises the width in use. A failed or cancelled copy leaves the block at its old
 width and returns its slabs (a cancelled copy's slabs only once it has stopped writing).
 
+The pool is shared: the KV cache borrows slabs (`lend`) and returns them behind a fence
+(`give_back`), so the bytes a demotion frees become KV blocks and back (docs/RUNTIME.md).
+
 The device is a small backend: `CpuBackend` (CPU mode and tests: a host arena stands for GPU
 memory) or `CudaBackend` (one device arena, its own copy stream, CUDA events as fences).
 """
@@ -301,6 +304,10 @@ class Pager:
         self.pool = SlabPool(table.n_slabs)
         self._retiring: deque[tuple[int, int, int, int]] = deque()  # fence, block, lo, hi
         self._held: list[tuple[int, np.ndarray]] = []  # cancelled copies' ticket, slabs
+        # slabs lent to another owner (the KV cache) out of the same pool, and those it gave
+        # back that kernels launched before the give-back may still read (fence, ids)
+        self.lent = np.zeros(table.n_slabs, dtype=bool)
+        self._returning: deque[tuple[int, np.ndarray]] = deque()
         self._order: np.ndarray | None = None
         self._fence: int | None = None  # this commit's fence, recorded on first use
 
@@ -315,16 +322,63 @@ class Pager:
         t.wanted[:] = w
         self._order = None if order is None else np.asarray(order, dtype=np.int64)
 
-    def commit(self) -> Commit:
-        """The step boundary: call between decode steps, never while one is being launched."""
+    def commit(self, promote: bool = True) -> Commit:
+        """The step boundary: call between decode steps, never while one is being launched.
+        `promote=False`: confirm arrivals and demote only (no slab taken, no copy started),
+        e.g. to free slabs for the KV cache in the middle of scheduling."""
         c = Commit()
         self._fence = None
         self._reclaim(c)
         self._arrive(c)
         self._lower(c)
         self._reclaim(c)  # fences of kernels that already finished free slabs at once
-        self._raise(c)
+        if promote:
+            self._raise(c)
         return c
+
+    # --- slabs lent out of the pool (the KV cache shares it with the planes) ------------------
+
+    def lend(self, n: int) -> np.ndarray | None:
+        """`n` free slabs for another owner, or None (nothing taken). Only reclaimed slabs are
+        free: slabs still retiring (read by kernels before their fence) never come out."""
+        self._reclaim(Commit())
+        ids = self.pool.take(n)
+        if ids is not None:
+            self.lent[ids] = True
+        return ids
+
+    def give_back(self, ids: np.ndarray) -> None:
+        """Lent slabs back: to the pool once every kernel launched so far has finished (one
+        fence recorded now: they may still be read, and a copy must not overwrite them)."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if ids.size == 0:
+            return
+        if not self.lent[ids].all():
+            raise ValueError("giving back slabs that were not lent")
+        self.lent[ids] = False
+        self._returning.append((self.backend.fence(), ids.copy()))
+
+    def drain(self) -> None:
+        """Wait for every kernel and copy, then reclaim whatever they held (retiring planes,
+        stopped copies, slabs given back): bytes freed by demotion really are free after it.
+        Waits only if something is waiting to be reclaimed."""
+        self._reclaim(Commit())
+        if self._retiring or self._held or self._returning:
+            self.backend.sync()
+            self._reclaim(Commit())
+
+    def cancelled_slabs(self) -> int:
+        """Slabs of cancelled copies that may still be writing (reclaimed once they stop)."""
+        return sum(ids.size for _, ids in self._held)
+
+    def counts(self) -> dict[str, int]:
+        """Slabs by holder: planes (resident, in flight, retiring, cancelled copies still
+        writing), lent (KV blocks, including those given back and not yet reclaimed), free.
+        They always add up to the pool."""
+        t = self.table
+        planes = int((t.slab_map >= 0).sum()) + self.cancelled_slabs()
+        lent = int(self.lent.sum()) + sum(ids.size for _, ids in self._returning)
+        return {"planes": planes, "lent": lent, "free": int(self.pool.top), "all": t.n_slabs}
 
     def settle(self, max_commits: int = 1000) -> int:
         """Commit and wait until every block sits at its wanted width (start-up, tests)."""
@@ -338,8 +392,11 @@ class Pager:
         raise RuntimeError("pager did not settle (wanted widths do not fit the slab pool?)")
 
     def check(self) -> None:
-        held = [ids for _, ids in self._held]
-        self.table.check(self.pool.free_ids, np.concatenate(held) if held else None)
+        held = [ids for _, ids in self._held] + [ids for _, ids in self._returning]
+        held.append(np.flatnonzero(self.lent).astype(np.int32))
+        self.table.check(self.pool.free_ids, np.concatenate(held))
+        c = self.counts()
+        assert c["planes"] + c["lent"] + c["free"] == c["all"], f"slabs do not add up: {c}"
 
     # --- the moves of a commit ----------------------------------------------------------------
 
@@ -375,6 +432,9 @@ class Pager:
                 self.pool.give(ids)
                 c.reclaimed_bytes += ids.size * t.slab_bytes
         self._held = keep
+        while self._returning and self.backend.fence_done(self._returning[0][0]):
+            _, ids = self._returning.popleft()
+            self.pool.give(ids)
 
     def _drop_flight(self, b: int, stopped: bool) -> None:
         """Undo block b's promotion: its in-flight planes go back to HOST (slabs returned now
