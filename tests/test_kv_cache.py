@@ -104,3 +104,35 @@ def test_arena_blocks_hold_what_own_tensors_hold(layout):
     short = KVCache(layout, 6, 4, slabs=Slabs(k, 256))  # one block's slabs in the arena
     assert short.grow(1, 4) and not short.grow(2, 1) and short.used == 1  # nothing taken
     assert short.free(1) == 1 and short.grow(2, 1)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_batched_decode_attention_equals_one_span_at_a_time(window):
+    """Decode spans attended together (padded, masked) give what one SDPA per span gives."""
+    from types import SimpleNamespace
+
+    from pwctl.runtime.attention import PagedBatch, SeqSpan, paged_attention
+
+    layout = KVLayout(n_layers=1, kv_heads=2, head_dim=8)
+    kv = KVCache(layout, capacity=12, block_size=4)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 3]  # cached tokens per sequence, the last one being this step's
+    spans, slots = [], []
+    for i, n in enumerate(lengths):
+        rows = torch.arange(n) + 12 * i  # three 4-token blocks per sequence
+        kv.write(0, rows[:-1], *(torch.randn(n - 1, 2, 8, generator=gen) for _ in range(2)))
+        spans.append(SeqSpan(i, i + 1, n - 1, rows))
+        slots.append(rows[-1:])
+    T = len(lengths)
+    q = torch.randn(1, 4, T, 8, generator=gen)
+    k, v = torch.randn(1, 2, T, 8, generator=gen), torch.randn(1, 2, T, 8, generator=gen)
+    module = SimpleNamespace(layer_idx=0)
+    batched = PagedBatch(kv, torch.cat(slots), spans)
+    got, _ = paged_attention(module, q, k, v, None, 0.3, sliding_window=window, pwctl_batch=batched)
+    one_by_one = PagedBatch(kv, torch.cat(slots), spans)
+    one_by_one._decode[window] = None  # force the per-span path
+    want, _ = paged_attention(
+        module, q, k, v, None, 0.3, sliding_window=window, pwctl_batch=one_by_one
+    )
+    assert batched.decode_group(window) is not None  # the batched path ran
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -7,13 +7,14 @@ their slots and attends each sequence's queries over its cached keys, read throu
 table (`KVCache.write` / `read`: the cache's own tensors on the store backend, slabs of the
 paged backend's arena otherwise). An attention name transformers has no mask function for
 makes it skip mask creation, so masking (causal, sliding window, sequence boundaries) happens
-here. CPU path: one SDPA call per sequence; the GPU path replaces this function with a paged
-kernel reading the same tables.
+here. Decoding sequences (one query each) are attended together: one gather of their keys and
+values padded to the longest, one masked SDPA; sequences with several queries (prefill chunks)
+get one SDPA each. A paged attention kernel reading the same tables is the GPU step after this.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +37,46 @@ class SeqSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """The one-query spans of a step, padded together: query rows [S], cache rows [S, L] (padding
+    points at row 0 and is masked out) and the mask [S, 1, 1, L] (True: attend)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class PagedBatch:
     """What every attention layer of one step needs (built once per step)."""
 
     kv: KVCache
     slots: torch.Tensor  # [T] cache row of each packed token
     spans: list[SeqSpan]
+    _decode: dict[int | None, DecodeGroup | None] = field(default_factory=dict)
+
+    def decode_group(self, window: int | None) -> DecodeGroup | None:
+        """The step's decode spans batched (built on the first layer, reused by the rest);
+        None when fewer than two spans decode."""
+        if window not in self._decode:
+            self._decode[window] = _decode_group(self.spans, window, self.slots.device)
+        return self._decode[window]
+
+
+def _decode_group(spans: list[SeqSpan], window: int | None, device) -> DecodeGroup | None:
+    ones = [s for s in spans if s.q_stop - s.q_start == 1]
+    if len(ones) < 2:
+        return None
+    lengths = torch.tensor([s.kv_slots.numel() for s in ones])
+    slots = torch.zeros(len(ones), int(lengths.max()), dtype=ones[0].kv_slots.dtype)
+    for i, s in enumerate(ones):
+        slots[i, : s.kv_slots.numel()] = s.kv_slots.cpu()
+    pos = torch.arange(slots.shape[1])[None, :]
+    mask = pos < lengths[:, None]
+    if window is not None:  # the query sits at position length - 1
+        mask &= pos > lengths[:, None] - 1 - window
+    rows = torch.tensor([s.q_start for s in ones])
+    return DecodeGroup(rows.to(device), slots.to(device), mask[:, None, None, :].to(device))
 
 
 def _mask(span: SeqSpan, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -77,7 +112,12 @@ def paged_attention(
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
     groups = query.shape[1] // key.shape[1]
     out = torch.empty_like(query[0].transpose(0, 1))  # [T, q_heads, D]
+    group = batch.decode_group(window)
+    if group is not None:
+        out[group.rows] = _attend_decode(query, kv, layer, group, groups, scaling)
     for span in batch.spans:
+        if group is not None and span.q_stop - span.q_start == 1:
+            continue
         q = query[0, :, span.q_start : span.q_stop]
         k, v = kv.read(layer, span.kv_slots)
         k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
@@ -88,6 +128,21 @@ def paged_attention(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scaling)
         out[span.q_start : span.q_stop] = o.transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _attend_decode(
+    query: torch.Tensor, kv: KVCache, layer: int, group: DecodeGroup, groups: int, scaling
+) -> torch.Tensor:
+    """[S, q_heads, D] outputs of the decode spans: one gather, one masked SDPA."""
+    S, L = group.slots.shape
+    k, v = kv.read(layer, group.slots.reshape(-1))
+    q = query[0][:, group.rows].transpose(0, 1)[:, :, None]  # [S, q_heads, 1, D]
+    k = k.view(S, L, *k.shape[1:]).transpose(1, 2).to(q.dtype)  # [S, kv_heads, L, D]
+    v = v.view(S, L, *v.shape[1:]).transpose(1, 2).to(q.dtype)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+    return o[:, :, 0]
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)
