@@ -179,13 +179,7 @@ def test_disconnect_mid_stream_frees_blocks(served):
             break
     assert server.metrics()["pwctl_kv_blocks_used"] > 0
     stream.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["pwctl_aborted_total"] > before and m["pwctl_kv_blocks_used"] == 0:
-            break
-        time.sleep(0.05)
-    assert m["pwctl_aborted_total"] == before + 1 and m["pwctl_kv_blocks_used"] == 0
+    _assert_aborted_and_freed(server, before)
 
 
 def test_disconnect_while_waiting_for_a_full_response_frees_blocks(served):
@@ -195,13 +189,7 @@ def test_disconnect_while_waiting_for_a_full_response_frees_blocks(served):
     headers = {"Authorization": f"Bearer {KEY}"}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
         httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=0.3)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["pwctl_aborted_total"] > before and m["pwctl_kv_blocks_used"] == 0:
-            break
-        time.sleep(0.05)
-    assert m["pwctl_aborted_total"] == before + 1 and m["pwctl_kv_blocks_used"] == 0
+    _assert_aborted_and_freed(server, before)
 
 
 def test_bad_requests_get_400_and_server_keeps_serving(served):
@@ -313,3 +301,14 @@ def test_small_memory_budget_demotes_during_long_requests_and_promotes_after(bun
         assert m["pwctl_width_promotions_total"] > 0 and m["pwctl_width_promoted_bytes_total"] > 0
         assert m["pwctl_plane_bytes"] > low
         assert m["pwctl_kv_blocks_used"] == 0 and 'pwctl_layer_width_bits{layer="0"}' in m
+
+
+def _assert_aborted_and_freed(server, before: int) -> None:
+    """Within 10 s the engine counts one more abort and holds no KV block."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pwctl_aborted_total"] > before and m["pwctl_kv_blocks_used"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["pwctl_aborted_total"] == before + 1 and m["pwctl_kv_blocks_used"] == 0
