@@ -152,11 +152,6 @@ class _Timeline:
         self.peak = max(self.peak, mem.fixed + mem.planes + kv_bytes)
 
 
-def dtype_for(device: str) -> torch.dtype:
-    """Half precision where serving runs it (CUDA); float32 on the CPU reference path."""
-    return torch.float16 if device.startswith("cuda") else torch.float32
-
-
 def report(
     pack: Path, device: str, spec: ThroughputSpec, results: list[ThroughputResult]
 ) -> dict[str, Any]:

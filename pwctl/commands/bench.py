@@ -25,7 +25,7 @@ from pwctl.commands.common import (
 )
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
-from pwctl.runtime.engine import Engine, experts_for, open_pack
+from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
 from pwctl.text import token_windows
 
 DEFAULT_POLICIES = ["fp16", "uniform:8", "uniform:4", "uniform:3", "uniform:2"]
@@ -187,7 +187,7 @@ def run(
         for p in policies:
             kind = experts_for(p, device)
             if kind not in engines:
-                engines[kind] = Engine(open_pack(pack), device, tp.dtype_for(device), experts=kind)
+                engines[kind] = Engine(open_pack(pack), device, serving_dtype(device), experts=kind)
             results += tp.run_throughput(engines[kind], [p], spec, data or EVAL_SAMPLE)
         print_table(*tp.table(results))
         write_json(json, tp.report(pack, device, spec, results))

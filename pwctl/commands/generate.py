@@ -9,7 +9,7 @@ import typer
 
 from pwctl.commands.common import console, handles_errors, write_json
 from pwctl.policy import parse_policy
-from pwctl.runtime.engine import Engine, experts_for, open_pack
+from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
 from pwctl.runtime.scheduler import SamplingParams
 
 
@@ -27,7 +27,9 @@ def run(
 ) -> None:
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
     pol = parse_policy(policy)
-    engine = Engine(open_pack(pack), device, experts=experts_for(pol, device))
+    engine = Engine(
+        open_pack(pack), device, serving_dtype(device), experts=experts_for(pol, device)
+    )
     engine.start_batching(pol, memory_budget)
     ids = engine.tokenizer(prompt).input_ids
     (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))

@@ -37,11 +37,13 @@ def run(
     pol = parse_policy(policy)
     if memory_budget is not None:
         parse_budget(memory_budget)  # a bad size fails before the model loads
-    from pwctl.runtime.engine import Engine, experts_for, open_pack
+    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
     from pwctl.runtime.server import run_server
     from pwctl.runtime.worker import EngineWorker
 
-    engine = Engine(open_pack(pack), device, experts=experts_for(pol, device))
+    engine = Engine(
+        open_pack(pack), device, serving_dtype(device), experts=experts_for(pol, device)
+    )
     cfg = BatchConfig(max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len)
     batcher = engine.start_batching(pol, memory_budget, cfg)
     m = batcher.metrics()

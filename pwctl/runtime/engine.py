@@ -45,6 +45,11 @@ def open_pack(name_or_path: str | Path) -> Pack:
 EXPERTS = ("store", "paged")
 
 
+def serving_dtype(device: str) -> torch.dtype:
+    """Half precision where serving runs it (CUDA); float32 on the CPU reference path."""
+    return torch.float16 if device.startswith("cuda") else torch.float32
+
+
 def experts_for(policy: Policy, device: str) -> str:
     """The expert backend a front end serving one `policy` wants: paged on CUDA, except fp16
     (reference weights are not planes), which stays on the store."""
