@@ -134,3 +134,17 @@ def test_group_kernel_matches_torch_grouping(T, k, E):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     live = want.hi > want.lo  # empty slots may name any expert
     assert torch.equal(got.expert[live], want.expert[live])
+
+
+def test_device_table_sync_uploads_what_changed():
+    spec = MoESpec(4, 2, 64, 96, "softmax_topk", False, 1.0, 0, False, "silu")
+    layer = synthetic_layer(spec, device="cpu", seed=2)
+    t, dt = layer.table, layer.dt
+    assert torch.equal(dt.width, torch.from_numpy(t.width.astype(np.int32)))
+    t.width[3] = 4
+    t.slab_map[[0, 1]] = t.slab_map[[1, 0]]
+    dt.sync()
+    assert torch.equal(dt.width, torch.from_numpy(t.width.astype(np.int32)))
+    assert torch.equal(dt.slab_map, torch.from_numpy(t.slab_map))
+    dt.sync()  # nothing changed: still equal
+    assert torch.equal(dt.slab_map, torch.from_numpy(t.slab_map))

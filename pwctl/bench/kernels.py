@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pwctl.convert import ConvertOptions, rows_per_table
 from pwctl.pack import BlockInfo, PlaneInfo
 from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
@@ -33,10 +34,6 @@ SHAPES = {  # one layer of each: Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B
 }
 
 
-def _rows_per_table(rows: int, cols: int, group: int = 1024) -> int:
-    return next(r for r in range(1, rows + 1) if rows % r == 0 and r * cols >= group)
-
-
 def layer_blocks(spec: MoESpec, max_bits: int, min_bits: int) -> list[BlockInfo]:
     """BlockInfo of every block of one layer (layer 0), pack order: expert-major, gate/up/down."""
     blocks = []
@@ -48,7 +45,7 @@ def layer_blocks(spec: MoESpec, max_bits: int, min_bits: int) -> list[BlockInfo]
             ("down", spec.hidden, inter),
         ):
             words = -(-cols // 32)
-            rpt = _rows_per_table(rows, cols)
+            rpt = rows_per_table(rows, cols, ConvertOptions.table_group)
             tables = [(rows // rpt) * 2 ** (p + 2) * (p + 1 >= min_bits) for p in range(max_bits)]
             planes = [PlaneInfo(0, rows * words * 4, n, 0) for n in tables]
             name = f"layers.0.experts.{e}.{proj}"

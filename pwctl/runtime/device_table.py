@@ -14,6 +14,7 @@ import torch
 
 from pwctl.bitplanes import dequantize
 from pwctl.pack import BlockInfo
+from pwctl.runtime.kernels import ptr
 from pwctl.runtime.page_table import PageTable
 
 
@@ -34,30 +35,31 @@ class DeviceTable:
         self.slab_off = torch.as_tensor(table.slab_off.astype(np.int32), device=self.device)
         self.slab_map = torch.empty(table.slab_map.size, dtype=torch.int32, device=self.device)
         self.width = torch.empty(table.n_blocks, dtype=torch.int32, device=self.device)
+        self._sent: dict[int, np.ndarray] = {}  # id(device tensor) -> what it holds
         self.sync()
+        # the tensors above live as long as this table: their pointers are fixed
+        self._args = (ptr(arena), ptr(self.slab_map), ptr(self.slab_off), ptr(self.width))
+        self._args += (np.int32(self.slab_shift), np.int32(table.max_bits))
 
     def sync(self) -> None:
-        """Upload widths and slab map (after a pager commit; no host sync)."""
+        """Upload widths and slab map (after a pager commit; no host sync). Runs at every step
+        boundary, so an array the commit left unchanged is not uploaded again."""
         self._upload(self.width, self.table.width.astype(np.int32))
         self._upload(self.slab_map, self.table.slab_map)
 
     def _upload(self, dst: torch.Tensor, src: np.ndarray) -> None:
-        host = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int32))
+        src = np.ascontiguousarray(src, dtype=np.int32)
+        if np.array_equal(self._sent.get(id(dst)), src):
+            return
+        self._sent[id(dst)] = src.copy()
+        host = torch.from_numpy(src)
         if dst.is_cuda:  # a fresh pinned buffer per upload: the caching host allocator keeps it
             host = host.pin_memory()  # alive until its non-blocking copy has run
         dst.copy_(host, non_blocking=dst.is_cuda)
 
     def kernel_args(self) -> tuple:
-        from pwctl.runtime.kernels import ptr
-
-        return (
-            ptr(self.arena),
-            ptr(self.slab_map),
-            ptr(self.slab_off),
-            ptr(self.width),
-            np.int32(self.slab_shift),
-            np.int32(self.table.max_bits),
-        )
+        """The descriptor as the kernels take it (cuda/moe.cu PAGED_ARGS)."""
+        return self._args
 
     def chunk(self, b: int, p: int) -> torch.Tensor:
         """Plane p of block b (bits, then the table it carries) as uint8, from its slabs."""

@@ -23,9 +23,6 @@ from pwctl.runtime.device_table import DeviceTable
 PREFILL_WORKSPACE = 128 << 20
 
 
-DECODE_TOKENS = kernels.DECODE_MAX_TOKENS  # up to this many tokens: the decode kernels
-
-
 @dataclass(frozen=True)
 class Proj:
     """Static layout of one projection of a layer (all experts of the layer share it)."""
@@ -168,19 +165,16 @@ class FusedMoE:
         `path` forces "decode" or "prefill" on CUDA (benchmarks); default: by token count."""
         T = x.shape[0]
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        decode = x.is_cuda and not reference and T <= DECODE_TOKENS and path != "prefill"
+        if reference or not x.is_cuda:
+            path = "torch"
+        elif path is None:
+            path = "decode" if T <= kernels.DECODE_MAX_TOKENS else "prefill"
+        run = {"torch": self._torch, "decode": self._decode, "prefill": self._prefill}[path]
         E = self.spec.num_experts
-        pairs = group_on_device(index, weights, E) if decode else group(index, weights, E)
-        jobs = [(pairs, False)]
+        pairs = group_on_device(index, weights, E) if path == "decode" else group(index, weights, E)
+        run(layer, False, x, pairs, out)
         if self.spec.has_shared:
-            jobs.append((all_tokens(T, shared_scale, self.spec.num_experts, x.device), True))
-        for pairs, shared in jobs:
-            if reference or not x.is_cuda:
-                self._torch(layer, shared, x, pairs, out)
-            elif (path or ("decode" if T <= DECODE_TOKENS else "prefill")) == "decode":
-                self._decode(layer, shared, x, pairs, out)
-            else:
-                self._prefill(layer, shared, x, pairs, out)
+            run(layer, True, x, all_tokens(T, shared_scale, E, x.device), out)
         return out
 
     # --- the torch path: CPU execution and the kernels' reference ------------------------------

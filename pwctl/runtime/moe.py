@@ -57,7 +57,7 @@ class MoEBlock(nn.Module):
         if self.observer is not None:
             self.observer(self.layer, x, index, weights)
         if self.paged is not None:
-            out = self.paged(self.layer, x, weights, index, self.shared_scale(x))
+            out = self.paged.fused(self.layer, x, weights, index, self.shared_scale(x))
             return out.to(x.dtype).view_as(hidden)
         return self._store_forward(x, weights, index).view_as(hidden)
 

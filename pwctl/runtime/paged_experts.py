@@ -3,7 +3,7 @@ CUDA, CpuBackend's host arena on the CPU), the pager that moves planes, the devi
 widths and slab map, and the fused MoE that reads them (docs/RUNTIME.md).
 
 The engine hands it the planner's widths (`request`) whenever they change and calls `commit`
-at every step boundary; `MoEBlock` calls `__call__` for the experts of its layer. The widths the
+at every step boundary; `MoEBlock` calls `fused` for the experts of its layer. The widths the
 kernels read (`widths`) lag the requested ones while promotions copy.
 
 The slab arena is the one device allocation of planes and KV blocks: the serving engine sizes
@@ -165,17 +165,6 @@ class PagedExperts:
         """Device bytes this backend holds: the slab pool plus the CUDA staging buffer."""
         t = self.table
         return t.n_slabs * t.slab_bytes + getattr(self.backend, "workspace_bytes", 0)
-
-    def __call__(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        index: torch.Tensor,
-        shared_scale: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The experts of `layer` for tokens x [T, H]: float32 [T, H]."""
-        return self.fused(layer, x, weights, index, shared_scale)
 
     def _copied_bytes(self, c: Commit) -> int:
         """Bytes of the copies a commit submitted: the in-flight planes of the blocks it
