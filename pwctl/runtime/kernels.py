@@ -58,7 +58,12 @@ def ptr(t: torch.Tensor) -> np.uint64:
 def launch(
     name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
 ) -> None:
-    module().get_function(name)(grid, block, args, stream=_stream(), shared_mem=shared_mem)
+    _function(name)(grid, block, args, stream=_stream(), shared_mem=shared_mem)
+
+
+@functools.cache
+def _function(name: str):
+    return module().get_function(name)
 
 
 def token_tile(n: int) -> int:
