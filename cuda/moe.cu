@@ -6,10 +6,9 @@
 // device memory, rewritten by the pager between steps. Kernels never see host-side widths, so a
 // width change costs no recompile, no reallocation and no host sync.
 //
-// Inputs are read in "plane order": for an input vector x of K = 32*words columns, xp[8][words][4]
-// holds at [q][w][i] the input of column 32w + 8(q/2) + rev3(4(q%2) + i) (the nibble order of
-// `nibbles`). Lane l of a warp handles plane word w = l + 32m, so its float4 loads of x are
-// consecutive across the warp (coalesced), and two float4 feed one nibble word.
+// Activations are read in "fragment order" (fused_moe.fragment_order): fp16 [rows, wpad, 32], where
+// element [n][w][4s + i] is column 32w + (s >> 1) + 16(s & 1) + 4i, so that one 16-byte load is a
+// lane's B fragment for two mma k-steps (see `mma_rows`). wpad: words rounded up to 8.
 
 // No headers: NVRTC finds none of its own, and fp16 <-> fp32 is one PTX instruction each way.
 __device__ __forceinline__ float h2f(unsigned short h) {
@@ -26,8 +25,6 @@ __device__ __forceinline__ unsigned short f2h(float f) {
 typedef unsigned int u32;
 typedef long long i64;
 
-#define WARPS 8
-#define MAX_TABLE 256  // 2^max_bits, max_bits <= 8
 
 struct Paged {
     const unsigned char* arena;  // [n_slabs, 1 << slab_shift]
@@ -69,128 +66,195 @@ __device__ __forceinline__ u32 word_at(const RowPtr& rp, int w) {
     return __ldg((w < rp.split ? rp.p0 : rp.p1) + w);
 }
 
-// Labels are decoded 8 columns at a time into nibbles (see `nibbles`), with the plane bits in a
-// fixed but scrambled order inside each nibble; the table in shared memory is stored in that
-// order, so the scramble costs nothing per weight. Plane p (p < 4) lands on nibble bit NIB[p];
-// planes 4..7 make a second nibble, the high half of an 8-bit index.
-__device__ __forceinline__ int nibble_bit(int p) { return (((p & 1) << 1) | ((p >> 1) & 1)) + 4 * (p >> 2); }
+// ---- decoding labels straight into tensor-core fragments ------------------------------------
+//
+// A CTA computes 16 rows of one block for up to 8*NT tokens of one slot with mma.m16n8k16 (fp16
+// in, fp32 accumulate); its 4 warps split the columns and add their results in shared memory.
+// Lane (g, t) = (lane / 4, lane % 4) holds rows g and g + 8 of the A fragment. The mma sums over
+// any 16 columns as long as A and B agree, so each lane feeds the A fragment from its own plane
+// words: per iteration it loads words w, w + 1 (w = 8 * it + 2t) of its two rows, and its k-step
+// s of word w covers columns 32w + (s >> 1) + 16(s & 1) + {0, 4, 8, 12}. Activations are stored in
+// that order ("fragment order", see `fragment_order` in fused_moe.py), so the B fragment of a
+// step is one 8-byte piece and the two steps of one `c` are one 16-byte load.
 
-// Four plane words (32 columns) -> four words of 8 nibbles: word k holds columns 8k..8k+7, nibble
-// n column 8k + rev3(n) (rev3: 3-bit reversal), bit NIB[p] of a nibble is plane p. A 4x4 byte
-// transpose (8 PRMT) then two delta swaps per word exchanging position bits 4<->0 and 3<->1:
-// about 1.25 instructions per weight for up to 4 planes, instead of 2 per plane per weight.
-__device__ __forceinline__ void nibbles(u32 p0, u32 p1, u32 p2, u32 p3, u32 (&q)[4]) {
-    const u32 a = __byte_perm(p0, p1, 0x5140), b = __byte_perm(p2, p3, 0x5140);
-    const u32 c = __byte_perm(p0, p1, 0x7362), d = __byte_perm(p2, p3, 0x7362);
-    q[0] = __byte_perm(a, b, 0x5410);
-    q[1] = __byte_perm(a, b, 0x7632);
-    q[2] = __byte_perm(c, d, 0x5410);
-    q[3] = __byte_perm(c, d, 0x7632);
+// Nibble k (k = 0..7) of the result holds, in bit q (q < N), bit C + 4k of plane word P[TOP - q]:
+// for a fixed column phase C, the labels of columns C, C + 4, ..., C + 28, one shift and one
+// masked OR per plane (a plane word holds bit B-1-p of 32 consecutive columns' labels).
+template <int C, int TOP, int N>
+__device__ __forceinline__ u32 gather(const u32 (&P)[8]) {
+    u32 s = 0;
     #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        u32 x = q[k], t;
-        t = (x ^ (x >> 15)) & 0x0000AAAAu;
-        x ^= t ^ (t << 15);
-        t = (x ^ (x >> 6)) & 0x00CC00CCu;
-        x ^= t ^ (t << 6);
-        q[k] = x;
+    for (int q = 0; q < N; ++q) {
+        const u32 v = P[TOP - q];
+        const int d = C - q;
+        s |= (d >= 0 ? v >> d : v << -d) & (0x11111111u << q);
+    }
+    return s;
+}
+
+// Register tables for widths <= 4: L[0..1] the low bytes of entries 0..7, L[2..3] their high
+// bytes, L[4..7] the same for entries 8..15. One PRMT looks up four 3-bit labels at once.
+__device__ __forceinline__ void lut_from(const unsigned short* tbl, int B, u32 (&L)[8]) {
+    u32 W[8];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) W[i] = 2 * i < (1 << B) ? *(const u32*)(tbl + 2 * i) : 0u;
+    L[0] = __byte_perm(W[0], W[1], 0x6420);
+    L[1] = __byte_perm(W[2], W[3], 0x6420);
+    L[2] = __byte_perm(W[0], W[1], 0x7531);
+    L[3] = __byte_perm(W[2], W[3], 0x7531);
+    L[4] = __byte_perm(W[4], W[5], 0x6420);
+    L[5] = __byte_perm(W[6], W[7], 0x6420);
+    L[6] = __byte_perm(W[4], W[5], 0x7531);
+    L[7] = __byte_perm(W[6], W[7], 0x7531);
+}
+
+// Four 3-bit labels (nibbles of s, bit 3 clear) -> two half2: (label 0, 1), (label 2, 3).
+__device__ __forceinline__ void lut8(const u32 (&L)[8], u32 s, u32& h0, u32& h1) {
+    const u32 lo = __byte_perm(L[0], L[1], s), hi = __byte_perm(L[2], L[3], s);
+    h0 = __byte_perm(lo, hi, 0x5140);
+    h1 = __byte_perm(lo, hi, 0x7362);
+}
+
+// Four 4-bit labels: low three bits in s (bit 3 clear), the top bit chooses the table half
+// through q (nibble k = k + 4 * top bit).
+__device__ __forceinline__ void lut16(const u32 (&L)[8], u32 s, u32 q, u32& h0, u32& h1) {
+    const u32 lo = __byte_perm(__byte_perm(L[0], L[1], s), __byte_perm(L[4], L[5], s), q);
+    const u32 hi = __byte_perm(__byte_perm(L[2], L[3], s), __byte_perm(L[6], L[7], s), q);
+    h0 = __byte_perm(lo, hi, 0x5140);
+    h1 = __byte_perm(lo, hi, 0x7362);
+}
+
+// The A-fragment halves of column phase C of one row's plane words: A[0], A[1] for k-step 2C
+// (columns C + {0, 4} and C + {8, 12}), A[2], A[3] for step 2C + 1 (the same plus 16).
+template <int B, int C>
+__device__ __forceinline__ void decode(const u32 (&P)[8], const u32 (&L)[8],
+                                       const unsigned short* tbl, u32 (&A)[4]) {
+    if constexpr (B <= 3) {
+        const u32 s = gather<C, B - 1, B>(P);
+        lut8(L, s, A[0], A[1]);
+        lut8(L, s >> 16, A[2], A[3]);
+    } else if constexpr (B == 4) {
+        // low three bits from planes 3..1; the top bit (plane 0) goes straight to bit 2 of the
+        // half-choosing selector q (nibble k = k + 4 * top bit)
+        const u32 m = gather<C, 3, 3>(P);
+        const u32 q = ((C >= 2 ? P[0] >> (C - 2) : P[0] << (2 - C)) & 0x44444444u) | 0x32103210u;
+        lut16(L, m, q, A[0], A[1]);
+        lut16(L, m >> 16, q >> 16, A[2], A[3]);
+    } else {  // wider: shared-memory table, label = hi nibble (planes 0..B-5) : lo nibble
+        const u32 lo = gather<C, B - 1, 4>(P), hi = gather<C, B - 5, B - 4>(P);
+        u32 v[8];
+        #pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = tbl[((lo >> (4 * k)) & 15u) | (((hi >> (4 * k)) & 15u) << 4)];
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) A[j] = v[2 * j] | (v[2 * j + 1] << 16);
     }
 }
 
-// acc[r][t] += sum over columns of W[row0 + r, :] * in[t, :], W read at width B.
-template <int B, int R, int TM>
-__device__ __forceinline__ void rows_dot(const Paged& g, int block, i64 bits_nbytes, int words,
-                                         int rpt, int row0, int nrows, const float* xp,
-                                         const int* in_row, int T, float (&acc)[R][TM],
-                                         float* tbl, RowPtr* ptrs, int lane) {
-    // Prologue: every lane issues all its table loads at once (independent, so their latencies
-    // overlap; loading row by row serialised R chains of three dependent loads), then the
-    // (row, plane) page pointers, then stores.
-    constexpr int NT = B <= 4 ? 16 : 256;  // decoded indices per table
-    constexpr int PER = (R * NT + 31) / 32;
-    unsigned short hv[PER];
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#define WARPS 4
+#define ROWS 16
+#define MAX_TABLE 256  // 2^max_bits, max_bits <= 8
+
+// What a CTA prepares for one block before its warps stream it: per (row, plane) the pages of
+// the row, per row its table at the block's width.
+struct Stage {
+    RowPtr ptr[ROWS * 8];
+    unsigned short tbl[ROWS][MAX_TABLE];
+};
+
+// Fill `st` for rows [row0, row0 + 16) of `block` at width B (rows past the end repeat the last
+// row: they are computed and dropped). Threads first, first + stride, ... take part; no barrier.
+__device__ void stage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
+                      int row0, int nrows, Stage& st, int first, int stride) {
+    for (int e = first; e < ROWS * B; e += stride) {
+        const int r = e / B, p = e % B;
+        st.ptr[r * 8 + p] = row_ptr(g, block, p, row0 + min(r, nrows - 1), words);
+    }
+    const int per_row = max(1, (1 << B) / 2);  // u32 words of one row's table
+    for (int e = first; e < ROWS * per_row; e += stride) {
+        const int r = e / per_row, i = e % per_row;
+        const i64 off = bits_nbytes + (i64)((row0 + min(r, nrows - 1)) / rpt) * (2 << B) + 4 * i;
+        *(u32*)(st.tbl[r] + 2 * i) = __ldg((const u32*)paged(g, block, B - 1, off));
+    }
+}
+
+// Plane words w, w + 1 of one row (zeros past the row). `pairs`: words is even, so the two words
+// are 8-byte aligned and on the same side of the row's page split.
+template <int B>
+__device__ __forceinline__ void load_words(const RowPtr* rp, int w, int words, bool pairs,
+                                           u32 (&P0)[8], u32 (&P1)[8]) {
     #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int e = lane + 32 * i, r = e / NT, v = e % NT;
-        if (r < R) {
-            int label = 0;
-            #pragma unroll
-            for (int p = 0; p < B; ++p) label |= ((v >> nibble_bit(p)) & 1) << (B - 1 - p);
-            const i64 off = bits_nbytes + (i64)((row0 + min(r, nrows - 1)) / rpt) * (2 << B);
-            hv[i] = __ldg((const unsigned short*)paged(g, block, B - 1, off + 2 * label));
+    for (int p = 0; p < 8; ++p) P0[p] = P1[p] = 0u;
+    if (w >= words) return;
+    #pragma unroll
+    for (int p = 0; p < B; ++p) {
+        const RowPtr r = rp[p];
+        if (pairs) {
+            const uint2 v = __ldg((const uint2*)((w < r.split ? r.p0 : r.p1) + w));
+            P0[p] = v.x;
+            P1[p] = v.y;
+        } else {
+            P0[p] = word_at(r, w);
+            P1[p] = w + 1 < words ? word_at(r, w + 1) : 0u;
         }
     }
-    if (lane < R * B)  // one lane per (row, plane) finds the pages; the loop reads them from smem
-        ptrs[lane] = row_ptr(g, block, lane % B, row0 + min(lane / B, nrows - 1), words);
-    #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        const int e = lane + 32 * i, r = e / NT, v = e % NT;
-        if (r < R) tbl[r * MAX_TABLE + v] = h2f(hv[i]);
+}
+
+// acc[nt] += this warp's share of W[rows] x^T for the tokens whose fragment-order rows are
+// xrow[nt] (-1: no token), W read at width B from the staged block.
+template <int B, int NT>
+__device__ void mma_rows(const Stage& st, int words, int wpad, bool pairs, const uint4* xf,
+                         const int (&xrow)[NT], float (&acc)[NT][4]) {
+    // the column iterations are shared by the CTA's warps and by the gridDim.z CTAs of a k-split
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    u32 L0[8], L1[8];
+    if constexpr (B <= 4) {
+        lut_from(st.tbl[g], B, L0);
+        lut_from(st.tbl[g + 8], B, L1);
     }
-    __syncwarp();
-    const i64 xstride = (i64)8 * words * 4;  // floats per input row
-    constexpr int HI = B > 4 ? 1 : 0;  // a second nibble word set for planes 4..7
-    for (int w = lane; w < words; w += 32) {
-        u32 lo[R][4], hi[R][4];
+    const int iters = (words + 7) / 8;
+    for (int it = blockIdx.z * WARPS + warp; it < iters; it += gridDim.z * WARPS) {
+        // (loading the next iteration's words ahead measured no faster: registers, occupancy)
+        const int w = 8 * it + 2 * t;
+        u32 P[2][2][8];  // [row g / g + 8][word w / w + 1][plane]
+        load_words<B>(st.ptr + g * 8, w, words, pairs, P[0][0], P[0][1]);
+        load_words<B>(st.ptr + (g + 8) * 8, w, words, pairs, P[1][0], P[1][1]);
         #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            u32 P[8];
-            #pragma unroll
-            for (int p = 0; p < 8; ++p) P[p] = p < B ? word_at(ptrs[r * B + p], w) : 0u;
-            nibbles(P[0], P[1], P[2], P[3], lo[r]);
-            if (HI) nibbles(P[4], P[5], P[6], P[7], hi[r]);
-        }
-        #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            float4 xa[TM], xb[TM];  // the 8 inputs of nibble word k, in nibble order
-            #pragma unroll
-            for (int t = 0; t < TM; ++t)
-                if (t < T) {
-                    const float* base = xp + in_row[t] * xstride + ((i64)(2 * k) * words + w) * 4;
-                    xa[t] = __ldg((const float4*)base);
-                    xb[t] = __ldg((const float4*)(base + (i64)words * 4));
-                }
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                #pragma unroll
-                for (int n = 0; n < 8; ++n) {
-                    u32 v = (lo[r][k] >> (4 * n)) & 15u;
-                    if (HI) v |= ((hi[r][k] >> (4 * n)) & 15u) << 4;
-                    const float wv = tbl[r * MAX_TABLE + v];
-                    #pragma unroll
-                    for (int t = 0; t < TM; ++t) {
-                        const float4& xv = n < 4 ? xa[t] : xb[t];
-                        const int i = n & 3;
-                        const float xi = i == 0 ? xv.x : i == 1 ? xv.y : i == 2 ? xv.z : xv.w;
-                        if (t < T) acc[r][t] = fmaf(wv, xi, acc[r][t]);
-                    }
-                }
+        for (int u = 0; u < 2; ++u) {
+#define PHASE(C)                                                                                  \
+            {                                                                                     \
+                u32 A0[4], A1[4];                                                                 \
+                decode<B, C>(P[0][u], L0, st.tbl[g], A0);                                         \
+                decode<B, C>(P[1][u], L1, st.tbl[g + 8], A1);                                     \
+                _Pragma("unroll") for (int nt = 0; nt < NT; ++nt) {                               \
+                    const uint4 bx = xrow[nt] >= 0                                                \
+                        ? __ldg(xf + ((i64)xrow[nt] * wpad + w + u) * 4 + C)                      \
+                        : make_uint4(0u, 0u, 0u, 0u);                                             \
+                    mma16816(acc[nt], A0[0], A1[0], A0[1], A1[1], bx.x, bx.y);                    \
+                    mma16816(acc[nt], A0[2], A1[2], A0[3], A1[3], bx.z, bx.w);                    \
+                }                                                                                 \
             }
+            PHASE(0) PHASE(1) PHASE(2) PHASE(3)
+#undef PHASE
         }
     }
-    __syncwarp();
 }
 
-// Dispatch on the block's run-time width (uniform across the warp: one block per call).
-template <int R, int TM>
-__device__ void rows_dot_any(const Paged& g, int block, i64 bits_nbytes, int words, int rpt,
-                             int row0, int nrows, const float* xp, const int* in_row, int T,
-                             float (&acc)[R][TM], float* tbl, RowPtr* ptrs, int lane) {
+template <int NT>
+__device__ void mma_block(const Stage& st, int B, int words, int wpad, bool pairs,
+                          const uint4* xf, const int (&xrow)[NT], float (&acc)[NT][4]) {
     #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int t = 0; t < TM; ++t) acc[r][t] = 0.f;
-    switch (__ldg(g.width + block)) {
-#define CASE(B) case B: rows_dot<B, R, TM>(g, block, bits_nbytes, words, rpt, row0, nrows, xp, in_row, T, acc, tbl, ptrs, lane); break;
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    switch (B) {
+#define CASE(W) case W: mma_rows<W, NT>(st, words, wpad, pairs, xf, xrow, acc); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     }
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int t = 0; t < TM; ++t)
-            #pragma unroll
-            for (int s = 16; s > 0; s >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], s);
 }
 
 struct Slots {
@@ -204,66 +268,319 @@ struct Slots {
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 
-// h[pair] = silu(gate x) * up x for every pair of a slot, written in plane order for the down
-// projection. grid: (ceil(I / (WARPS*R)), n_slots); block: 32*WARPS.
-template <int R, int TM>
-__device__ void gate_up(Paged g, Slots s, const float* xp, float* hp, int I, int words_in,
-                        int words_out, i64 bits_nbytes, int rpt) {
-    __shared__ float tables[WARPS][R * MAX_TABLE];
-    __shared__ RowPtr ptrs[WARPS][32];
-    __shared__ int in_row[TM];
-    const int slot = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int lo = __ldg(s.lo + slot), T = __ldg(s.hi + slot) - lo;
-    if (T <= 0) return;
-    if (threadIdx.x < T) in_row[threadIdx.x] = __ldg(s.token + lo + threadIdx.x);
-    __syncthreads();
-    const int e = __ldg(s.expert + slot);
-    const int row0 = (blockIdx.x * WARPS + warp) * R;
-    if (row0 >= I) return;
-    const int nrows = min(R, I - row0);
-    float ga[R][TM], ua[R][TM];
-    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e), bits_nbytes, words_in, rpt, row0, nrows, xp, in_row, T, ga, tables[warp], ptrs[warp], lane);
-    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e + 1), bits_nbytes, words_in, rpt, row0, nrows, xp, in_row, T, ua, tables[warp], ptrs[warp], lane);
-    if (lane != 0) return;
+// Where a CTA is: blockIdx.x = row tile, blockIdx.y = slot (blockIdx.z: k-split of down).
+struct Tile {
+    int slot, lo, T, base, row0;  // base: the pass's first token of the slot (prefill)
+};
+
+__device__ __forceinline__ Tile tile_of(const Slots& s) {
+    Tile c;
+    c.slot = blockIdx.y;
+    c.lo = __ldg(s.lo + c.slot);
+    c.T = __ldg(s.hi + c.slot) - c.lo;
+    c.base = 0;
+    c.row0 = blockIdx.x * ROWS;
+    return c;
+}
+
+// The warps' partial sums, added in shared memory 4 n-tiles at a time: thread (warp w, lane l)
+// ends with fragment register w of lane l, i.e. row (l / 4) + 8 (w / 2), token 2 (l % 4) + (w % 2)
+// of each n-tile, in sum[nt].
+#define RED_TILES 4
+template <int NT>
+__device__ void reduce_warps(const float (&acc)[NT][4], float* red, float (&sum)[NT]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int n = row0 + r;
-        if (r >= nrows) break;
-        const int m = __brev(n & 7) >> 29;  // nibble slot of column n within its 8 (rev3)
-        const int q = 2 * ((n & 31) >> 3) + (m >> 2);
-        const i64 col = ((i64)q * words_out + (n >> 5)) * 4 + (m & 3);
+    for (int n0 = 0; n0 < NT; n0 += RED_TILES) {
+        __syncthreads();  // the previous group (or caller) is done with red
         #pragma unroll
-        for (int t = 0; t < TM; ++t)
-            if (t < T) hp[(i64)(lo + t) * 8 * words_out * 4 + col] = silu(ga[r][t]) * ua[r][t];
+        for (int nt = n0; nt < min(NT, n0 + RED_TILES); ++nt)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) red[((warp * RED_TILES + nt - n0) * 4 + r) * 32 + lane] = acc[nt][r];
+        __syncthreads();
+        #pragma unroll
+        for (int nt = n0; nt < min(NT, n0 + RED_TILES); ++nt) {
+            float v = 0.f;
+            #pragma unroll
+            for (int w = 0; w < WARPS; ++w) v += red[((w * RED_TILES + nt - n0) * 4 + warp) * 32 + lane];
+            sum[nt] = v;
+        }
     }
 }
 
-// out[token] += weight * (down h[pair]) for every pair of a slot. grid: (ceil(H / (WARPS*R)), n_slots).
-template <int R, int TM>
-__device__ void down(Paged g, Slots s, const float* hp, float* out, int H, int words_in,
-                     i64 bits_nbytes, int rpt) {
-    __shared__ float tables[WARPS][R * MAX_TABLE];
-    __shared__ RowPtr ptrs[WARPS][32];
-    __shared__ int in_row[TM];
-    const int slot = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int lo = __ldg(s.lo + slot), T = __ldg(s.hi + slot) - lo;
-    if (T <= 0) return;
-    if (threadIdx.x < T) in_row[threadIdx.x] = lo + threadIdx.x;
-    __syncthreads();
-    const int e = __ldg(s.expert + slot);
-    const int row0 = (blockIdx.x * WARPS + warp) * R;
-    if (row0 >= H) return;
-    const int nrows = min(R, H - row0);
-    float acc[R][TM];
-    rows_dot_any<R, TM>(g, __ldg(s.block_ids + 3 * e + 2), bits_nbytes, words_in, rpt, row0, nrows, hp, in_row, T, acc, tables[warp], ptrs[warp], lane);
-    if (lane != 0) return;
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        if (r >= nrows) break;
+// h[pair] = silu(gate x) * up x in fragment order, for the down projection. Rows past I up to
+// the padded width are written as zeros, so down never reads memory nobody wrote.
+template <int NT>
+__device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, int I, int words_in,
+                        int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
+    __shared__ Stage st[2];
+    __shared__ float red[WARPS * RED_TILES * 4 * 32];
+    const Tile c = tile_of(s);
+    if (c.base >= c.T) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
+    float gs[NT], us[NT];
+    if (nrows > 0) {
+        int xrow[NT];
         #pragma unroll
-        for (int t = 0; t < TM; ++t)
-            if (t < T) atomicAdd(out + (i64)__ldg(s.token + lo + t) * H + row0 + r, __ldg(s.weight + lo + t) * acc[r][t]);
+        for (int nt = 0; nt < NT; ++nt) {
+            const int j = c.base + 8 * nt + (lane >> 2);
+            xrow[nt] = j < c.T ? __ldg(s.token + c.lo + j) : -1;
+        }
+        const int bg = __ldg(s.block_ids + 3 * e), bu = __ldg(s.block_ids + 3 * e + 1);
+        const int wg = __ldg(g.width + bg), wu = __ldg(g.width + bu);
+        stage(g, bg, wg, bits_nbytes, words_in, rpt, c.row0, nrows, st[0], threadIdx.x, blockDim.x);
+        stage(g, bu, wu, bits_nbytes, words_in, rpt, c.row0, nrows, st[1], threadIdx.x, blockDim.x);
+        __syncthreads();
+        const bool pairs = (words_in & 1) == 0;
+        float acc[NT][4];
+        mma_block<NT>(st[0], wg, words_in, wpad_in, pairs, xf, xrow, acc);
+        reduce_warps<NT>(acc, red, gs);
+        mma_block<NT>(st[1], wu, words_in, wpad_in, pairs, xf, xrow, acc);
+        reduce_warps<NT>(acc, red, us);
     }
+    const int row = c.row0 + (lane >> 2) + 8 * (warp >> 1);
+    const int col = row & 31;
+    const i64 off = (i64)(row >> 5) * 32 + (2 * (col & 3) + (col >> 4)) * 4 + ((col >> 2) & 3);
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int j = c.base + 8 * nt + 2 * (lane & 3) + (warp & 1);
+        if (j >= c.T || row >= 32 * wpad_out) continue;
+        const float h = row < I ? silu(gs[nt]) * us[nt] : 0.f;
+        hp[(i64)(c.lo + j) * wpad_out * 32 + off] = f2h(h);
+    }
+}
+
+// out[token] += weight * (down h[pair]) for every pair of a slot (fp32 atomics, so the columns may
+// also be split over gridDim.z CTAs).
+template <int NT>
+__device__ void down(Paged g, Slots s, const uint4* hp, float* out, int H, int words_in, int wpad_in,
+                     i64 bits_nbytes, int rpt) {
+    __shared__ Stage st;
+    __shared__ float red[WARPS * RED_TILES * 4 * 32];
+    const Tile c = tile_of(s);
+    if (c.base >= c.T || c.row0 >= H) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, H - c.row0);
+    int xrow[NT];
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int j = c.base + 8 * nt + (lane >> 2);
+        xrow[nt] = j < c.T ? c.lo + j : -1;
+    }
+    const int bd = __ldg(s.block_ids + 3 * e + 2), wd = __ldg(g.width + bd);
+    stage(g, bd, wd, bits_nbytes, words_in, rpt, c.row0, nrows, st, threadIdx.x, blockDim.x);
+    __syncthreads();
+    float acc[NT][4], sum[NT];
+    mma_block<NT>(st, wd, words_in, wpad_in, (words_in & 1) == 0, hp, xrow, acc);
+    reduce_warps<NT>(acc, red, sum);
+    const int row = c.row0 + (lane >> 2) + 8 * (warp >> 1);
+    if (row >= H) return;
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int j = c.base + 8 * nt + 2 * (lane & 3) + (warp & 1);
+        if (j < c.T)
+            atomicAdd(out + (i64)__ldg(s.token + c.lo + j) * H + row, __ldg(s.weight + c.lo + j) * sum[nt]);
+    }
+}
+
+
+// ---- prefill: decode once into shared memory, multiply with every token -----------------------
+//
+// A CTA owns 4 m-tiles (gate_up: 2 of gate and the same 2 of up, 32 rows; down: 4, 64 rows) and
+// up to 128 tokens of one slot. Per 8-word chunk of columns, warp q decodes m-tile q exactly as
+// the decode kernels do (same lanes, same k-steps) into shared memory; then every warp multiplies
+// all 4 m-tiles with its own 4 n-tiles (a B fragment serves 4 m-tiles, an A fragment 4 n-tiles).
+// Two chunk buffers: decoding chunk i + 1 (ALU) overlaps the mma of chunk i (tensor cores).
+// Measured on the H200 and not kept: 8 warps of 2 n-tiles each, plane words and B fragments
+// loaded a step ahead (docs/PERF.md).
+#define PF_WARPS 4
+#define PF_NTW 4   // n-tiles per warp
+#define PF_TOKENS (8 * PF_NTW * PF_WARPS)  // tokens per pass: 128
+#define PF_STEPS 16  // mma k-steps per chunk: 2 words x 4 phases x 2 halves
+
+struct Prefill {
+    Stage st[PF_WARPS];                   // warp q's m-tile
+    uint4 a[2][PF_WARPS][PF_STEPS][32];   // A fragments of a chunk: [buffer][m-tile][k-step][lane]
+};
+
+template <int B>
+__device__ void decode_chunk(const Stage& st, int it, int words, uint4 (&a)[PF_STEPS][32]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    u32 L0[8], L1[8];
+    if constexpr (B <= 4) {
+        lut_from(st.tbl[g], B, L0);
+        lut_from(st.tbl[g + 8], B, L1);
+    }
+    u32 P[2][2][8];
+    const int w = 8 * it + 2 * t;
+    const bool pairs = (words & 1) == 0;
+    load_words<B>(st.ptr + g * 8, w, words, pairs, P[0][0], P[0][1]);
+    load_words<B>(st.ptr + (g + 8) * 8, w, words, pairs, P[1][0], P[1][1]);
+    #pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#define PHASE(C)                                                                                  \
+        {                                                                                         \
+            u32 A0[4], A1[4];                                                                     \
+            decode<B, C>(P[0][u], L0, st.tbl[g], A0);                                             \
+            decode<B, C>(P[1][u], L1, st.tbl[g + 8], A1);                                         \
+            a[(4 * u + C) * 2][lane] = make_uint4(A0[0], A1[0], A0[1], A1[1]);                    \
+            a[(4 * u + C) * 2 + 1][lane] = make_uint4(A0[2], A1[2], A0[3], A1[3]);                \
+        }
+        PHASE(0) PHASE(1) PHASE(2) PHASE(3)
+#undef PHASE
+    }
+}
+
+// live: the m-tile has a row in range (else it was never staged, and its fragments are zeros).
+__device__ void decode_chunk_any(const Stage& st, int B, bool live, int it, int words,
+                                 uint4 (&a)[PF_STEPS][32]) {
+    if (!live) {
+        const int lane = threadIdx.x & 31;
+        for (int k = 0; k < PF_STEPS; ++k) a[k][lane] = make_uint4(0u, 0u, 0u, 0u);
+        return;
+    }
+    switch (B) {
+#define CASE(W) case W: decode_chunk<W>(st, it, words, a); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
+}
+
+// acc[m][j] = W[m-tile m] x^T for n-tile (warp + 4j) of the pass, over all columns. The m-tiles
+// are staged in sm.st by the caller (warp q: m-tile q, width wq, live: any row in range).
+__device__ void prefill_mma(Prefill& sm, int wq, bool live, int words, int wpad, const uint4* xf,
+                            const int (&xrow)[PF_NTW], float (&acc)[4][PF_NTW][4]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
+    const int iters = (words + 7) / 8;
+    #pragma unroll
+    for (int m = 0; m < 4; ++m)
+        #pragma unroll
+        for (int j = 0; j < PF_NTW; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+    // n-tiles of this warp that hold a token (a prefix; warp-uniform: empty ones skip the mma)
+    int live_j = 0;
+    #pragma unroll
+    for (int j = 0; j < PF_NTW; ++j) live_j += __any_sync(0xffffffffu, xrow[j] >= 0) ? 1 : 0;
+    decode_chunk_any(sm.st[warp], wq, live, 0, words, sm.a[0][warp]);
+    __syncthreads();
+    for (int it = 0; it < iters; ++it) {
+        if (it + 1 < iters) decode_chunk_any(sm.st[warp], wq, live, it + 1, words, sm.a[(it + 1) & 1][warp]);
+        const uint4 (*a)[PF_STEPS][32] = sm.a[it & 1];
+        #pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            #pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                uint4 bx[PF_NTW];
+                #pragma unroll
+                for (int j = 0; j < PF_NTW; ++j)
+                    bx[j] = xrow[j] >= 0 ? __ldg(xf + ((i64)xrow[j] * wpad + 8 * it + 2 * t + u) * 4 + c)
+                                         : make_uint4(0u, 0u, 0u, 0u);
+                #pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const uint4 a0 = a[m][(4 * u + c) * 2][lane], a1 = a[m][(4 * u + c) * 2 + 1][lane];
+                    #pragma unroll
+                    for (int j = 0; j < PF_NTW; ++j) {
+                        if (j >= live_j) break;
+                        mma16816(acc[m][j], a0.x, a0.y, a0.z, a0.w, bx[j].x, bx[j].y);
+                        mma16816(acc[m][j], a1.x, a1.y, a1.z, a1.w, bx[j].z, bx[j].w);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ void check_smem(unsigned need) {
+    unsigned have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < need) __trap();  // the launcher's size (kernels.PREFILL_SMEM) is out of date
+}
+
+// Pass and tile of a prefill CTA: blockIdx.x = row tile * passes + pass (passes fastest).
+__device__ __forceinline__ Tile prefill_tile(const Slots& s, int passes, int rows_per_cta) {
+    Tile c;
+    c.slot = blockIdx.y;
+    c.lo = __ldg(s.lo + c.slot);
+    c.T = __ldg(s.hi + c.slot) - c.lo;
+    c.base = (blockIdx.x % passes) * PF_TOKENS;
+    c.row0 = (blockIdx.x / passes) * rows_per_cta;
+    return c;
+}
+
+// gate_up for prefill: 32 rows (warps 0, 1: gate rows 0-15, 16-31; warps 2, 3: up), then h
+// as in `gate_up`. Dynamic shared memory: sizeof(Prefill).
+__device__ void gate_up_prefill(Paged g, Slots s, const uint4* xf, unsigned short* hp, int I,
+                                int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
+                                int passes) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    Prefill& sm = *reinterpret_cast<Prefill*>(smem);
+    check_smem(sizeof(Prefill));
+    const Tile c = prefill_tile(s, passes, 2 * ROWS);
+    if (c.base >= c.T) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = __ldg(s.expert + c.slot);
+    const int block = __ldg(s.block_ids + 3 * e + (warp >> 1)), wq = __ldg(g.width + block);
+    const int mrow0 = c.row0 + ROWS * (warp & 1), nrows = min(ROWS, I - mrow0);
+    if (nrows > 0) stage(g, block, wq, bits_nbytes, words_in, rpt, mrow0, nrows, sm.st[warp], lane, 32);
+    __syncwarp();
+    int xrow[PF_NTW];
+    #pragma unroll
+    for (int j = 0; j < PF_NTW; ++j) {
+        const int k = c.base + 8 * (warp + PF_WARPS * j) + (lane >> 2);
+        xrow[j] = k < c.T ? __ldg(s.token + c.lo + k) : -1;
+    }
+    float acc[4][PF_NTW][4];
+    prefill_mma(sm, wq, nrows > 0, words_in, wpad_in, xf, xrow, acc);
+    #pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+        #pragma unroll
+        for (int j = 0; j < PF_NTW; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = c.row0 + ROWS * mt + (lane >> 2) + 8 * (r >> 1);
+                const int k = c.base + 8 * (warp + PF_WARPS * j) + 2 * (lane & 3) + (r & 1);
+                if (k >= c.T || row >= 32 * wpad_out) continue;
+                const int col = row & 31;
+                const i64 off = (i64)(row >> 5) * 32 + (2 * (col & 3) + (col >> 4)) * 4 + ((col >> 2) & 3);
+                const float h = row < I ? silu(acc[mt][j][r]) * acc[2 + mt][j][r] : 0.f;
+                hp[(i64)(c.lo + k) * wpad_out * 32 + off] = f2h(h);
+            }
+}
+
+// down for prefill: 64 rows (warp q: rows 16q..16q+15), out[token] += weight * (down h).
+__device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int H, int words_in,
+                             int wpad_in, i64 bits_nbytes, int rpt, int passes) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    Prefill& sm = *reinterpret_cast<Prefill*>(smem);
+    check_smem(sizeof(Prefill));
+    const Tile c = prefill_tile(s, passes, 4 * ROWS);
+    if (c.base >= c.T || c.row0 >= H) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = __ldg(s.expert + c.slot);
+    const int block = __ldg(s.block_ids + 3 * e + 2), wq = __ldg(g.width + block);
+    const int mrow0 = c.row0 + ROWS * warp, nrows = min(ROWS, H - mrow0);
+    if (nrows > 0) stage(g, block, wq, bits_nbytes, words_in, rpt, mrow0, nrows, sm.st[warp], lane, 32);
+    __syncwarp();
+    int xrow[PF_NTW];
+    #pragma unroll
+    for (int j = 0; j < PF_NTW; ++j) {
+        const int k = c.base + 8 * (warp + PF_WARPS * j) + (lane >> 2);
+        xrow[j] = k < c.T ? c.lo + k : -1;
+    }
+    float acc[4][PF_NTW][4];
+    prefill_mma(sm, wq, nrows > 0, words_in, wpad_in, hp, xrow, acc);
+    #pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+        #pragma unroll
+        for (int j = 0; j < PF_NTW; ++j)
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = c.row0 + ROWS * mt + (lane >> 2) + 8 * (r >> 1);
+                const int k = c.base + 8 * (warp + PF_WARPS * j) + 2 * (lane & 3) + (r & 1);
+                if (k < c.T && row < H)
+                    atomicAdd(out + (i64)__ldg(s.token + c.lo + k) * H + row, __ldg(s.weight + c.lo + k) * acc[mt][j][r]);
+            }
 }
 
 // Flat kernel parameters (CuPy passes scalars and raw pointers): the descriptor, then the slots.
@@ -274,72 +591,31 @@ __device__ void down(Paged g, Slots s, const float* hp, float* out, int H, int w
 #define PAGED Paged{arena, slab_map, slab_off, width, slab_shift, max_bits}
 #define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block_ids}
 
-#define ENTRY(TM, R)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) gate_up_t##TM(                    \
-        PAGED_ARGS, SLOT_ARGS, const float* xp, float* hp, int I, int words_in, int words_out,   \
-        i64 bits_nbytes, int rpt) {                                                              \
-        gate_up<R, TM>(PAGED, SLOTS, xp, hp, I, words_in, words_out, bits_nbytes, rpt);          \
+// NT n-tiles of 8 tokens per CTA: 1 and 2 for decode (<= 16 tokens a slot).
+#define ENTRY(NT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_n##NT(                       \
+        PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
+        int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {                                   \
+        gate_up<NT>(PAGED, SLOTS, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt);      \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, 2) down_t##TM(                       \
-        PAGED_ARGS, SLOT_ARGS, const float* hp, float* out, int H, int words_in,                 \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS) down_n##NT(                          \
+        PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,    \
         i64 bits_nbytes, int rpt) {                                                              \
-        down<R, TM>(PAGED, SLOTS, hp, out, H, words_in, bits_nbytes, rpt);                       \
+        down<NT>(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt);                 \
     }
 
-ENTRY(1, 4)
-ENTRY(2, 4)
-ENTRY(4, 2)
-ENTRY(8, 1)
+ENTRY(1)
+ENTRY(2)
 
-// Prefill: rows [row0, row0 + gridDim.x) of one block at its current width, as fp16 [n, cols],
-// into a workspace small enough to stay in L2; cuBLAS multiplies it next. Each thread makes 8
-// consecutive columns (one byte of each plane) and stores them as one 16-byte write, so a warp
-// writes 512 contiguous bytes. grid: (n, 1); block: 128.
-template <int B>
-__device__ void dequant_row(const Paged& g, int block, i64 bits_nbytes, int words, int cols,
-                            int rpt, int row, unsigned short* dst, float* tbl, RowPtr* ptrs) {
-    const i64 tbase = bits_nbytes + (i64)(row / rpt) * (2 << B);
-    for (int i = threadIdx.x; i < (1 << B); i += blockDim.x)
-        tbl[i] = h2f(*(const unsigned short*)paged(g, block, B - 1, tbase + 2 * i));
-    if (threadIdx.x < B) ptrs[threadIdx.x] = row_ptr(g, block, threadIdx.x, row, words);
-    __syncthreads();
-    for (int c8 = threadIdx.x; c8 < words * 4; c8 += blockDim.x) {
-        const int w = c8 >> 2, shift = 8 * (c8 & 3);
-        u32 P[B];
-        #pragma unroll
-        for (int p = 0; p < B; ++p) P[p] = word_at(ptrs[p], w) >> shift;
-        u32 out[4];
-        #pragma unroll
-        for (int j = 0; j < 8; j += 2) {
-            u32 l0 = 0, l1 = 0;
-            #pragma unroll
-            for (int p = 0; p < B; ++p) {
-                l0 |= ((P[p] >> j) & 1u) << (B - 1 - p);
-                l1 |= ((P[p] >> (j + 1)) & 1u) << (B - 1 - p);
-            }
-            out[j / 2] = (u32)f2h(tbl[l0]) | ((u32)f2h(tbl[l1]) << 16);
-        }
-        const int c = 8 * c8;
-        if (c + 8 <= cols && (cols & 7) == 0) {
-            *(uint4*)(dst + c) = make_uint4(out[0], out[1], out[2], out[3]);
-        } else {
-            for (int j = 0; j < 8 && c + j < cols; ++j) dst[c + j] = (unsigned short)(out[j / 2] >> (16 * (j & 1)));
-        }
-    }
+extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) gate_up_prefill(
+    PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in, int wpad_in,
+    int wpad_out, i64 bits_nbytes, int rpt, int passes) {
+    gate_up_prefill(PAGED, SLOTS, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt, passes);
 }
-
-extern "C" __global__ void __launch_bounds__(128) dequant_rows(PAGED_ARGS, int block,
-        i64 bits_nbytes, int words, int cols, int rpt, int row0, unsigned short* out) {
-    const Paged g = PAGED;
-    __shared__ float tbl[MAX_TABLE];
-    __shared__ RowPtr ptrs[8];
-    unsigned short* dst = out + (i64)blockIdx.x * cols;
-    const int row = row0 + blockIdx.x;
-    switch (__ldg(g.width + block)) {
-#define CASE(B) case B: dequant_row<B>(g, block, bits_nbytes, words, cols, rpt, row, dst, tbl, ptrs); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#undef CASE
-    }
+extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) down_prefill(
+    PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,
+    i64 bits_nbytes, int rpt, int passes) {
+    down_prefill(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, passes);
 }
 
 // Decode-time grouping of (token, expert) pairs by expert, in one launch (it replaced ~20 small

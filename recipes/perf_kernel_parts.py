@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pwctl.bench.kernels import SHAPES, _graph_time, random_routing, synthetic_layer
-from pwctl.runtime.fused_moe import group, plane_order
+from pwctl.runtime.fused_moe import fragment_order, group_on_device
 
 
 def main() -> None:
@@ -25,11 +25,14 @@ def main() -> None:
     moe, E = layer.moe, layer.spec.num_experts
     parts = {
         "whole call (graph)": lambda: moe(0, x, weights, index, scale),
-        "group + plane_order (graph)": lambda: (group(index, weights, E), plane_order(x, 128)),
+        "group_on_device + fragment_order (graph)": lambda: (
+            group_on_device(index, weights, E),
+            fragment_order(x, moe.proj[(0, False, "gate")].wpad),
+        ),
     }
     for name, fn in parts.items():
         print(f"{name}: {_graph_time(fn) * 1e6:.1f} us")
-    pairs = group(index, weights, E)
+    pairs = group_on_device(index, weights, E)
     out = torch.zeros(x.shape[0], x.shape[1], device="cuda")
     t = _graph_time(lambda: moe._decode(0, False, x, pairs, out))
     print(f"_decode: input layout + the two routed-expert kernels (graph): {t * 1e6:.1f} us")

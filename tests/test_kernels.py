@@ -12,7 +12,7 @@ from pwctl.pack import Pack
 from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.expert_store import ExpertStore
-from pwctl.runtime.fused_moe import FusedMoE, group, plane_order
+from pwctl.runtime.fused_moe import FusedMoE, fragment_order, group
 from pwctl.runtime.moe import route
 from pwctl.runtime.page_table import PageTable
 from pwctl.runtime.pager import CpuBackend, Pager
@@ -35,14 +35,16 @@ def test_group_sorts_pairs_by_expert():
     assert int((pairs.hi > pairs.lo).sum()) == len(set(index.flatten().tolist()))
 
 
-def test_plane_order_layout():
+def test_fragment_order_layout():
     x = torch.randn(3, 70)
-    xp = plane_order(x, 3)
-    assert xp.shape == (3, 8, 3, 4)
-    for c in range(96):  # column c sits in nibble slot rev3(c % 8) of its group of 8
-        w, k, m = c // 32, (c % 32) // 8, int(f"{c % 8:03b}"[::-1], 2)
-        expect = x[:, c] if c < 70 else torch.zeros(3)
-        assert torch.equal(xp[:, 2 * k + m // 4, w, m % 4], expect)
+    xf = fragment_order(x, 8)
+    assert xf.shape == (3, 8, 32) and xf.dtype == torch.float16
+    for w in range(8):  # word w, k-step s, element i: column 32w + s // 2 + 16 (s % 2) + 4i
+        for s in range(8):
+            for i in range(4):
+                c = 32 * w + s // 2 + 16 * (s % 2) + 4 * i
+                expect = x[:, c].half() if c < 70 else torch.zeros(3, dtype=torch.float16)
+                assert torch.equal(xf[:, w, 4 * s + i], expect)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

@@ -1,10 +1,11 @@
 """The experts of one MoE layer, computed from paged planes at per-block widths: grouping of
-(token, expert) pairs by expert on the device, then for decode (<= 16 tokens) two kernels
-(gate+up with SiLU(gate)*up, then down with the weighted combine; the shared expert is two more)
-and for prefill a dequantize-to-L2-workspace + cuBLAS loop. One interface: on the CPU (or with
-`reference=True`) the same pairs are computed with torch from `DeviceTable.weight` (the format
-code), which is what the kernels are tested against. Routing itself (router GEMM, softmax/top-k)
-stays in MoEBlock: the same `route` for every path."""
+(token, expert) pairs by expert, then two tensor-core kernels (gate+up with SiLU(gate)*up, then
+down with the weighted combine; the shared expert is two more) that decode labels straight into
+mma fragments. Decode (<= 16 tokens) groups on the device and never syncs the host (CUDA graphs);
+prefill groups with torch and runs the same kernels 64 tokens a pass. One interface: on the CPU
+(or with `reference=True`) the same pairs are computed with torch from `DeviceTable.weight` (the
+format code), which is what the kernels are tested against. Routing itself (router GEMM,
+softmax/top-k) stays in MoEBlock: the same `route` for every path."""
 
 from __future__ import annotations
 
@@ -17,10 +18,6 @@ import torch.nn.functional as F
 from pwctl.recipe import MoESpec
 from pwctl.runtime import kernels
 from pwctl.runtime.device_table import DeviceTable
-
-# bytes of fp16 rows dequantized at once: one whole expert matrix of Mixtral-8x7B (117 MB). Measured
-# on the H200: 16 MB chunks (L2-resident) made prefill launch-bound (7 launches per matrix).
-PREFILL_WORKSPACE = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +32,11 @@ class Proj:
     @property
     def bits_nbytes(self) -> int:
         return self.rows * self.words * 4
+
+    @property
+    def wpad(self) -> int:
+        """Plane words per row as the kernels' activation layout holds them (a multiple of 8)."""
+        return -(-self.words // 8) * 8
 
 
 @dataclass
@@ -115,20 +117,16 @@ def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.de
     )
 
 
-NIBBLE_ORDER = [0, 4, 2, 6, 1, 5, 3, 7]  # column of nibble n within 8 (3-bit reversal)
-
-
-def plane_order(x: torch.Tensor, words: int) -> torch.Tensor:
-    """[n, K] -> float32 [n, 8, words, 4] (cuda/moe.cu's input layout), zero-padded to 32*words:
-    [q, w, i] holds column 32w + 8(q // 2) + NIBBLE_ORDER[4(q % 2) + i]."""
+def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
+    """[n, K] -> float16 [n, wpad, 32] (cuda/moe.cu's activation layout), zero-padded to 32*wpad
+    columns: [n, w, 4s + i] holds column 32w + s // 2 + 16 (s % 2) + 4i. View ops only (no index
+    tensor), so CUDA-graph capture works."""
     n, K = x.shape
-    xp = x.float()
-    if 32 * words > K:
-        xp = F.pad(xp, (0, 32 * words - K))
-    # NIBBLE_ORDER is the 3-bit reversal: reverse the three binary axes of each group of 8
-    # (view ops only: no index tensor, so CUDA-graph capture works)
-    xp = xp.view(n, words, 4, 2, 2, 2).permute(0, 1, 2, 5, 4, 3)
-    return xp.reshape(n, words, 8, 4).transpose(1, 2).contiguous()
+    xh = x.half()
+    if 32 * wpad > K:
+        xh = F.pad(xh, (0, 32 * wpad - K))
+    # column 32w + 16h + 4i + c, stored as [w][c][h][i] (k-step s = 2c + h)
+    return xh.view(n, wpad, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(n, wpad, 32)
 
 
 class FusedMoE:
@@ -191,71 +189,63 @@ class FusedMoE:
             h = F.silu(xf[tok] @ g.T) * (xf[tok] @ u.T)
             out.index_add_(0, tok, (h @ d.T) * pairs.weight[lo:hi, None])
 
-    # --- decode: two kernels per expert group ---------------------------------------------------
+    # --- CUDA: two kernels per expert group ---------------------------------------------------
 
     def _decode(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
+        """<= 16 tokens: one token pass, no host sync (graph-capturable)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
-        T, n_pairs, n_slots = x.shape[0], pairs.token.numel(), pairs.expert.numel()
-        tile = kernels.token_tile(T)
-        rows_per_block = kernels.WARPS * kernels.ROWS[tile]
-        xp = plane_order(x, gu.words)
-        key = (n_pairs, dn.words)
-        if key not in self._hp:  # padding columns are never written: zero once, reuse
-            self._hp[key] = torch.zeros(n_pairs, 8, dn.words, 4, device=x.device)
-        hp = self._hp[key]
+        key = (pairs.token.numel(), dn.wpad)
+        if key not in self._hp:  # reused across steps: fixed pointers for CUDA graphs
+            self._hp[key] = torch.empty(*key, 32, dtype=torch.float16, device=x.device)
+        hp, nt, n_slots = self._hp[key], kernels.n_tiles(x.shape[0]), pairs.expert.numel()
+        xf = fragment_order(x, gu.wpad)
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        i32, i64 = np.int32, np.int64
+        i32, i64, rows = np.int32, np.int64, kernels.ROWS
+        # gate_up covers every padded column of h (rows past I are written as zeros)
         kernels.launch(
-            f"gate_up_t{tile}",
-            (-(-gu.rows // rows_per_block), n_slots),
+            f"gate_up_n{nt}",
+            (32 * dn.wpad // rows, n_slots),
             (32 * kernels.WARPS,),
             common
-            + (kernels.ptr(xp), kernels.ptr(hp), i32(gu.rows), i32(gu.words), i32(dn.words))
-            + (i64(gu.bits_nbytes), i32(gu.rows_per_table)),
+            + (kernels.ptr(xf), kernels.ptr(hp), i32(gu.rows), i32(gu.words), i32(gu.wpad))
+            + (i32(dn.wpad), i64(gu.bits_nbytes), i32(gu.rows_per_table)),
         )
+        down_ctas = -(-dn.rows // rows)
         kernels.launch(
-            f"down_t{tile}",
-            (-(-dn.rows // rows_per_block), n_slots),
+            f"down_n{nt}",
+            (down_ctas, n_slots, kernels.k_split(down_ctas * n_slots, dn.words)),
             (32 * kernels.WARPS,),
             common
-            + (kernels.ptr(hp), kernels.ptr(out), i32(dn.rows), i32(dn.words))
+            + (kernels.ptr(hp), kernels.ptr(out), i32(dn.rows), i32(dn.words), i32(dn.wpad))
             + (i64(dn.bits_nbytes), i32(dn.rows_per_table)),
         )
 
-    # --- prefill: dequantize row chunks into an L2-sized workspace, multiply with cuBLAS --------
-
     def _prefill(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
-        ids = self.block_ids[layer].tolist()
+        """Any token count: each weight chunk is decoded once into shared memory and multiplied
+        with up to 128 tokens of its slot (one host sync: the largest slot sets the passes)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
-        x16 = x.half()
-        los, his, experts = pairs.lo.tolist(), pairs.hi.tolist(), pairs.expert.tolist()
-        for lo, hi, e in zip(los, his, experts, strict=True):
-            if hi <= lo:
-                continue
-            tok = pairs.token[lo:hi].long()
-            xe = x16[tok]
-            g = self._rows_matmul(ids[e][0], gu, xe)
-            u = self._rows_matmul(ids[e][1], gu, xe)
-            h = (F.silu(g) * u).half()
-            y = self._rows_matmul(ids[e][2], dn, h)
-            out.index_add_(0, tok, y * pairs.weight[lo:hi, None])
-
-    def _rows_matmul(self, block: int, proj: Proj, x16: torch.Tensor) -> torch.Tensor:
-        """x16 [n, cols] @ W.T, W dequantized a chunk of rows at a time: float32 [n, rows]."""
-        chunk = max(1, min(proj.rows, PREFILL_WORKSPACE // (2 * proj.cols)))
-        ws = torch.empty(chunk, proj.cols, dtype=torch.float16, device=x16.device)
-        y = torch.empty(x16.shape[0], proj.rows, dtype=torch.float32, device=x16.device)
-        args = self.dt.kernel_args()
-        for r0 in range(0, proj.rows, chunk):
-            n = min(chunk, proj.rows - r0)
-            kernels.launch(
-                "dequant_rows",
-                (n,),
-                (128,),
-                args
-                + (np.int32(block), np.int64(proj.bits_nbytes), np.int32(proj.words))
-                + (np.int32(proj.cols), np.int32(proj.rows_per_table), np.int32(r0))
-                + (kernels.ptr(ws),),
-            )
-            y[:, r0 : r0 + n] = torch.mm(x16, ws[:n].T).float()
-        return y
+        most = int((pairs.hi - pairs.lo).max())
+        passes = max(1, -(-most // kernels.PREFILL_TOKENS))
+        hp = torch.empty(pairs.token.numel(), dn.wpad, 32, dtype=torch.float16, device=x.device)
+        xf = fragment_order(x, gu.wpad)
+        common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
+        i32, i64, rows = np.int32, np.int64, kernels.PREFILL_ROWS
+        n_slots, smem = pairs.expert.numel(), kernels.PREFILL_SMEM
+        kernels.launch(
+            "gate_up_prefill",
+            (passes * -(-32 * dn.wpad // rows["gate_up_prefill"]), n_slots),
+            (32 * kernels.PREFILL_WARPS,),
+            common
+            + (kernels.ptr(xf), kernels.ptr(hp), i32(gu.rows), i32(gu.words), i32(gu.wpad))
+            + (i32(dn.wpad), i64(gu.bits_nbytes), i32(gu.rows_per_table), i32(passes)),
+            shared_mem=smem,
+        )
+        kernels.launch(
+            "down_prefill",
+            (passes * -(-dn.rows // rows["down_prefill"]), n_slots),
+            (32 * kernels.PREFILL_WARPS,),
+            common
+            + (kernels.ptr(hp), kernels.ptr(out), i32(dn.rows), i32(dn.words), i32(dn.wpad))
+            + (i64(dn.bits_nbytes), i32(dn.rows_per_table), i32(passes)),
+            shared_mem=smem,
+        )

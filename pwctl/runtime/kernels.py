@@ -13,10 +13,15 @@ import torch
 from pwctl.errors import PwctlError
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
-TOKEN_TILES = (1, 2, 4, 8)  # decode kernels are compiled for at most this many tokens a slot
-WARPS = 8  # warps per block (cuda/moe.cu)
-ROWS = {1: 4, 2: 4, 4: 2, 8: 1}  # rows per warp of each token tile (cuda/moe.cu ENTRY)
-DECODE_MAX_TOKENS = TOKEN_TILES[-1]
+WARPS = 4  # warps per CTA (cuda/moe.cu): they split a block's columns
+ROWS = 16  # block rows per CTA: one mma m-tile
+DECODE_TILES = (1, 2)  # n-tiles of 8 tokens per slot compiled for decode (cuda/moe.cu ENTRY)
+PREFILL_TOKENS = 128  # tokens of one slot per prefill pass (cuda/moe.cu PF_TOKENS)
+PREFILL_ROWS = {"gate_up_prefill": 32, "down_prefill": 64}  # block rows per prefill CTA
+PREFILL_SMEM = 4 * (128 * 24 + 16 * 256 * 2) + 2 * 4 * 16 * 32 * 16  # sizeof(Prefill), checked
+PREFILL_WARPS = 4  # cuda/moe.cu PF_WARPS
+CTAS_PER_SM = 8  # what a k-split aims for: enough warps in flight to cover memory latency
+DECODE_MAX_TOKENS = 8 * DECODE_TILES[-1]
 
 
 @functools.cache
@@ -58,7 +63,10 @@ def ptr(t: torch.Tensor) -> np.uint64:
 def launch(
     name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
 ) -> None:
-    _function(name)(grid, block, args, stream=_stream(), shared_mem=shared_mem)
+    f = _function(name)
+    if shared_mem > 48 << 10 and f.max_dynamic_shared_size_bytes < shared_mem:
+        f.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KB default
+    f(grid, block, args, stream=_stream(), shared_mem=shared_mem)
 
 
 @functools.cache
@@ -66,9 +74,21 @@ def _function(name: str):
     return module().get_function(name)
 
 
-def token_tile(n: int) -> int:
-    """The smallest compiled token tile holding `n` tokens per slot."""
-    for t in TOKEN_TILES:
-        if n <= t:
-            return t
-    raise ValueError(f"{n} tokens per slot: decode kernels take at most {DECODE_MAX_TOKENS}")
+@functools.cache
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def k_split(ctas: int, words: int) -> int:
+    """CTAs sharing one tile's columns (down only: it adds with atomics): enough CTAs to fill the
+    GPU, while every warp keeps at least one 8-word iteration."""
+    want = -(-CTAS_PER_SM * sm_count() // max(ctas, 1))
+    return max(1, min(want, -(-words // 8) // WARPS))
+
+
+def n_tiles(tokens: int) -> int:
+    """The smallest compiled decode tile (in n-tiles of 8 tokens) holding `tokens` a slot."""
+    for nt in DECODE_TILES:
+        if tokens <= 8 * nt:
+            return nt
+    raise ValueError(f"{tokens} tokens per slot: decode kernels take at most {DECODE_MAX_TOKENS}")
