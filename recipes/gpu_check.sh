@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # First device call of a session: every GPU-marked test (kernels, grouping, pager, paged engine,
-# shared KV/plane arena), then a short kernel bench. ~3 min on an H200 (NVRTC compile included).
+# shared KV/plane arena; the files that hold them: the GPU machine has no openai/fastapi for the rest), then a short kernel bench. ~3 min on an H200 (NVRTC compile included).
 # Usage (device tool): bash recipes/gpu_check.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m pytest -q -s -m gpu tests -p no:cacheprovider 2>&1 | grep -v "Writing model" | tail -25
+python3 -m pytest -q -s -m gpu tests/test_kernels.py tests/test_paged_engine.py tests/test_pager.py \
+    -p no:cacheprovider 2>&1 | grep -v "Writing model" | tail -25
 pwctl bench --kernels --shape mixtral --shape qwen3-moe --width 3 --width 4 --tokens 1 --tokens 4 \
     --json "${OUT:-/tmp}/kernels.json" 2>&1 | tail -14
