@@ -10,12 +10,7 @@
 // element [n][w][4s + i] is column 32w + (s >> 1) + 16(s & 1) + 4i, so that one 16-byte load is a
 // lane's B fragment for two mma k-steps (see `mma_rows`). wpad: words rounded up to 8.
 
-// No headers: NVRTC finds none of its own, and fp16 <-> fp32 is one PTX instruction each way.
-__device__ __forceinline__ float h2f(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
+// No headers: NVRTC finds none of its own, and fp32 -> fp16 is one PTX instruction.
 __device__ __forceinline__ unsigned short f2h(float f) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -24,7 +19,6 @@ __device__ __forceinline__ unsigned short f2h(float f) {
 
 typedef unsigned int u32;
 typedef long long i64;
-
 
 struct Paged {
     const unsigned char* arena;  // [n_slabs, 1 << slab_shift]
@@ -268,6 +262,16 @@ struct Slots {
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 
+// h[pair, row] = silu(gate) * up, stored in fragment order for the down projection. Rows past I
+// up to the padded width get zeros, so down never reads memory nobody wrote.
+__device__ __forceinline__ void store_h(unsigned short* hp, int pair, int row, int I, int wpad,
+                                        float gate, float up) {
+    if (row >= 32 * wpad) return;
+    const int col = row & 31;
+    const i64 off = (i64)(row >> 5) * 32 + (2 * (col & 3) + (col >> 4)) * 4 + ((col >> 2) & 3);
+    hp[(i64)pair * wpad * 32 + off] = f2h(row < I ? silu(gate) * up : 0.f);
+}
+
 // Where a CTA is: blockIdx.x = row tile, blockIdx.y = slot (blockIdx.z: k-split of down).
 struct Tile {
     int slot, lo, T, base, row0;  // base: the pass's first token of the slot (prefill)
@@ -308,8 +312,7 @@ __device__ void reduce_warps(const float (&acc)[NT][4], float* red, float (&sum)
     }
 }
 
-// h[pair] = silu(gate x) * up x in fragment order, for the down projection. Rows past I up to
-// the padded width are written as zeros, so down never reads memory nobody wrote.
+// h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection.
 template <int NT>
 __device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, int I, int words_in,
                         int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
@@ -340,14 +343,10 @@ __device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, i
         reduce_warps<NT>(acc, red, us);
     }
     const int row = c.row0 + (lane >> 2) + 8 * (warp >> 1);
-    const int col = row & 31;
-    const i64 off = (i64)(row >> 5) * 32 + (2 * (col & 3) + (col >> 4)) * 4 + ((col >> 2) & 3);
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int j = c.base + 8 * nt + 2 * (lane & 3) + (warp & 1);
-        if (j >= c.T || row >= 32 * wpad_out) continue;
-        const float h = row < I ? silu(gs[nt]) * us[nt] : 0.f;
-        hp[(i64)(c.lo + j) * wpad_out * 32 + off] = f2h(h);
+        if (j < c.T) store_h(hp, c.lo + j, row, I, wpad_out, gs[nt], us[nt]);
     }
 }
 
@@ -540,11 +539,7 @@ __device__ void gate_up_prefill(Paged g, Slots s, const uint4* xf, unsigned shor
             for (int r = 0; r < 4; ++r) {
                 const int row = c.row0 + ROWS * mt + (lane >> 2) + 8 * (r >> 1);
                 const int k = c.base + 8 * (warp + PF_WARPS * j) + 2 * (lane & 3) + (r & 1);
-                if (k >= c.T || row >= 32 * wpad_out) continue;
-                const int col = row & 31;
-                const i64 off = (i64)(row >> 5) * 32 + (2 * (col & 3) + (col >> 4)) * 4 + ((col >> 2) & 3);
-                const float h = row < I ? silu(acc[mt][j][r]) * acc[2 + mt][j][r] : 0.f;
-                hp[(i64)(c.lo + k) * wpad_out * 32 + off] = f2h(h);
+                if (k < c.T) store_h(hp, c.lo + k, row, I, wpad_out, acc[mt][j][r], acc[2 + mt][j][r]);
             }
 }
 

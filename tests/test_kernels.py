@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pwctl.bench.kernels import SHAPES, random_routing, synthetic_layer
+from pwctl.bitplanes import pack_planes
 from pwctl.pack import Pack
 from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
@@ -45,6 +46,65 @@ def test_fragment_order_layout():
                 c = 32 * w + s // 2 + 16 * (s % 2) + 4 * i
                 expect = x[:, c].half() if c < 70 else torch.zeros(3, dtype=torch.float16)
                 assert torch.equal(xf[:, w, 4 * s + i], expect)
+
+
+# --- a Python twin of cuda/moe.cu's label decode (gather, lut_from, lut8 / lut16) -------------
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt (default mode, selector bit 3 clear): byte i of the result is byte sel[i] of b:a."""
+    src = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+
+
+def _gather(P: list[int], C: int, top: int, n: int) -> int:
+    s = 0
+    for q in range(n):
+        v, d = P[top - q], C - q
+        s |= ((v >> d) if d >= 0 else (v << -d) & 0xFFFFFFFF) & (0x11111111 << q)
+    return s
+
+
+def _decode(P: list[int], table: list[int], B: int, C: int) -> list[int]:
+    """decode<B, C> for B <= 4: four half2 words (as u32) from plane words P and an fp16 table."""
+    W = [table[2 * i] | table[2 * i + 1] << 16 if 2 * i < len(table) else 0 for i in range(8)]
+    L = [_prmt(W[0], W[1], 0x6420), _prmt(W[2], W[3], 0x6420)]
+    L += [_prmt(W[0], W[1], 0x7531), _prmt(W[2], W[3], 0x7531)]
+    L += [_prmt(W[4], W[5], 0x6420), _prmt(W[6], W[7], 0x6420)]
+    L += [_prmt(W[4], W[5], 0x7531), _prmt(W[6], W[7], 0x7531)]
+
+    def interleave(lo: int, hi: int) -> tuple[int, int]:
+        return _prmt(lo, hi, 0x5140), _prmt(lo, hi, 0x7362)
+
+    out = []
+    if B <= 3:
+        s = _gather(P, C, B - 1, B)
+        for sel in (s & 0xFFFF, s >> 16):
+            out += interleave(_prmt(L[0], L[1], sel), _prmt(L[2], L[3], sel))
+    else:
+        m = _gather(P, C, 3, 3)
+        q = ((P[0] >> (C - 2) if C >= 2 else P[0] << (2 - C)) & 0x44444444) | 0x32103210
+        for sel, pick in ((m & 0xFFFF, q & 0xFFFF), (m >> 16, q >> 16)):
+            lo = _prmt(_prmt(L[0], L[1], sel), _prmt(L[4], L[5], sel), pick)
+            hi = _prmt(_prmt(L[2], L[3], sel), _prmt(L[6], L[7], sel), pick)
+            out += interleave(lo, hi)
+    return out
+
+
+@pytest.mark.parametrize("B", [1, 2, 3, 4])
+def test_label_decode_twin_matches_format(B):
+    """The kernels' label decode, replayed in Python on random planes: half2 j of phase C holds
+    the table entries of columns C + 8j and C + 8j + 4 (the k-steps of fragment order)."""
+    gen = torch.Generator().manual_seed(B)
+    labels = torch.randint(0, 1 << B, (1, 32), generator=gen)
+    P = [int(w) & 0xFFFFFFFF for w in pack_planes(labels, B)[:, 0, 0]]
+    table = [int(v) for v in torch.randint(0, 1 << 16, (1 << B,), generator=gen)]
+    lab = labels[0].tolist()
+    for C in range(4):
+        words = _decode(P, table, B, C)
+        for j, w in enumerate(words):
+            assert w & 0xFFFF == table[lab[C + 8 * j]], (C, j)
+            assert w >> 16 == table[lab[C + 8 * j + 4]], (C, j)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
