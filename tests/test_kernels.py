@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from pwctl.bench.kernels import SHAPES, random_routing, synthetic_layer
+from pwctl.bench.kernels import (
+    SHAPES,
+    TARGETS,
+    KernelRow,
+    against_targets,
+    random_routing,
+    synthetic_layer,
+)
 from pwctl.bitplanes import pack_planes
 from pwctl.pack import Pack
 from pwctl.recipe import MoESpec
@@ -210,3 +217,25 @@ def test_device_table_sync_uploads_what_changed():
     assert torch.equal(dt.slab_map, torch.from_numpy(t.slab_map))
     dt.sync()  # nothing changed: still equal
     assert torch.equal(dt.slab_map, torch.from_numpy(t.slab_map))
+
+
+def test_kernel_targets_take_the_worst_covered_row():
+    def row(shape, width, tokens, path, pct, floor, grouped):
+        return KernelRow(shape, width, tokens, path, 1.0, 1, 1.0, pct, 1.0, floor, 1.0, grouped)
+
+    rows = [
+        row("m", "4", 1, "decode", 75.0, 2.6, 3.0),
+        row("m", "3", 4, "decode", 65.0, 2.0, 3.0),  # the worst 3-4 bit row: 65% < 70%
+        row("m", "8", 1, "decode", 10.0, 0.1, 0.1),  # not covered (8 bits)
+        row("m", "4", 16, "decode", 10.0, 0.1, 0.1),  # not covered (16 tokens)
+        row("m", "4", 512, "prefill", 5.0, 0.2, 0.7),
+        row("q", "4", 512, "prefill", 5.0, 0.2, 0.5),
+    ]
+    got = {(c["target"], c["shape"]): (c["worst"], c["met"]) for c in against_targets(rows)}
+    copy, floor, prefill = (t.name for t in TARGETS)
+    assert got == {
+        (copy, "m"): (65.0, False),
+        (floor, "m"): (2.6, True),
+        (prefill, "m"): (0.7, True),
+        (prefill, "q"): (0.5, False),
+    }

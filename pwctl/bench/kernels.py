@@ -217,6 +217,41 @@ class KernelRow:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Target:
+    """One of the kernel issue's speed targets: the rows it covers and the bar they must clear."""
+
+    name: str
+    field: str  # a KernelRow field
+    bar: float
+
+    def covers(self, r: KernelRow) -> bool:
+        if self.field == "speedup_vs_grouped":
+            return r.path == "prefill" and r.tokens >= 512
+        bits = ("3", "4") if self.field == "pct_copy" else ("4",)
+        return r.path == "decode" and r.tokens <= 4 and r.width in bits
+
+
+TARGETS = (
+    Target("1-4 tokens, 3-4 bits: % of copy bandwidth", "pct_copy", 70.0),
+    Target("1-4 tokens, 4 bits: x FP16 floor", "speedup_vs_floor", 2.5),
+    Target("prefill 512+ tokens: x FP16 grouped GEMM", "speedup_vs_grouped", 1 / 1.5),
+)
+
+
+def against_targets(rows: list[KernelRow]) -> list[dict]:
+    """Per target and shape: the worst and best measured value of the rows it covers, and whether
+    the worst clears the bar (benchmark targets, not tests)."""
+    out = []
+    for t in TARGETS:
+        for shape in dict.fromkeys(r.shape for r in rows):
+            vals = [getattr(r, t.field) for r in rows if r.shape == shape and t.covers(r)]
+            if vals:
+                out.append({"target": t.name, "shape": shape, "bar": t.bar, "worst": min(vals),
+                            "best": max(vals), "met": min(vals) >= t.bar})  # fmt: skip
+    return out
+
+
 def active_bytes(layer: SyntheticLayer, index: torch.Tensor) -> tuple[int, int]:
     """(plane bytes at the widths in use, fp16 bytes) of the blocks a routing reads."""
     experts = set(index.reshape(-1).tolist())

@@ -149,7 +149,7 @@ def run(
         write_json(json, {"prose": str(prose), "results": [r.as_dict() for r in results]})
         return
     if kernels:
-        from pwctl.bench.kernels import SHAPES, run_kernel_bench
+        from pwctl.bench.kernels import SHAPES, against_targets, run_kernel_bench
 
         if not torch.cuda.is_available():
             raise PwctlError("bench --kernels needs a CUDA device")
@@ -168,8 +168,15 @@ def run(
               f"{r.gb_s:.0f}", f"{r.pct_copy:.0f}", f"{r.speedup_vs_floor:.2f}",
               f"{r.speedup_vs_grouped:.2f}") for r in rows],
         )  # fmt: skip
+        checks = against_targets(rows)
+        print_table(
+            "against the kernel targets (worst of the rows each covers)",
+            ("target", "shape", "bar", "worst", "best", "met"),
+            [(c["target"], c["shape"], f"{c['bar']:.2f}", f"{c['worst']:.2f}", f"{c['best']:.2f}",
+              "yes" if c["met"] else "no") for c in checks],
+        )  # fmt: skip
         write_json(json, {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bw,
-                          "rows": [r.as_dict() for r in rows]})  # fmt: skip
+                          "rows": [r.as_dict() for r in rows], "targets": checks})  # fmt: skip
         return
     if throughput:
         from pwctl.bench import throughput as tp
