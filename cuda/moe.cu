@@ -118,6 +118,7 @@ __device__ __forceinline__ void lut16(const u32 (&L)[8], u32 s, u32 q, u32& h0, 
     h1 = __byte_perm(lo, hi, 0x7362);
 }
 
+// (tests/test_kernels.py replays gather / lut_from / lut8 / lut16 / decode in Python on the CPU.)
 // The A-fragment halves of column phase C of one row's plane words: A[0], A[1] for k-step 2C
 // (columns C + {0, 4} and C + {8, 12}), A[2], A[3] for step 2C + 1 (the same plus 16).
 template <int B, int C>
