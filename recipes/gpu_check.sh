@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # First device call of a session: every GPU-marked test (kernels, grouping, pager, paged engine,
-# shared KV/plane arena; the files that hold them: the GPU machine has no openai/fastapi for the rest), then a short kernel bench. ~3 min on an H200 (NVRTC compile included).
+# shared KV/plane arena), then a short kernel bench. ~3 min on an H200 (NVRTC compile included).
+# The test files are named: collecting the others needs openai/fastapi, absent on the GPU machine.
 # Usage (device tool): bash recipes/gpu_check.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

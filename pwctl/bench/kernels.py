@@ -224,19 +224,26 @@ class Target:
     name: str
     field: str  # a KernelRow field
     bar: float
+    path: str
+    widths: tuple[str, ...] | None  # None: any width
+    tokens: tuple[int, int]  # inclusive range
 
     def covers(self, r: KernelRow) -> bool:
-        if self.field == "speedup_vs_grouped":
-            return r.path == "prefill" and r.tokens >= 512
-        bits = ("3", "4") if self.field == "pct_copy" else ("4",)
-        return r.path == "decode" and r.tokens <= 4 and r.width in bits
+        lo, hi = self.tokens
+        return (
+            r.path == self.path
+            and lo <= r.tokens <= hi
+            and (self.widths is None or r.width in self.widths)
+        )
 
 
 TARGETS = (
-    Target("1-4 tokens, 3-4 bits: % of copy bandwidth", "pct_copy", 70.0),
-    Target("1-4 tokens, 4 bits: x FP16 floor", "speedup_vs_floor", 2.5),
-    Target("prefill 512+ tokens: x FP16 grouped GEMM", "speedup_vs_grouped", 1 / 1.5),
-)
+    Target("1-4 tokens, 3-4 bits: % of copy bandwidth", "pct_copy", 70.0, "decode", ("3", "4"),
+           (1, 4)),
+    Target("1-4 tokens, 4 bits: x FP16 floor", "speedup_vs_floor", 2.5, "decode", ("4",), (1, 4)),
+    Target("prefill 512+ tokens: x FP16 grouped GEMM", "speedup_vs_grouped", 1 / 1.5, "prefill",
+           None, (512, 1 << 30)),
+)  # fmt: skip
 
 
 def against_targets(rows: list[KernelRow]) -> list[dict]:

@@ -2,10 +2,11 @@
 (token, expert) pairs by expert, then two tensor-core kernels (gate+up with SiLU(gate)*up, then
 down with the weighted combine; the shared expert is two more) that decode labels straight into
 mma fragments. Decode (<= 16 tokens) groups on the device and never syncs the host (CUDA graphs);
-prefill groups with torch and runs the same kernels 64 tokens a pass. One interface: on the CPU
-(or with `reference=True`) the same pairs are computed with torch from `DeviceTable.weight` (the
-format code), which is what the kernels are tested against. Routing itself (router GEMM,
-softmax/top-k) stays in MoEBlock: the same `route` for every path."""
+prefill groups with torch and decodes each weight chunk once into shared memory for up to 128
+tokens a pass. One interface: on the CPU (or with `reference=True`) the same pairs are computed
+with torch from `DeviceTable.weight` (the format code), which is what the kernels are tested
+against. Routing itself (router GEMM, softmax/top-k) stays in MoEBlock: the same `route` for
+every path."""
 
 from __future__ import annotations
 

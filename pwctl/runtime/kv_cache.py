@@ -122,12 +122,10 @@ class KVCache:
             self._init_slabs(slabs, capacity)
             return
         shape = (capacity * block_size, layout.kv_heads, layout.head_dim)
-        self.k = [
-            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.n_layers)
-        ]
-        self.v = [
-            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.n_layers)
-        ]
+        self.k, self.v = (
+            [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.n_layers)]
+            for _ in range(2)
+        )
 
     def _init_slabs(self, slabs: SlabSource, capacity: int) -> None:
         lay, S = self.layout, slabs.slab_bytes
