@@ -204,7 +204,7 @@ __device__ __forceinline__ void load_words(const RowPtr* rp, int w, int words, b
 // xrow[nt] (-1: no token), W read at width B from the staged block.
 template <int B, int NT>
 __device__ void mma_rows(const Stage& st, int words, int wpad, bool pairs, const uint4* xf,
-                         const int (&xrow)[NT], float (&acc)[NT][4]) {
+                         const int (&xrow)[NT], int live, float (&acc)[NT][4]) {
     // the column iterations are shared by the CTA's warps and by the gridDim.z CTAs of a k-split
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     u32 L0[8], L1[8];
@@ -227,6 +227,7 @@ __device__ void mma_rows(const Stage& st, int words, int wpad, bool pairs, const
                 decode<B, C>(P[0][u], L0, st.tbl[g], A0);                                         \
                 decode<B, C>(P[1][u], L1, st.tbl[g + 8], A1);                                     \
                 _Pragma("unroll") for (int nt = 0; nt < NT; ++nt) {                               \
+                    if (nt >= live) break; /* CTA-uniform: n-tiles past the slot's tokens */      \
                     const uint4 bx = xrow[nt] >= 0                                                \
                         ? __ldg(xf + ((i64)xrow[nt] * wpad + w + u) * 4 + C)                      \
                         : make_uint4(0u, 0u, 0u, 0u);                                             \
@@ -242,11 +243,11 @@ __device__ void mma_rows(const Stage& st, int words, int wpad, bool pairs, const
 
 template <int NT>
 __device__ void mma_block(const Stage& st, int B, int words, int wpad, bool pairs,
-                          const uint4* xf, const int (&xrow)[NT], float (&acc)[NT][4]) {
+                          const uint4* xf, const int (&xrow)[NT], int live, float (&acc)[NT][4]) {
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     switch (B) {
-#define CASE(W) case W: mma_rows<W, NT>(st, words, wpad, pairs, xf, xrow, acc); break;
+#define CASE(W) case W: mma_rows<W, NT>(st, words, wpad, pairs, xf, xrow, live, acc); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     }
@@ -276,6 +277,7 @@ __device__ __forceinline__ void store_h(unsigned short* hp, int pair, int row, i
 // Where a CTA is: blockIdx.x = row tile, blockIdx.y = slot (blockIdx.z: k-split of down).
 struct Tile {
     int slot, lo, T, base, row0;  // base: the pass's first token of the slot (prefill)
+    int live;                     // decode: n-tiles that hold a token of the slot
 };
 
 __device__ __forceinline__ Tile tile_of(const Slots& s) {
@@ -285,6 +287,7 @@ __device__ __forceinline__ Tile tile_of(const Slots& s) {
     c.T = __ldg(s.hi + c.slot) - c.lo;
     c.base = 0;
     c.row0 = blockIdx.x * ROWS;
+    c.live = (c.T + 7) / 8;  // a launch's NT fits its largest possible slot; most slots are smaller
     return c;
 }
 
@@ -338,9 +341,9 @@ __device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, i
         __syncthreads();
         const bool pairs = (words_in & 1) == 0;
         float acc[NT][4];
-        mma_block<NT>(st[0], wg, words_in, wpad_in, pairs, xf, xrow, acc);
+        mma_block<NT>(st[0], wg, words_in, wpad_in, pairs, xf, xrow, c.live, acc);
         reduce_warps<NT>(acc, red, gs);
-        mma_block<NT>(st[1], wu, words_in, wpad_in, pairs, xf, xrow, acc);
+        mma_block<NT>(st[1], wu, words_in, wpad_in, pairs, xf, xrow, c.live, acc);
         reduce_warps<NT>(acc, red, us);
     }
     const int row = c.row0 + (lane >> 2) + 8 * (warp >> 1);
@@ -372,7 +375,7 @@ __device__ void down(Paged g, Slots s, const uint4* hp, float* out, int H, int w
     stage(g, bd, wd, bits_nbytes, words_in, rpt, c.row0, nrows, st, threadIdx.x, blockDim.x);
     __syncthreads();
     float acc[NT][4], sum[NT];
-    mma_block<NT>(st, wd, words_in, wpad_in, (words_in & 1) == 0, hp, xrow, acc);
+    mma_block<NT>(st, wd, words_in, wpad_in, (words_in & 1) == 0, hp, xrow, c.live, acc);
     reduce_warps<NT>(acc, red, sum);
     const int row = c.row0 + (lane >> 2) + 8 * (warp >> 1);
     if (row >= H) return;
@@ -587,7 +590,8 @@ __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int 
 #define PAGED Paged{arena, slab_map, slab_off, width, slab_shift, max_bits}
 #define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block_ids}
 
-// NT n-tiles of 8 tokens per CTA: 1 and 2 for decode (<= 16 tokens a slot).
+// NT n-tiles of 8 tokens per CTA: 1, 2, 4 and 8 for decode (<= 64 tokens a call; the launcher
+// picks NT by the call's token count, a bound on any slot's).
 #define ENTRY(NT)                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * WARPS) gate_up_n##NT(                       \
         PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
@@ -602,6 +606,8 @@ __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int 
 
 ENTRY(1)
 ENTRY(2)
+ENTRY(4)
+ENTRY(8)
 
 extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) gate_up_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in, int wpad_in,

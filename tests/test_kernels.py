@@ -182,7 +182,8 @@ def test_kernels_match_reference(shape):
     for width in ["2", "3", "4", "5", "6", "7", "8", "mixed"]:
         w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
         layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
-        for T in (1, 2, 3, 8, 9, 40, 512 if width in ("3", "mixed") else 33):
+        # decode tiles of 1, 2, 4 and 8 n-tiles (up to 64 tokens), then prefill
+        for T in (1, 2, 3, 8, 9, 20, 40, 512 if width in ("3", "mixed") else 65):
             x, weights, index, scale = random_routing(layer.spec, T, seed=T)
             want = layer.moe(0, x, weights, index, scale, reference=True)
             _poison(layer.moe)

@@ -1,7 +1,7 @@
 """The experts of one MoE layer, computed from paged planes at per-block widths: grouping of
 (token, expert) pairs by expert, then two tensor-core kernels (gate+up with SiLU(gate)*up, then
 down with the weighted combine; the shared expert is two more) that decode labels straight into
-mma fragments. Decode (<= 16 tokens) groups on the device and never syncs the host (CUDA graphs);
+mma fragments. Decode (<= 64 tokens) groups on the device and never syncs the host (CUDA graphs);
 prefill groups with torch and decodes each weight chunk once into shared memory for up to 128
 tokens a pass. One interface: on the CPU (or with `reference=True`) the same pairs are computed
 with torch from `DeviceTable.weight` (the format code), which is what the kernels are tested
@@ -193,7 +193,7 @@ class FusedMoE:
     # --- CUDA: two kernels per expert group ---------------------------------------------------
 
     def _decode(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
-        """<= 16 tokens: one token pass, no host sync (graph-capturable)."""
+        """<= 64 tokens: one token pass, no host sync (graph-capturable)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
         key = (pairs.token.numel(), dn.wpad)
         if key not in self._hp:  # reused across steps: fixed pointers for CUDA graphs

@@ -15,7 +15,7 @@ from pwctl.errors import PwctlError
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
 WARPS = 4  # warps per CTA (cuda/moe.cu): they split a block's columns
 ROWS = 16  # block rows per CTA: one mma m-tile
-DECODE_TILES = (1, 2)  # n-tiles of 8 tokens per slot compiled for decode (cuda/moe.cu ENTRY)
+DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu ENTRY)
 PREFILL_TOKENS = 128  # tokens of one slot per prefill pass (cuda/moe.cu PF_TOKENS)
 PREFILL_ROWS = {"gate_up_prefill": 32, "down_prefill": 64}  # block rows per prefill CTA
 PREFILL_SMEM = 4 * (128 * 24 + 16 * 256 * 2) + 2 * 4 * 16 * 32 * 16  # sizeof(Prefill), checked

@@ -1,0 +1,36 @@
+"""A/B-time variants of cuda/moe.cu with the `bench --kernels` harness, in one process, several
+rounds interleaved (the best time of each is printed). Usage (GPU machine; variants are .cu files,
+e.g. `git show main:cuda/moe.cu > /tmp/a.cu`):
+  python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from pwctl.bench.kernels import run_kernel_bench
+from pwctl.runtime import kernels
+
+
+def main() -> None:
+    variants, shapes, widths = (a.split(",") for a in sys.argv[1:4])
+    tokens = [int(t) for t in sys.argv[4].split(",")]
+    rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    best: dict[tuple, dict[str, float]] = {}
+    for _ in range(rounds):
+        for v in variants:
+            kernels.CUDA_SRC = Path(v).resolve()
+            kernels.module.cache_clear()
+            kernels._function.cache_clear()
+            for row in run_kernel_bench(shapes, widths, tokens)[1]:
+                times = best.setdefault((row.shape, row.width, row.tokens, row.path), {})
+                times[v] = min(times.get(v, float("inf")), row.time_us)
+            torch.cuda.synchronize()
+    for key, times in sorted(best.items()):
+        print(*key, "  ".join(f"{Path(v).stem}={t:8.1f}" for v, t in times.items()))
+
+
+if __name__ == "__main__":
+    main()
