@@ -3,6 +3,8 @@ ExpertStore reference; the CUDA kernels against the torch path on real layer sha
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from pwctl.bench.kernels import (
 from pwctl.bitplanes import pack_planes
 from pwctl.pack import Pack
 from pwctl.recipe import MoESpec
+from pwctl.runtime import kernels
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.expert_store import ExpertStore
 from pwctl.runtime.fused_moe import FusedMoE, fragment_order, group
@@ -41,6 +44,19 @@ def test_group_sorts_pairs_by_expert():
             seen.add((t, e))
     assert seen == {(t, int(e)) for t in range(5) for e in index[t]}
     assert int((pairs.hi > pairs.lo).sum()) == len(set(index.flatten().tolist()))
+
+
+def test_decode_tiles_cover_every_decode_token_count():
+    # the smallest compiled tile that holds T tokens, for every T the decode path takes, and an
+    # ENTRY in cuda/moe.cu for every tile the launcher may name
+    for T in range(1, kernels.DECODE_MAX_TOKENS + 1):
+        nt = kernels.n_tiles(T)
+        smaller = [n for n in kernels.DECODE_TILES if n < nt]
+        assert 8 * nt >= T and all(8 * n < T for n in smaller)
+    with pytest.raises(ValueError, match="at most 64"):
+        kernels.n_tiles(kernels.DECODE_MAX_TOKENS + 1)
+    entries = re.findall(r"^ENTRY\((\d+)\)$", kernels.CUDA_SRC.read_text(), re.MULTILINE)
+    assert sorted(int(n) for n in entries) == list(kernels.DECODE_TILES)
 
 
 def test_fragment_order_layout():

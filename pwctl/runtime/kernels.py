@@ -64,14 +64,23 @@ def launch(
     name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
 ) -> None:
     f = _function(name)
-    if shared_mem > 48 << 10 and f.max_dynamic_shared_size_bytes < shared_mem:
-        f.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KB default
+    if shared_mem > 48 << 10:
+        _opt_in(name, shared_mem)
     f(grid, block, args, stream=_stream(), shared_mem=shared_mem)
 
 
 @functools.cache
 def _function(name: str):
     return module().get_function(name)
+
+
+@functools.cache
+def _opt_in(name: str, shared_mem: int) -> None:
+    """Allow `shared_mem` bytes of dynamic shared memory above the 48 KB default (once: reading the
+    attribute is a driver call, and prefill launches every layer)."""
+    f = _function(name)
+    if f.max_dynamic_shared_size_bytes < shared_mem:
+        f.max_dynamic_shared_size_bytes = shared_mem
 
 
 @functools.cache
