@@ -227,7 +227,7 @@ __device__ void mma_rows(const Stage& st, int words, int wpad, bool pairs, const
                 decode<B, C>(P[0][u], L0, st.tbl[g], A0);                                         \
                 decode<B, C>(P[1][u], L1, st.tbl[g + 8], A1);                                     \
                 _Pragma("unroll") for (int nt = 0; nt < NT; ++nt) {                               \
-                    if (nt >= live) break; /* CTA-uniform: n-tiles past the slot's tokens */      \
+                    if (NT > 2 && nt >= live) break; /* n-tiles past the slot's tokens */     \
                     const uint4 bx = xrow[nt] >= 0                                                \
                         ? __ldg(xf + ((i64)xrow[nt] * wpad + w + u) * 4 + C)                      \
                         : make_uint4(0u, 0u, 0u, 0u);                                             \
