@@ -483,24 +483,22 @@ __device__ void prefill_mma(Prefill& sm, int wq, bool live, int words, int wpad,
             uint4 b[PF_NTW];
             #pragma unroll
             for (int j = 0; j < PF_NTW; ++j) b[j] = __ldg(xb[j] + 32 * it + s);
-            uint4 a0[4], a1[4];
+            uint4 af[2][4];  // [k-step 2s + h][m-tile]
             #pragma unroll
             for (int m = 0; m < 4; ++m) {
-                a0[m] = a[m][2 * s][lane];
-                a1[m] = a[m][2 * s + 1][lane];
+                af[0][m] = a[m][2 * s][lane];
+                af[1][m] = a[m][2 * s + 1][lane];
             }
             #pragma unroll
-            for (int j = 0; j < PF_NTW; ++j)
-                if (j < live_j)
-                    #pragma unroll
-                    for (int m = 0; m < 4; ++m)
-                        mma16816(acc[m][j], a0[m].x, a0[m].y, a0[m].z, a0[m].w, b[j].x, b[j].y);
-            #pragma unroll
-            for (int j = 0; j < PF_NTW; ++j)
-                if (j < live_j)
-                    #pragma unroll
-                    for (int m = 0; m < 4; ++m)
-                        mma16816(acc[m][j], a1[m].x, a1[m].y, a1[m].z, a1[m].w, b[j].z, b[j].w);
+            for (int h = 0; h < 2; ++h)
+                #pragma unroll
+                for (int j = 0; j < PF_NTW; ++j)
+                    if (j < live_j)
+                        #pragma unroll
+                        for (int m = 0; m < 4; ++m) {
+                            const uint4 f = af[h][m];
+                            mma16816(acc[m][j], f.x, f.y, f.z, f.w, h ? b[j].z : b[j].x, h ? b[j].w : b[j].y);
+                        }
         }
         __syncthreads();
     }
