@@ -91,8 +91,7 @@ class WidthAllocator:
         is the plane memory at peak pressure); static policies plan once and are frozen."""
         extra = headroom if self.dynamic else 0.0
         self.last = self.planner.plan(int(self.budget * (1 + extra)))
-        widths = self.last.widths
-        return widths[self._block_layer] if self.per_layer else widths
+        return self._widths()
 
     def fit(self, plane_bytes: int) -> np.ndarray:
         """Widths for the serving engine's memory budget: free the excess over `plane_bytes`
@@ -107,6 +106,7 @@ class WidthAllocator:
         return self._widths()
 
     def _widths(self) -> np.ndarray:
+        """The last plan's widths per block (a per-layer plan is spread to its blocks)."""
         widths = self.last.widths
         return widths[self._block_layer] if self.per_layer else widths
 

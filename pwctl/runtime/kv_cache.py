@@ -45,9 +45,17 @@ class KVLayout:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         return cls(config.num_hidden_layers, kv_heads, head_dim, dtype)
 
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        """Keys (or values) of one token in one layer."""
+        return self.kv_heads * self.head_dim * self.elem_bytes
+
     def bytes_per_token(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.n_layers * self.kv_heads * self.head_dim * elem
+        return 2 * self.n_layers * self.row_bytes
 
 
 class BlockPool:
@@ -129,12 +137,10 @@ class KVCache:
 
     def _init_slabs(self, slabs: SlabSource, capacity: int) -> None:
         lay, S = self.layout, slabs.slab_bytes
-        elem = torch.empty(0, dtype=lay.dtype).element_size()
-        row = lay.kv_heads * lay.head_dim * elem
-        unit = _unit_bytes(row, S)
-        self._upr = row // unit  # units per row
+        unit = _unit_bytes(lay.row_bytes, S)
+        self._upr = lay.row_bytes // unit  # units per row
         self._ups = S // unit  # units per slab
-        self._unit_elems = unit // elem
+        self._unit_elems = unit // lay.elem_bytes
         self.slabs_per_block = self.slabs_of(lay, self.block_size, S)
         arena = slabs.arena
         self._j = torch.arange(self._upr, device=arena.device)
@@ -168,10 +174,8 @@ class KVCache:
     @staticmethod
     def slabs_of(layout: KVLayout, block_size: int, slab_bytes: int) -> int:
         """Slabs one block takes in an arena of `slab_bytes` slabs."""
-        elem = torch.empty(0, dtype=layout.dtype).element_size()
-        row = layout.kv_heads * layout.head_dim * elem
-        unit = _unit_bytes(row, slab_bytes)
-        units = 2 * layout.n_layers * block_size * (row // unit)
+        unit = _unit_bytes(layout.row_bytes, slab_bytes)
+        units = 2 * layout.n_layers * block_size * (layout.row_bytes // unit)
         return -(-units // (slab_bytes // unit))
 
     @property

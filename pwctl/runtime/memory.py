@@ -65,6 +65,7 @@ class MemoryBudget:
         if paged is not None:
             self.space = paged.table.n_slabs * paged.table.slab_bytes
         self.widths = store.widths
+        self._layer = np.array([b.layer for b in store.pack.blocks])  # MoE layer of each block
         self.allocator = allocator if allocator is not None and allocator.dynamic else None
         self.on_widths = on_widths
         self.moves = WidthMoves()
@@ -106,8 +107,9 @@ class MemoryBudget:
 
     def widths_per_layer(self) -> dict[int, float]:
         """Mean width (bits) of each MoE layer's blocks."""
-        layers = np.array([b.layer for b in self.store.pack.blocks])
-        return {int(li): float(self.widths[layers == li].mean()) for li in np.unique(layers)}
+        return {
+            int(li): float(self.widths[self._layer == li].mean()) for li in np.unique(self._layer)
+        }
 
     def _set(self, new: np.ndarray) -> None:
         new = np.asarray(new, dtype=self.widths.dtype)

@@ -23,5 +23,10 @@ def sample_one(logits: torch.Tensor, seq: Sequence) -> int:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of `logits` [n, vocab], row i for seqs[i]."""
-    return [sample_one(row, seq) for row, seq in zip(logits, seqs, strict=True)]
+    """One token per row of `logits` [n, vocab], row i for seqs[i]. Greedy rows take one argmax
+    over the batch (one device sync per step, not one per sequence)."""
+    greedy = logits.argmax(-1).tolist()
+    return [
+        g if seq.params.temperature == 0 else sample_one(row, seq)
+        for g, row, seq in zip(greedy, logits, seqs, strict=True)
+    ]
