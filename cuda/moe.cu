@@ -521,6 +521,13 @@ __device__ __forceinline__ Tile prefill_tile(const Slots& s, int passes, int row
     return c;
 }
 
+// The token of the slot (0 = its first) whose activation row a lane reads in n-tile j of the
+// pass; lanes past the pass's tokens read its first one (see `prefill_mma`).
+__device__ __forceinline__ int pass_token(const Tile& c, int j) {
+    const int k = c.base + 8 * ((threadIdx.x >> 5) + PF_WARPS * j) + ((threadIdx.x & 31) >> 2);
+    return k < c.T ? k : c.base;
+}
+
 // gate_up for prefill: 32 rows (warps 0, 1: gate rows 0-15, 16-31; warps 2, 3: up), then h
 // as in `gate_up`. Dynamic shared memory: sizeof(Prefill).
 __device__ void gate_up_prefill(Paged g, Slots s, const uint4* xf, unsigned short* hp, int I,
@@ -539,10 +546,7 @@ __device__ void gate_up_prefill(Paged g, Slots s, const uint4* xf, unsigned shor
     __syncwarp();
     int xrow[PF_NTW];
     #pragma unroll
-    for (int j = 0; j < PF_NTW; ++j) {
-        const int k = c.base + 8 * (warp + PF_WARPS * j) + (lane >> 2);
-        xrow[j] = __ldg(s.token + c.lo + (k < c.T ? k : c.base));
-    }
+    for (int j = 0; j < PF_NTW; ++j) xrow[j] = __ldg(s.token + c.lo + pass_token(c, j));
     float acc[4][PF_NTW][4];
     prefill_mma(sm, wq, nrows > 0, words_in, wpad_in, xf, xrow, c.T - c.base, acc);
     #pragma unroll
@@ -573,10 +577,7 @@ __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int 
     __syncwarp();
     int xrow[PF_NTW];
     #pragma unroll
-    for (int j = 0; j < PF_NTW; ++j) {
-        const int k = c.base + 8 * (warp + PF_WARPS * j) + (lane >> 2);
-        xrow[j] = c.lo + (k < c.T ? k : c.base);
-    }
+    for (int j = 0; j < PF_NTW; ++j) xrow[j] = c.lo + pass_token(c, j);
     float acc[4][PF_NTW][4];
     prefill_mma(sm, wq, nrows > 0, words_in, wpad_in, hp, xrow, c.T - c.base, acc);
     #pragma unroll
