@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from pwctl.errors import PwctlError
 from pwctl.runtime.allocator import WidthAllocator
+from pwctl.runtime.detokenizer import advance, first_stop
 from pwctl.runtime.memory import MemoryBudget
 from pwctl.runtime.moe import MoETap
 from pwctl.runtime.runner import ModelRunner
@@ -156,17 +157,21 @@ class Batcher:
         seq.output_ids.append(token)
         p = seq.params
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            self._detokenize(seq, seq.output_ids[:-1], final=True)  # the stop token adds no text
             return self._finish(seq, "stop")
-        seq.text = self.locked(
-            lambda: self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        )
-        hits = [i for i in (seq.text.find(s) for s in p.stop if s) if i >= 0]
-        if hits:
-            seq.text = seq.text[: min(hits)]
+        checked = len(seq.text)
+        self._detokenize(seq, seq.output_ids)
+        cut = first_stop(seq.text, checked, p.stop)
+        if cut >= 0:
+            seq.text = seq.text[:cut]
             return self._finish(seq, "stop")
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._detokenize(seq, seq.output_ids, final=True)
             return self._finish(seq, "length")
         return None
+
+    def _detokenize(self, seq: Sequence, ids: list[int], final: bool = False) -> None:
+        seq.text = self.locked(lambda: advance(self.tokenizer, ids, seq.text, seq.offsets, final))
 
     def _boundary(self) -> None:
         if self.boundary is not None:

@@ -21,6 +21,7 @@ from enum import Enum
 import torch
 
 from pwctl.errors import PwctlError
+from pwctl.runtime.detokenizer import TextOffsets
 from pwctl.runtime.kv_cache import KVCache
 
 
@@ -66,6 +67,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None  # "stop", "length" or "abort"
     text: str = ""  # the detokenized output so far (the engine keeps it)
+    offsets: TextOffsets = field(default_factory=TextOffsets)  # where `text` stands in output_ids
     preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
