@@ -1,6 +1,7 @@
 """Detokenization cost per generated token: decoding the whole output every step (what the
 batcher did before session 5) against `pwctl.runtime.detokenizer.advance`. CPU only.
-Usage: python recipes/perf_detokenize.py [tokens ...]   (default 1024 4096; bundled tokenizer)"""
+Usage: python recipes/perf_detokenize.py [tokens ...]   (default 1024 4096; the bundled
+tiny-mixtral tokenizer on the bundled eval text)"""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    tok = AutoTokenizer.from_pretrained(ROOT / "data" / "tokenizer", local_files_only=True)
-    ids = tok((ROOT / "data" / "corpus" / "eval.jsonl").read_text()[:200_000]).input_ids
+    models = ROOT / "pwctl" / "models"
+    tok = AutoTokenizer.from_pretrained(models / "tiny-mixtral", local_files_only=True)
+    ids = tok((models / "samples" / "eval.txt").read_text() * 4).input_ids
     for n in [int(a) for a in sys.argv[1:]] or [1024, 4096]:
         out: list[int] = []
         t = time.perf_counter()

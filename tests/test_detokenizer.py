@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pwctl.runtime.detokenizer import TextOffsets, advance, first_stop
 
-BUNDLED = Path(__file__).resolve().parents[1] / "data" / "tokenizer"
+BUNDLED = Path(__file__).resolve().parents[1] / "pwctl" / "models" / "tiny-mixtral"
 TEXT = "Der Bär läuft über die Straße — 東京 🚀 naïve café, it's 3.14 x² … ok.\n" * 3
 
 
