@@ -663,6 +663,341 @@ __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int 
             }
 }
 
+// ---- prefill on sm_90a: warpgroup mma straight from decoded registers ------------------------
+//
+// A CTA is one warpgroup (4 warps) and owns 64 rows (gate_up: warps 0, 1 gate rows r0..r0+31,
+// warps 2, 3 the same rows of up; down: 64 rows) and up to 128 tokens of one slot. Warp q decodes
+// its m-tile exactly as the decode kernels do, and those registers are the A operand of
+// wgmma.m64n128k16: a warpgroup's register A fragment is four mma.m16n8k16 A fragments, warp q
+// holding rows 16q..16q+15. The tokens (B) come from shared memory, copied with cp.async from
+// token tiles (fused_moe.wgmma_tiles): 128 tokens of one (slot, pass), columns in "wgmma order"
+// (per 256-column chunk and k-step, the 16 columns whose weights the lanes' A registers hold),
+// laid out exactly as shared memory holds them, so a half-chunk is one linear 32 KB copy.
+// The work goes by half-chunks (8 k-steps, one plane word a lane and row): the warps decode
+// half-chunk i + 1 into one of two A register sets while the tensor cores run half-chunk i from
+// the other, and B is double-buffered the same way. Plane words roll one chunk ahead, as in decode.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_TOKENS 128                // tokens of a pass: the wgmma's N
+#define WG_GROUPS (WG_TOKENS / 8)    // 8-token core-matrix groups
+#define WG_KSTEPS 8                  // k-steps of a half-chunk
+
+struct PrefillWG {
+    Stage st[4];  // warp q's m-tile
+    // B of a half-chunk as K-major core matrices (8 tokens x 8 columns, 128 contiguous bytes):
+    // [buffer][k-step][token group][columns 0-7 / 8-15][token]
+    uint4 b[2][WG_KSTEPS][WG_GROUPS][2][8];
+};
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Shared-memory matrix descriptor of one k-step of B: no swizzle, the next 8 columns 128 bytes on
+// (leading byte offset), the next 8 tokens 256 bytes on (stride byte offset).
+__device__ __forceinline__ unsigned long long b_desc(const void* p) {
+    return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
+}
+
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4], unsigned long long desc) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),         \
+              "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+#undef D8
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+// Keeps an A register set allocated until here (after the wait that retired its wgmma): the
+// compiler cannot see that an issued wgmma still reads them.
+__device__ __forceinline__ void hold(const u32 (&A)[WG_KSTEPS][4]) {
+    #pragma unroll
+    for (int s = 0; s < WG_KSTEPS; ++s)
+        asm volatile("" :: "r"(A[s][0]), "r"(A[s][1]), "r"(A[s][2]), "r"(A[s][3]));
+}
+
+// cp.async half-chunk hc of the pass's token tile into B buffer `buf`: the tile holds it as
+// shared memory does, so thread i copies 16-byte pieces i, i + 128, ...
+__device__ __forceinline__ void load_b(PrefillWG& sm, int buf, const unsigned short* tile, int hc) {
+    const uint4* src = reinterpret_cast<const uint4*>(tile) + (i64)hc * 2048 + threadIdx.x;
+    const u32 dst = smem_u32(&sm.b[buf][0][0][0][0]) + 16 * threadIdx.x;
+    #pragma unroll
+    for (int j = 0; j < 16; ++j)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                     :: "r"(dst + 2048 * j), "l"(src + 128 * j) : "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Where column `col` of token n (0..127) of a tile lies: wgmma order (position 256 it + 16 s + k
+// of the row, the inverse of fused_moe.wgmma_order) in the shared-memory layout of `PrefillWG::b`,
+// one half-chunk (128 positions) after another.
+__device__ __forceinline__ i64 tile_pos(int n, int col) {
+    const int w = col >> 5, c = col & 31, j = (c >> 2) & 3;
+    const int k = 2 * ((w & 7) >> 1) + (j & 1) + 8 * (j >> 1), s = 2 * (c & 3) + (c >> 4);
+    const int hc = 2 * (w >> 3) + (w & 1);
+    return (i64)hc * 16384 + s * 2048 + (n >> 3) * 128 + (k >> 3) * 64 + (n & 7) * 8 + (k & 7);
+}
+
+// Plane word w of rows g, g + 8 at the warp's width (zeros for a dead m-tile). flat: no staged
+// row of the CTA crosses a slab edge (see `load_word`).
+__device__ __forceinline__ void wg_load(const Stage& st, int B, bool live, bool flat, int w, int words,
+                                        u32 (&P0)[8], u32 (&P1)[8]) {
+    const int g = (threadIdx.x & 31) >> 2;
+    const RowPtr *r0 = st.ptr + g * 8, *r1 = st.ptr + (g + 8) * 8;
+    switch (live ? B : 0) {
+#define CASE(W)                                                                                   \
+    case W:                                                                                       \
+        if (flat) load_word<W, true>(r0, r1, w, words, P0, P1);                                   \
+        else load_word<W, false>(r0, r1, w, words, P0, P1);                                       \
+        break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+        default:
+            #pragma unroll
+            for (int p = 0; p < 8; ++p) P0[p] = P1[p] = 0u;
+    }
+}
+
+// The A fragments of the 8 k-steps of one plane word (rows g in P0, g + 8 in P1).
+template <int B>
+__device__ __forceinline__ void decode_word(const u32 (&P0)[8], const u32 (&P1)[8], const u32 (&L0)[8],
+                                            const u32 (&L1)[8], const Stage& st, u32 (&A)[WG_KSTEPS][4]) {
+    const int g = (threadIdx.x & 31) >> 2;
+#define PHASE(C)                                                                                  \
+    {                                                                                             \
+        u32 A0[4], A1[4];                                                                         \
+        decode<B, C>(P0, L0, st.tbl[g], A0);                                                      \
+        decode<B, C>(P1, L1, st.tbl[g + 8], A1);                                                  \
+        A[2 * C][0] = A0[0], A[2 * C][1] = A1[0], A[2 * C][2] = A0[1], A[2 * C][3] = A1[1];       \
+        A[2 * C + 1][0] = A0[2], A[2 * C + 1][1] = A1[2], A[2 * C + 1][2] = A0[3];                \
+        A[2 * C + 1][3] = A1[3];                                                                  \
+    }
+    PHASE(0) PHASE(1) PHASE(2) PHASE(3)
+#undef PHASE
+}
+
+__device__ __forceinline__ void wg_decode(const Stage& st, int B, bool live, const u32 (&P0)[8],
+                                          const u32 (&P1)[8], const u32 (&L0)[8], const u32 (&L1)[8],
+                                          u32 (&A)[WG_KSTEPS][4]) {
+    switch (live ? B : 0) {
+#define CASE(W) case W: decode_word<W>(P0, P1, L0, L1, st, A); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+        default:
+            #pragma unroll
+            for (int s = 0; s < WG_KSTEPS; ++s) A[s][0] = A[s][1] = A[s][2] = A[s][3] = 0u;
+    }
+}
+
+// What one warp streams: its m-tile (staged at width B; live: a row in range) and the pass's
+// token tile.
+struct WgJob {
+    int B;
+    bool live, flat;
+    bool uniform;  // every warp of the CTA reads the same width (down always; gate_up mostly)
+    int words;
+    const unsigned short* tile;
+};
+
+// Plane loads and decode of a half-chunk at width B and flatness FLAT fixed at compile time, or,
+// for B = 0, chosen per warp at run time (gate and up at different widths). A dead m-tile loads
+// zeros (no words); its rows are never stored.
+template <int B, bool FLAT>
+__device__ __forceinline__ void wg_load_at(const Stage& st, const WgJob& job, int w, u32 (&P0)[8],
+                                           u32 (&P1)[8]) {
+    if constexpr (B == 0) {
+        wg_load(st, job.B, job.live, job.flat, w, job.words, P0, P1);
+    } else {
+        const int g = (threadIdx.x & 31) >> 2;
+        load_word<B, FLAT>(st.ptr + g * 8, st.ptr + (g + 8) * 8, w, job.live ? job.words : 0, P0, P1);
+    }
+}
+
+template <int B>
+__device__ __forceinline__ void wg_decode_at(const Stage& st, const WgJob& job, const u32 (&P0)[8],
+                                             const u32 (&P1)[8], const u32 (&L0)[8],
+                                             const u32 (&L1)[8], u32 (&A)[WG_KSTEPS][4]) {
+    if constexpr (B == 0) wg_decode(st, job.B, job.live, P0, P1, L0, L1, A);
+    else decode_word<B>(P0, P1, L0, L1, st, A);
+}
+
+// One half-chunk: decode word U of the lane's chunk into A (overlapping the previous
+// half-chunk's wgmma), roll the plane words a chunk on, wait for this half-chunk's B, issue its
+// 8 wgmma, retire the previous half-chunk's (then `other`, its A set, is free) and start copying
+// the next half-chunk's B into the buffer that frees.
+template <int B, bool FLAT, int U>
+__device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc, int halves,
+                                        const u32 (&L0)[8], const u32 (&L1)[8], u32 (&P0)[8],
+                                        u32 (&P1)[8], u32 (&A)[WG_KSTEPS][4],
+                                        const u32 (&other)[WG_KSTEPS][4], float (&d)[64]) {
+    const Stage& st = sm.st[threadIdx.x >> 5];
+    wg_decode_at<B>(st, job, P0, P1, L0, L1, A);
+    wg_load_at<B, FLAT>(st, job, 8 * (hc / 2 + 1) + 2 * (threadIdx.x & 3) + U, P0, P1);
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async wrote; wgmma reads
+    __syncthreads();
+    wgmma_fence();
+    const unsigned long long desc = b_desc(&sm.b[U][0][0][0][0]);
+    #pragma unroll
+    for (int s = 0; s < WG_KSTEPS; ++s) wgmma_n128(d, A[s], desc + s * (sizeof(sm.b[0][0]) >> 4));
+    wgmma_commit();
+    wgmma_wait<1>();
+    hold(other);
+    if (hc + 1 < halves) load_b(sm, U ^ 1, job.tile, hc + 1);
+}
+
+// d = W[64 rows] x^T for the 128 tokens of the job's tile, over all columns, at width B (0: each
+// warp's own, chosen per half-chunk). Lane (g, t) of warp q ends with row 16q + g + 8(r / 2),
+// token 8j + 2t + (r % 2) in d[4j + r].
+template <int B, bool FLAT>
+__device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, float (&d)[64]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const Stage& st = sm.st[threadIdx.x >> 5];
+    u32 L0[8], L1[8];
+    lut_from(st.tbl[g], min(job.B, 4), L0);
+    lut_from(st.tbl[g + 8], min(job.B, 4), L1);
+    const int halves = 2 * ((job.words + 7) / 8);
+    u32 Pa0[8], Pa1[8], Pb0[8], Pb1[8];  // word 8 it + 2t + u of rows g, g + 8: u = 0 (a), 1 (b)
+    wg_load_at<B, FLAT>(st, job, 2 * t, Pa0, Pa1);
+    wg_load_at<B, FLAT>(st, job, 2 * t + 1, Pb0, Pb1);
+    #pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.f;
+    load_b(sm, 0, job.tile, 0);
+    u32 Aa[WG_KSTEPS][4], Ab[WG_KSTEPS][4];
+    #pragma unroll
+    for (int s = 0; s < WG_KSTEPS; ++s) Ab[s][0] = Ab[s][1] = Ab[s][2] = Ab[s][3] = 0u;
+    for (int hc = 0; hc < halves; hc += 2) {
+        wg_half<B, FLAT, 0>(sm, job, hc, halves, L0, L1, Pa0, Pa1, Aa, Ab, d);
+        wg_half<B, FLAT, 1>(sm, job, hc + 1, halves, L0, L1, Pb0, Pb1, Ab, Aa, d);
+    }
+    wgmma_wait<0>();
+    hold(Ab);
+    #pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+// (Everything from the kernel entry down to here is inlined: a call boundary anywhere around the
+// wgmma makes ptxas serialize them, warning C7510.)
+// One loop per (width, flatness) when the CTA's warps share a width: the compiler then schedules
+// loads and decode across a whole half-chunk, and the hot loop is short. Mixed widths: the loop
+// that switches per half-chunk.
+__device__ __forceinline__ void prefill_wg(PrefillWG& sm, const WgJob& job, float (&d)[64]) {
+    if (!job.uniform) return prefill_wg_at<0, false>(sm, job, d);
+    switch (job.B) {
+#define CASE(W)                                                                                   \
+    case W:                                                                                       \
+        if (job.flat) prefill_wg_at<W, true>(sm, job, d);                                         \
+        else prefill_wg_at<W, false>(sm, job, d);                                                 \
+        break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
+}
+
+// Where a CTA is: blockIdx.x = row tile, blockIdx.y = token tile; tile_info[tile] = (slot, pass),
+// slot -1 past the last tile (the launcher sizes the grid by a bound: no host sync).
+__device__ __forceinline__ Tile wg_tile(const Slots& s, const int* tile_info, int rows_per_cta) {
+    Tile c;
+    c.slot = __ldg(tile_info + 2 * blockIdx.y);
+    c.row0 = blockIdx.x * rows_per_cta;
+    c.base = WG_TOKENS * __ldg(tile_info + 2 * blockIdx.y + 1);
+    c.lo = c.slot < 0 ? 0 : __ldg(s.lo + c.slot);
+    c.T = c.slot < 0 ? 0 : __ldg(s.hi + c.slot) - c.lo;
+    return c;
+}
+
+// Stage warp q's m-tile (rows mrow0..+15 of `block`) and describe the CTA's job.
+__device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block, int mrow0,
+                                        int rows, i64 bits_nbytes, int words, int rpt,
+                                        const unsigned short* tiles, int wpad, bool uniform) {
+    const int warp = threadIdx.x >> 5, nrows = min(ROWS, rows - mrow0);
+    WgJob job;
+    job.B = __ldg(g.width + block);
+    job.uniform = uniform;
+    job.live = nrows > 0;
+    job.words = words;
+    job.tile = tiles + (i64)blockIdx.y * WG_TOKENS * 32 * wpad;
+    bool flat = true;
+    if (job.live)
+        flat = stage(g, block, job.B, bits_nbytes, words, rpt, mrow0, nrows, sm.st[warp], threadIdx.x & 31, 32);
+    job.flat = __syncthreads_and(flat);
+    return job;
+}
+
+// h = silu(gate x) * up x for the 128 tokens of a tile, into the slot's h tile for down_prefill_wg.
+__device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsigned short* x, unsigned short* hp,
+                                   int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes,
+                                   int rpt, const int* tile_info) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    PrefillWG& sm = *reinterpret_cast<PrefillWG*>(smem);
+    check_smem(sizeof(PrefillWG));
+    const Tile c = wg_tile(s, tile_info, 2 * ROWS);
+    if (c.base >= c.T) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + (warp >> 1));
+    const int mrow0 = c.row0 + ROWS * (warp & 1);
+    const bool uniform = __ldg(g.width + __ldg(s.block_ids + 3 * e)) == __ldg(g.width + __ldg(s.block_ids + 3 * e + 1));
+    const WgJob job = wg_job(sm, g, block, mrow0, I, bits_nbytes, words_in, rpt, x, wpad_in, uniform);
+    float d[64];
+    prefill_wg(sm, job, d);
+    __syncthreads();  // every warp is past its last wgmma: B's buffers hold the up half now
+    float* up = reinterpret_cast<float*>(&sm.b[0][0][0][0][0]);  // [warp 2, 3][64][lane]
+    if (warp >= 2) {
+        #pragma unroll
+        for (int i = 0; i < 64; ++i) up[((warp - 2) * 64 + i) * 32 + lane] = d[i];
+    }
+    __syncthreads();
+    if (warp >= 2) return;
+    const int ntok = c.T - c.base, row0 = mrow0 + (lane >> 2);
+    unsigned short* h = hp + (i64)blockIdx.y * WG_TOKENS * 32 * wpad_out;
+    #pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int row = row0 + 8 * ((i & 3) >> 1), k = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        if (k < ntok && row < 32 * wpad_out)  // rows past I: zeros, so down reads no garbage
+            h[tile_pos(k, row)] = f2h(row < I ? silu(d[i]) * up[(warp * 64 + i) * 32 + lane] : 0.f);
+    }
+}
+
+// out[token] += weight * (down h) for the tokens of one h tile: 64 rows (warp q: 16q..16q+15).
+__device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned short* hp, float* out, int H,
+                                int words_in, int wpad_in, i64 bits_nbytes, int rpt,
+                                const int* tile_info) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    PrefillWG& sm = *reinterpret_cast<PrefillWG*>(smem);
+    check_smem(sizeof(PrefillWG));
+    const Tile c = wg_tile(s, tile_info, 4 * ROWS);
+    if (c.base >= c.T || c.row0 >= H) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + 2);
+    const int mrow0 = c.row0 + ROWS * warp;
+    const WgJob job = wg_job(sm, g, block, mrow0, H, bits_nbytes, words_in, rpt, hp, wpad_in, true);
+    float d[64];
+    prefill_wg(sm, job, d);
+    const int ntok = c.T - c.base, row0 = mrow0 + (lane >> 2);
+    #pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int row = row0 + 8 * ((i & 3) >> 1), k = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        if (k < ntok && row < H) {
+            const int pair = c.lo + c.base + k;
+            atomicAdd(out + (i64)__ldg(s.token + pair) * H + row, __ldg(s.weight + pair) * d[i]);
+        }
+    }
+}
+#endif
+
 // Flat kernel parameters (CuPy passes scalars and raw pointers): the descriptor, then the slots.
 #define PAGED_ARGS const unsigned char *arena, const int *slab_map, const int *slab_off,             \
                    const int *width, int slab_shift, int max_bits
@@ -702,6 +1037,24 @@ extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) down_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,
     i64 bits_nbytes, int rpt, int passes) {
     down_prefill(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, passes);
+}
+
+// sm_90a only (the launcher checks the device); elsewhere they compile to a trap.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_BODY(call) call;
+#else
+#define WG_BODY(call) __trap();
+#endif
+extern "C" __global__ void __launch_bounds__(128, 2) gate_up_prefill_wg(
+    PAGED_ARGS, SLOT_ARGS, const unsigned short* x, unsigned short* hp, int I, int words_in,
+    int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, const int* tile_info) {
+    WG_BODY(gate_up_prefill_wg(PAGED, SLOTS, x, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt,
+                               tile_info))
+}
+extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
+    PAGED_ARGS, SLOT_ARGS, const unsigned short* hp, float* out, int H, int words_in, int wpad_in,
+    i64 bits_nbytes, int rpt, const int* tile_info) {
+    WG_BODY(down_prefill_wg(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, tile_info))
 }
 
 // Decode-time grouping of (token, expert) pairs by expert, in one launch (it replaced ~20 small

@@ -3,11 +3,13 @@ ExpertStore reference; the CUDA kernels against the torch path on real layer sha
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pwctl.bench.kernels import (
     SHAPES,
@@ -23,7 +25,15 @@ from pwctl.recipe import MoESpec
 from pwctl.runtime import kernels
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.expert_store import ExpertStore
-from pwctl.runtime.fused_moe import FusedMoE, fragment_order, group
+from pwctl.runtime.fused_moe import (
+    FusedMoE,
+    Pairs,
+    fragment_order,
+    group,
+    tile_plan,
+    wgmma_order,
+    wgmma_tiles,
+)
 from pwctl.runtime.moe import route
 from pwctl.runtime.page_table import PageTable
 from pwctl.runtime.pager import CpuBackend, Pager
@@ -69,6 +79,59 @@ def test_fragment_order_layout():
                 c = 32 * w + s // 2 + 16 * (s % 2) + 4 * i
                 expect = x[:, c].half() if c < 70 else torch.zeros(3, dtype=torch.float16)
                 assert torch.equal(xf[:, w, 4 * s + i], expect)
+
+
+def _tile_pos(n: int, col: int) -> int:
+    """cuda/moe.cu `tile_pos`, replayed: where column `col` of tile token n lies in a tile."""
+    w, c = col >> 5, col & 31
+    j = (c >> 2) & 3
+    k = 2 * ((w & 7) >> 1) + (j & 1) + 8 * (j >> 1)
+    s, hc = 2 * (c & 3) + (c >> 4), 2 * (w >> 3) + (w & 1)
+    return hc * 16384 + s * 2048 + (n >> 3) * 128 + (k >> 3) * 64 + (n & 7) * 8 + (k & 7)
+
+
+def test_wgmma_tiles_put_each_column_where_the_kernel_reads_it():
+    x = torch.randn(5, 300)
+    rows = torch.randint(0, 5, (256,))
+    tiles = wgmma_tiles(x, 16, rows).reshape(2, -1)
+    assert tiles.shape == (2, 128 * 16 * 32)
+    cols = torch.arange(16 * 32)
+    for t, n in itertools.product(range(2), range(0, 128, 7)):
+        pos = torch.tensor([_tile_pos(n, int(c)) for c in cols])
+        want = F.pad(x[rows[128 * t + n]], (0, 16 * 32 - 300)).half()
+        assert torch.equal(tiles[t, pos], want), (t, n)
+
+
+def test_tile_plan_gives_each_slot_its_passes():
+    lo, hi = torch.tensor([0, 130, 130, 200]), torch.tensor([130, 130, 200, 457])
+    token = torch.zeros(457, dtype=torch.int32)
+    plan = tile_plan(Pairs(token, torch.ones(457), lo.int(), lo.int(), hi.int()))
+    assert plan.tiles == 4 + 4  # bound: 457 pairs / 128, rounded up, + 4 slots
+    assert plan.info[:6].tolist() == [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1], [3, 2]]
+    assert plan.info[6:, 0].eq(-1).all()  # past the last tile: its CTAs exit
+    tiles = plan.pair.view(-1, 128)
+    assert tiles[0].tolist() == list(range(128)) and tiles[1, :2].tolist() == [128, 129]
+    assert tiles[1, 2:].eq(129).all() and tiles[2, -1] == 199  # past the end: the last pair
+    assert tiles[5, 0] == 456 and tiles[6:].ge(0).all() and tiles[6:].lt(457).all()
+
+
+def test_wgmma_order_matches_the_kernels_a_registers():
+    """wgmma_order puts, at k-step s = 8u + 2C + h of chunk `it`, position k = 2t + 8jj + lohi,
+    the column whose weight lane t holds there: decode_word's register A[2C + h][2jj] is half2
+    2h + jj of phase C of plane word 8it + 2t + u (columns C + 8(2h + jj) + {0, 4})."""
+    x = torch.randn(2, 700)
+    xw = wgmma_order(x, 24)
+    assert xw.shape == (2, 24 * 32) and xw.dtype == torch.float16
+    seen = set()
+    for it in range(3):
+        steps = itertools.product(range(2), range(4), range(2), range(4), range(2), range(2))
+        for u, C, h, t, jj, lohi in steps:
+            col = 32 * (8 * it + 2 * t + u) + C + 8 * (2 * h + jj) + 4 * lohi
+            pos = it * 256 + (8 * u + 2 * C + h) * 16 + 2 * t + 8 * jj + lohi
+            expect = x[:, col].half() if col < 700 else torch.zeros(2, dtype=torch.float16)
+            assert torch.equal(xw[:, pos], expect), (it, u, C, h, t, jj, lohi)
+            seen.add(pos)
+    assert seen == set(range(24 * 32))  # a permutation
 
 
 # --- a Python twin of cuda/moe.cu's label decode (`decode`: gather, lut_from, lut8 / lut16) -----
@@ -188,6 +251,9 @@ def _poison(moe: FusedMoE) -> None:
         hp.fill_(float("nan"))
 
 
+PREFILL_KINDS = ["wgmma", "mma"] if torch.cuda.is_available() and kernels.has_wgmma() else ["mma"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_kernels_match_reference(shape):
@@ -202,12 +268,16 @@ def test_kernels_match_reference(shape):
         for T in (1, 2, 3, 8, 9, 20, 40, 512 if width in ("3", "mixed") else 65):
             x, weights, index, scale = random_routing(layer.spec, T, seed=T)
             want = layer.moe(0, x, weights, index, scale, reference=True)
-            _poison(layer.moe)
-            got = layer.moe(0, x, weights, index, scale)
-            torch.cuda.synchronize()
-            err = float((got - want).norm() / want.norm())
-            worst[(width, T)] = err
-            assert err < 1e-3, f"{shape} width {width} tokens {T}: relative error {err:.2e}"
+            # prefill: the sm_90a (wgmma) kernels where the device has them, and the mma.sync ones
+            for kind in PREFILL_KINDS if T > kernels.DECODE_MAX_TOKENS else ["decode"]:
+                layer.moe.prefill_kernel = kind
+                _poison(layer.moe)
+                got = layer.moe(0, x, weights, index, scale)
+                torch.cuda.synchronize()
+                err = float((got - want).norm() / want.norm())
+                worst[(width, T, kind)] = err
+                case = f"{shape} width {width} tokens {T} {kind}"
+                assert err < 1e-3, f"{case}: relative error {err:.2e}"
     print(shape, "max relative error", max(worst.values()))
 
 

@@ -10,6 +10,7 @@ every path."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +131,67 @@ def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
     return xh.view(n, wpad, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(n, wpad, 32)
 
 
+def wgmma_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
+    """[n, K] -> float16 [n, 32 * wpad], zero-padded, columns in the order the sm_90a prefill's
+    lanes hold their weights: per 256-column chunk `it` and k-step s (0..15), the 16 columns of
+    the step, so one token's k-step is 32 contiguous bytes. Position 256 it + 16 s + k holds
+    column 32 w + c + 16 h + 4 j with w = 8 it + 2 (k % 8 // 2) + s // 8, c = s // 2 % 4,
+    h = s % 2, j = k % 2 + 2 (k // 8)."""
+    n, K = x.shape
+    xh = x.half()
+    if 32 * wpad > K:
+        xh = F.pad(xh, (0, 32 * wpad - K))
+    return xh[:, _wgmma_columns(wpad, x.device)]
+
+
+@functools.cache
+def _wgmma_columns(wpad: int, device: torch.device) -> torch.Tensor:
+    pos = torch.arange(32 * wpad)
+    it, s, k = pos // 256, pos // 16 % 16, pos % 16
+    w = 8 * it + 2 * (k % 8 // 2) + s // 8
+    return (32 * w + s // 2 % 4 + 16 * (s % 2) + 4 * (k % 2 + 2 * (k // 8))).to(device)
+
+
+def wgmma_tiles(x: torch.Tensor, wpad: int, rows: torch.Tensor) -> torch.Tensor:
+    """Token tiles for the sm_90a prefill: rows [tiles * 128] of x, in wgmma order, each tile
+    laid out as the kernel's shared memory holds it (cuda/moe.cu `tile_pos`): per half-chunk of
+    128 positions, [k-step 8][token group 16][k 0-7 / 8-15][token 8][8 values]."""
+    xw = wgmma_order(x, wpad)[rows]
+    tiles, hc = rows.numel() // TILE_TOKENS, 32 * wpad // 128
+    return xw.view(tiles, 16, 8, hc, 8, 2, 8).permute(0, 3, 4, 1, 5, 2, 6).contiguous()
+
+
+TILE_TOKENS = 128  # tokens of a prefill pass (kernels.PREFILL_TOKENS)
+
+
+@dataclass
+class TilePlan:
+    """The sm_90a prefill's token tiles: one per (slot, pass), each slot's tiles consecutive. The
+    tile count is a bound known from shapes (pairs / 128 + slots), so planning needs no host sync;
+    tiles past the last real one have slot -1 and their CTAs exit at once."""
+
+    info: torch.Tensor  # int32 [tiles, 2]: (slot, pass) of each tile
+    pair: torch.Tensor  # int64 [tiles * 128]: pair of each tile token (past a slot's end: its last)
+
+    @property
+    def tiles(self) -> int:
+        return self.info.shape[0]
+
+
+def tile_plan(pairs: Pairs) -> TilePlan:
+    lo, hi = pairs.lo.long(), pairs.hi.long()
+    per = (hi - lo).clamp(min=0).add(TILE_TOKENS - 1).div(TILE_TOKENS, rounding_mode="floor")
+    end = per.cumsum(0)
+    bound = -(-pairs.token.numel() // TILE_TOKENS) + per.numel()
+    tile = torch.arange(bound, device=lo.device)
+    slot = torch.searchsorted(end, tile, right=True).clamp(max=per.numel() - 1)
+    pas = tile - (end - per)[slot]
+    pair = lo[slot, None] + TILE_TOKENS * pas[:, None] + torch.arange(TILE_TOKENS, device=lo.device)
+    pair = torch.minimum(pair, hi[slot, None] - 1).clamp(min=0).reshape(-1)
+    info = torch.stack([torch.where(tile < end[-1], slot, -1), pas], 1).to(torch.int32)
+    return TilePlan(info, pair)
+
+
 class FusedMoE:
     def __init__(self, spec: MoESpec, dt: DeviceTable, index: dict[tuple[int, int, str], int]):
         """`index`: (layer, expert, proj) -> block (shared experts: expert = num_experts)."""
@@ -149,6 +211,8 @@ class FusedMoE:
                     b = dt.blocks[index[(layer, e, p)]]
                     self.proj[(layer, shared, p)] = Proj(b.rows, b.cols, b.words, b.rows_per_table)
         self._hp: dict[tuple[int, int], torch.Tensor] = {}
+        # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
+        self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
 
     def __call__(
         self,
@@ -222,31 +286,34 @@ class FusedMoE:
         )
 
     def _prefill(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
-        """Any token count: each weight chunk is decoded once into shared memory and multiplied
-        with up to 128 tokens of its slot (one host sync: the largest slot sets the passes)."""
+        """Any token count: each weight chunk is decoded once and multiplied with up to 128
+        tokens of its slot. The mma.sync kernels sync the host once (the largest slot sets the
+        passes); the sm_90a ones none."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
-        most = int((pairs.hi - pairs.lo).max())
-        passes = max(1, -(-most // kernels.PREFILL_TOKENS))
-        hp = torch.empty(pairs.token.numel(), dn.wpad, 32, dtype=torch.float16, device=x.device)
-        xf = fragment_order(x, gu.wpad)
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        i32, i64, rows = np.int32, np.int64, kernels.PREFILL_ROWS
-        n_slots, smem = pairs.expert.numel(), kernels.PREFILL_SMEM
-        kernels.launch(
-            "gate_up_prefill",
-            (passes * -(-32 * dn.wpad // rows["gate_up_prefill"]), n_slots),
-            (32 * kernels.PREFILL_WARPS,),
-            common
-            + (kernels.ptr(xf), kernels.ptr(hp), i32(gu.rows), i32(gu.words), i32(gu.wpad))
-            + (i32(dn.wpad), i64(gu.bits_nbytes), i32(gu.rows_per_table), i32(passes)),
-            shared_mem=smem,
-        )
-        kernels.launch(
-            "down_prefill",
-            (passes * -(-dn.rows // rows["down_prefill"]), n_slots),
-            (32 * kernels.PREFILL_WARPS,),
-            common
-            + (kernels.ptr(hp), kernels.ptr(out), i32(dn.rows), i32(dn.words), i32(dn.wpad))
-            + (i64(dn.bits_nbytes), i32(dn.rows_per_table), i32(passes)),
-            shared_mem=smem,
-        )
+        i32, i64, ptr = np.int32, np.int64, kernels.ptr
+        gate_up = (i32(gu.rows), i32(gu.words), i32(gu.wpad), i32(dn.wpad), i64(gu.bits_nbytes))
+        gate_up += (i32(gu.rows_per_table),)
+        down = (i32(dn.rows), i32(dn.words), i32(dn.wpad), i64(dn.bits_nbytes))
+        down += (i32(dn.rows_per_table),)
+        rows = kernels.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
+        row_tiles = (-(-32 * dn.wpad // rows["gate_up"]), -(-dn.rows // rows["down"]))
+        block = (32 * kernels.PREFILL_WARPS,)
+        if self.prefill_kernel == "wgmma":
+            plan = tile_plan(pairs)
+            xt = wgmma_tiles(x, gu.wpad, pairs.token[plan.pair].long())
+            hp = torch.empty(plan.pair.numel(), 32 * dn.wpad, dtype=torch.float16, device=x.device)
+            smem, extra = kernels.PREFILL_WG_SMEM, (ptr(plan.info),)
+            grids = [(n, plan.tiles) for n in row_tiles]
+            names = ("gate_up_prefill_wg", "down_prefill_wg")
+        else:
+            most = int((pairs.hi - pairs.lo).max())
+            passes = max(1, -(-most // kernels.PREFILL_TOKENS))
+            xt = fragment_order(x, gu.wpad)
+            hp = torch.empty(pairs.token.numel(), dn.wpad, 32, dtype=torch.float16, device=x.device)
+            smem, extra = kernels.PREFILL_SMEM, (i32(passes),)
+            grids = [(passes * n, pairs.expert.numel()) for n in row_tiles]
+            names = ("gate_up_prefill", "down_prefill")
+        io = ((ptr(xt), ptr(hp)) + gate_up, (ptr(hp), ptr(out)) + down)
+        for name, grid, args in zip(names, grids, io, strict=True):
+            kernels.launch(name, grid, block, common + args + extra, shared_mem=smem)

@@ -17,9 +17,11 @@ WARPS = 4  # warps per CTA (cuda/moe.cu): they split a block's columns
 ROWS = 16  # block rows per CTA: one mma m-tile
 DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu ENTRY)
 PREFILL_TOKENS = 128  # tokens of one slot per prefill pass (cuda/moe.cu PF_TOKENS)
-PREFILL_ROWS = {"gate_up_prefill": 32, "down_prefill": 64}  # block rows per prefill CTA
+PREFILL_ROWS = {"gate_up": 32, "down": 64}  # block rows per prefill CTA (both prefill kernels)
 PREFILL_SMEM = 4 * (128 * 24 + 16 * 256 * 2) + 2 * 4 * 16 * 32 * 16  # sizeof(Prefill), checked
 PREFILL_WARPS = 4  # cuda/moe.cu PF_WARPS
+# sizeof(PrefillWG): 4 stages, two B buffers of 8 k-steps x 128 tokens; checked by the kernel
+PREFILL_WG_SMEM = 4 * (128 * 24 + 16 * 256 * 2) + 2 * 8 * 128 * 16 * 2
 CTAS_PER_SM = 8  # what a k-split aims for: enough warps in flight to cover memory latency
 DECODE_MAX_TOKENS = 8 * DECODE_TILES[-1]
 
@@ -35,10 +37,17 @@ def module():
     if not CUDA_SRC.exists():
         raise PwctlError(f"{CUDA_SRC}: kernel source missing (pwctl must run from its checkout)")
     major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}" + ("a" if has_wgmma() else "")  # sm_90a: wgmma (prefill)
     return cupy.RawModule(
-        code=CUDA_SRC.read_text(),
-        options=("-std=c++17", f"--gpu-architecture=sm_{major}{minor}"),
+        code=CUDA_SRC.read_text(), options=("-std=c++17", f"--gpu-architecture={arch}")
     )
+
+
+@functools.cache
+def has_wgmma() -> bool:
+    """Whether the device runs the sm_90a prefill kernels (warpgroup mma): Hopper (9.0) only;
+    other devices take the mma.sync prefill."""
+    return torch.cuda.get_device_capability() == (9, 0)
 
 
 @functools.cache
