@@ -700,7 +700,9 @@ __device__ __forceinline__ unsigned long long b_desc(const void* p) {
     return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
 }
 
-__device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4], unsigned long long desc) {
+// d += A B for one k-step: A the warpgroup's register fragments, B 128 tokens from shared memory.
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4],
+                                           unsigned long long desc) {
 #define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),         \
               "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
     asm volatile(
@@ -716,10 +718,16 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4], un
 #undef D8
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>  // until at most N committed groups of this warpgroup are still running
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
 
 // Keeps an A register set allocated until here (after the wait that retired its wgmma): the
 // compiler cannot see that an issued wgmma still reads them.
@@ -753,8 +761,8 @@ __device__ __forceinline__ i64 tile_pos(int n, int col) {
 
 // Plane word w of rows g, g + 8 at the warp's width (zeros for a dead m-tile). flat: no staged
 // row of the CTA crosses a slab edge (see `load_word`).
-__device__ __forceinline__ void wg_load(const Stage& st, int B, bool live, bool flat, int w, int words,
-                                        u32 (&P0)[8], u32 (&P1)[8]) {
+__device__ __forceinline__ void wg_load(const Stage& st, int B, bool live, bool flat, int w,
+                                        int words, u32 (&P0)[8], u32 (&P1)[8]) {
     const int g = (threadIdx.x & 31) >> 2;
     const RowPtr *r0 = st.ptr + g * 8, *r1 = st.ptr + (g + 8) * 8;
     switch (live ? B : 0) {
@@ -773,8 +781,9 @@ __device__ __forceinline__ void wg_load(const Stage& st, int B, bool live, bool 
 
 // The A fragments of the 8 k-steps of one plane word (rows g in P0, g + 8 in P1).
 template <int B>
-__device__ __forceinline__ void decode_word(const u32 (&P0)[8], const u32 (&P1)[8], const u32 (&L0)[8],
-                                            const u32 (&L1)[8], const Stage& st, u32 (&A)[WG_KSTEPS][4]) {
+__device__ __forceinline__ void decode_word(const u32 (&P0)[8], const u32 (&P1)[8],
+                                            const u32 (&L0)[8], const u32 (&L1)[8], const Stage& st,
+                                            u32 (&A)[WG_KSTEPS][4]) {
     const int g = (threadIdx.x & 31) >> 2;
 #define PHASE(C)                                                                                  \
     {                                                                                             \
@@ -790,8 +799,8 @@ __device__ __forceinline__ void decode_word(const u32 (&P0)[8], const u32 (&P1)[
 }
 
 __device__ __forceinline__ void wg_decode(const Stage& st, int B, bool live, const u32 (&P0)[8],
-                                          const u32 (&P1)[8], const u32 (&L0)[8], const u32 (&L1)[8],
-                                          u32 (&A)[WG_KSTEPS][4]) {
+                                          const u32 (&P1)[8], const u32 (&L0)[8],
+                                          const u32 (&L1)[8], u32 (&A)[WG_KSTEPS][4]) {
     switch (live ? B : 0) {
 #define CASE(W) case W: decode_word<W>(P0, P1, L0, L1, st, A); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
@@ -822,7 +831,8 @@ __device__ __forceinline__ void wg_load_at(const Stage& st, const WgJob& job, in
         wg_load(st, job.B, job.live, job.flat, w, job.words, P0, P1);
     } else {
         const int g = (threadIdx.x & 31) >> 2;
-        load_word<B, FLAT>(st.ptr + g * 8, st.ptr + (g + 8) * 8, w, job.live ? job.words : 0, P0, P1);
+        const int words = job.live ? job.words : 0;
+        load_word<B, FLAT>(st.ptr + g * 8, st.ptr + (g + 8) * 8, w, words, P0, P1);
     }
 }
 
@@ -852,7 +862,8 @@ __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc,
     wgmma_fence();
     const unsigned long long desc = b_desc(&sm.b[U][0][0][0][0]);
     #pragma unroll
-    for (int s = 0; s < WG_KSTEPS; ++s) wgmma_n128(d, A[s], desc + s * (sizeof(sm.b[0][0]) >> 4));
+    for (int s = 0; s < WG_KSTEPS; ++s)  // the descriptor counts 16-byte units
+        wgmma_n128(d, A[s], desc + s * (sizeof(sm.b[0][0]) >> 4));
     wgmma_commit();
     wgmma_wait<1>();
     hold(other);
@@ -932,15 +943,18 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
     job.tile = tiles + (i64)blockIdx.y * WG_TOKENS * 32 * wpad;
     bool flat = true;
     if (job.live)
-        flat = stage(g, block, job.B, bits_nbytes, words, rpt, mrow0, nrows, sm.st[warp], threadIdx.x & 31, 32);
+        flat = stage(g, block, job.B, bits_nbytes, words, rpt, mrow0, nrows, sm.st[warp],
+                     threadIdx.x & 31, 32);
     job.flat = __syncthreads_and(flat);
     return job;
 }
 
-// h = silu(gate x) * up x for the 128 tokens of a tile, into the slot's h tile for down_prefill_wg.
-__device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsigned short* x, unsigned short* hp,
-                                   int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes,
-                                   int rpt, const int* tile_info) {
+// h = silu(gate x) * up x for the 128 tokens of a tile, into the same tile of h (down_prefill_wg's
+// B): 32 rows, warps 0, 1 gate, warps 2, 3 up.
+__device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsigned short* x,
+                                                   unsigned short* hp, int I, int words_in,
+                                                   int wpad_in, int wpad_out, i64 bits_nbytes,
+                                                   int rpt, const int* tile_info) {
     extern __shared__ __align__(16) unsigned char smem[];
     PrefillWG& sm = *reinterpret_cast<PrefillWG*>(smem);
     check_smem(sizeof(PrefillWG));
@@ -949,8 +963,10 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + (warp >> 1));
     const int mrow0 = c.row0 + ROWS * (warp & 1);
-    const bool uniform = __ldg(g.width + __ldg(s.block_ids + 3 * e)) == __ldg(g.width + __ldg(s.block_ids + 3 * e + 1));
-    const WgJob job = wg_job(sm, g, block, mrow0, I, bits_nbytes, words_in, rpt, x, wpad_in, uniform);
+    const int wg = __ldg(g.width + __ldg(s.block_ids + 3 * e));
+    const bool uniform = wg == __ldg(g.width + __ldg(s.block_ids + 3 * e + 1));  // gate, up
+    const WgJob job =
+        wg_job(sm, g, block, mrow0, I, bits_nbytes, words_in, rpt, x, wpad_in, uniform);
     float d[64];
     prefill_wg(sm, job, d);
     __syncthreads();  // every warp is past its last wgmma: B's buffers hold the up half now
@@ -972,9 +988,9 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
 }
 
 // out[token] += weight * (down h) for the tokens of one h tile: 64 rows (warp q: 16q..16q+15).
-__device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned short* hp, float* out, int H,
-                                int words_in, int wpad_in, i64 bits_nbytes, int rpt,
-                                const int* tile_info) {
+__device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned short* hp,
+                                                float* out, int H, int words_in, int wpad_in,
+                                                i64 bits_nbytes, int rpt, const int* tile_info) {
     extern __shared__ __align__(16) unsigned char smem[];
     PrefillWG& sm = *reinterpret_cast<PrefillWG*>(smem);
     check_smem(sizeof(PrefillWG));
@@ -1048,13 +1064,14 @@ extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) down_prefill(
 extern "C" __global__ void __launch_bounds__(128, 2) gate_up_prefill_wg(
     PAGED_ARGS, SLOT_ARGS, const unsigned short* x, unsigned short* hp, int I, int words_in,
     int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, const int* tile_info) {
-    WG_BODY(gate_up_prefill_wg(PAGED, SLOTS, x, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt,
-                               tile_info))
+    WG_BODY(gate_up_prefill_wg(PAGED, SLOTS, x, hp, I, words_in, wpad_in, wpad_out, bits_nbytes,
+                               rpt, tile_info))
 }
 extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
     PAGED_ARGS, SLOT_ARGS, const unsigned short* hp, float* out, int H, int words_in, int wpad_in,
     i64 bits_nbytes, int rpt, const int* tile_info) {
-    WG_BODY(down_prefill_wg(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, tile_info))
+    WG_BODY(down_prefill_wg(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt,
+                            tile_info))
 }
 
 // Decode-time grouping of (token, expert) pairs by expert, in one launch (it replaced ~20 small
