@@ -160,6 +160,23 @@ __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The A fragments (mma.m16n8k16 register order) of k-steps 2C and 2C + 1 of one plane word:
+// rows g (P0) and g + 8 (P1), column phase C (see `decode`).
+template <int B, int C>
+__device__ __forceinline__ void decode_frags(const u32 (&P0)[8], const u32 (&P1)[8],
+                                             const u32 (&L0)[8], const u32 (&L1)[8],
+                                             const unsigned short* tbl0, const unsigned short* tbl1,
+                                             u32 (&a)[2][4]) {
+    u32 A0[4], A1[4];
+    decode<B, C>(P0, L0, tbl0, A0);
+    decode<B, C>(P1, L1, tbl1, A1);
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        a[h][0] = A0[2 * h], a[h][1] = A1[2 * h];
+        a[h][2] = A0[2 * h + 1], a[h][3] = A1[2 * h + 1];
+    }
+}
+
 #define WARPS 4
 #define ROWS 16
 #define MAX_TABLE 256  // 2^max_bits, max_bits <= 8
@@ -580,6 +597,14 @@ __device__ __forceinline__ void check_smem(unsigned need) {
     if (have < need) __trap();  // the launcher's size (kernels.PREFILL_SMEM) is out of date
 }
 
+// The kernel's dynamic shared memory as a T (the launcher sized it: kernels.PREFILL*_SMEM).
+template <class T>
+__device__ __forceinline__ T& shared_as() {
+    extern __shared__ __align__(16) unsigned char smem[];
+    check_smem(sizeof(T));
+    return *reinterpret_cast<T*>(smem);
+}
+
 // Pass and tile of a prefill CTA: blockIdx.x = row tile * passes + pass (passes fastest).
 __device__ __forceinline__ Tile prefill_tile(const Slots& s, int passes, int rows_per_cta) {
     Tile c;
@@ -603,9 +628,7 @@ __device__ __forceinline__ int pass_token(const Tile& c, int j) {
 __device__ void gate_up_prefill(Paged g, Slots s, const uint4* xf, unsigned short* hp, int I,
                                 int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
                                 int passes) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    Prefill& sm = *reinterpret_cast<Prefill*>(smem);
-    check_smem(sizeof(Prefill));
+    Prefill& sm = shared_as<Prefill>();
     const Tile c = prefill_tile(s, passes, 2 * ROWS);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -634,9 +657,7 @@ __device__ void gate_up_prefill(Paged g, Slots s, const uint4* xf, unsigned shor
 // down for prefill: 64 rows (warp q: rows 16q..16q+15), out[token] += weight * (down h).
 __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int H, int words_in,
                              int wpad_in, i64 bits_nbytes, int rpt, int passes) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    Prefill& sm = *reinterpret_cast<Prefill*>(smem);
-    check_smem(sizeof(Prefill));
+    Prefill& sm = shared_as<Prefill>();
     const Tile c = prefill_tile(s, passes, 4 * ROWS);
     if (c.base >= c.T || c.row0 >= H) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -785,17 +806,15 @@ __device__ __forceinline__ void decode_word(const u32 (&P0)[8], const u32 (&P1)[
                                             const u32 (&L0)[8], const u32 (&L1)[8], const Stage& st,
                                             u32 (&A)[WG_KSTEPS][4]) {
     const int g = (threadIdx.x & 31) >> 2;
-#define PHASE(C)                                                                                  \
-    {                                                                                             \
-        u32 A0[4], A1[4];                                                                         \
-        decode<B, C>(P0, L0, st.tbl[g], A0);                                                      \
-        decode<B, C>(P1, L1, st.tbl[g + 8], A1);                                                  \
-        A[2 * C][0] = A0[0], A[2 * C][1] = A1[0], A[2 * C][2] = A0[1], A[2 * C][3] = A1[1];       \
-        A[2 * C + 1][0] = A0[2], A[2 * C + 1][1] = A1[2], A[2 * C + 1][2] = A0[3];                \
-        A[2 * C + 1][3] = A1[3];                                                                  \
-    }
-    PHASE(0) PHASE(1) PHASE(2) PHASE(3)
-#undef PHASE
+    u32 f[4][2][4];  // [phase C][k-step 2C + h]
+    decode_frags<B, 0>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[0]);
+    decode_frags<B, 1>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[1]);
+    decode_frags<B, 2>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[2]);
+    decode_frags<B, 3>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[3]);
+    #pragma unroll
+    for (int s = 0; s < WG_KSTEPS; ++s)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) A[s][j] = f[s >> 1][s & 1][j];
 }
 
 __device__ __forceinline__ void wg_decode(const Stage& st, int B, bool live, const u32 (&P0)[8],
@@ -955,9 +974,7 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
                                                    unsigned short* hp, int I, int words_in,
                                                    int wpad_in, int wpad_out, i64 bits_nbytes,
                                                    int rpt, const int* tile_info) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    PrefillWG& sm = *reinterpret_cast<PrefillWG*>(smem);
-    check_smem(sizeof(PrefillWG));
+    PrefillWG& sm = shared_as<PrefillWG>();
     const Tile c = wg_tile(s, tile_info, 2 * ROWS);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -991,9 +1008,7 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
 __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned short* hp,
                                                 float* out, int H, int words_in, int wpad_in,
                                                 i64 bits_nbytes, int rpt, const int* tile_info) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    PrefillWG& sm = *reinterpret_cast<PrefillWG*>(smem);
-    check_smem(sizeof(PrefillWG));
+    PrefillWG& sm = shared_as<PrefillWG>();
     const Tile c = wg_tile(s, tile_info, 4 * ROWS);
     if (c.base >= c.T || c.row0 >= H) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
