@@ -131,13 +131,16 @@ def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
     return xh.view(n, wpad, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(n, wpad, 32)
 
 
+TILE_TOKENS = kernels.PREFILL_TOKENS  # tokens of an sm_90a prefill tile (cuda/moe.cu WG_TOKENS)
+
+
 def wgmma_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
     """[n, K] -> float16 [n, 32 * wpad], zero-padded, columns in the order the sm_90a prefill's
     lanes hold their weights: per 256-column chunk `it` and k-step s (0..15), the 16 columns of
     the step, so one token's k-step is 32 contiguous bytes. Position 256 it + 16 s + k holds
     column 32 w + c + 16 h + 4 j with w = 8 it + 2 (k % 8 // 2) + s // 8, c = s // 2 % 4,
     h = s % 2, j = k % 2 + 2 (k // 8)."""
-    n, K = x.shape
+    K = x.shape[1]
     xh = x.half()
     if 32 * wpad > K:
         xh = F.pad(xh, (0, 32 * wpad - K))
@@ -161,9 +164,6 @@ def wgmma_tiles(x: torch.Tensor, wpad: int, rows: torch.Tensor) -> torch.Tensor:
     return xw.view(tiles, 16, 8, hc, 8, 2, 8).permute(0, 3, 4, 1, 5, 2, 6).contiguous()
 
 
-TILE_TOKENS = 128  # tokens of a prefill pass (kernels.PREFILL_TOKENS)
-
-
 @dataclass
 class TilePlan:
     """The sm_90a prefill's token tiles: one per (slot, pass), each slot's tiles consecutive. The
@@ -179,6 +179,7 @@ class TilePlan:
 
 
 def tile_plan(pairs: Pairs) -> TilePlan:
+    """Tiles of 128 consecutive pairs of one slot, from device tensors only (no host sync)."""
     lo, hi = pairs.lo.long(), pairs.hi.long()
     per = (hi - lo).clamp(min=0).add(TILE_TOKENS - 1).div(TILE_TOKENS, rounding_mode="floor")
     end = per.cumsum(0)
