@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -19,8 +20,9 @@ from pwctl.policy import parse_policy
 from pwctl.runtime.batcher import BatchConfig
 from pwctl.runtime.engine import Engine
 from pwctl.runtime.protocol import chat_prompt
-from pwctl.runtime.server import create_app
-from pwctl.runtime.worker import EngineWorker
+from pwctl.runtime.scheduler import QueueFull, SamplingParams
+from pwctl.runtime.server import _engine_error, create_app
+from pwctl.runtime.worker import EngineWorker, Request, Update
 
 KEY = "test-key"
 PROMPTS = [
@@ -312,3 +314,30 @@ def _assert_aborted_and_freed(server, before: int) -> None:
             break
         time.sleep(0.05)
     assert m["pwctl_aborted_total"] == before + 1 and m["pwctl_kv_blocks_used"] == 0
+
+
+def test_full_queue_is_429_wherever_it_is_found(bundled_pack):
+    """A request counts as pending until the engine thread has queued it, and both counts change
+    in one update, so the bound holds between metric snapshots (a request that slipped through
+    was refused later by the scheduler: HTTP 503 under load). A queue found full by the engine
+    thread anyway (preemptions refill it) answers 429, like a full queue at submit."""
+    engine = Engine(Pack(bundled_pack))
+    cfg = BatchConfig(max_queue=3, max_model_len=128)
+    engine.start_batching(parse_policy("uniform:4"), None, cfg)
+    worker = EngineWorker(engine)  # not started: the test plays the engine thread
+    loop = asyncio.new_event_loop()
+    try:
+        params = SamplingParams(max_tokens=2)
+        for _ in range(3):
+            worker.submit(Request([1, 2, 3], params, loop))
+        with pytest.raises(QueueFull):
+            worker.submit(Request([1, 2, 3], params, loop))
+        worker._handle(*worker.inbox.get_nowait())  # queued, no metrics snapshot published yet
+        assert worker._pending == 2 and worker.metrics()["queue_length"] == 1
+        with pytest.raises(QueueFull):
+            worker.submit(Request([1, 2, 3], params, loop))
+    finally:
+        loop.close()
+    busy = _engine_error(Update("", 0, "abort", error="busy: the waiting queue is full"))
+    assert (busy.status, busy.kind) == (429, "rate_limit_error")
+    assert _engine_error(Update("", 0, "abort", error="engine error: boom")).status == 500

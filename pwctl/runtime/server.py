@@ -3,7 +3,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream with SSE when asked),
 GET /v1/models, /health, /metrics (Prometheus text). Every request must present
 `Authorization: Bearer KEY` when the server has an API key. Bad requests get HTTP 400 with an
-OpenAI-style error body; a full queue gets 429; a request the engine fails gets 500/503. Any
+OpenAI-style error body; a full queue gets 429 (also one found full by the engine thread); a
+request the engine fails gets 500, and any request while the engine is down 503. Any
 model name is accepted (the server holds one model). Handlers only parse, tokenize and wait on
 their request's update queue; the model runs in the engine thread (runtime/worker.py).
 """
@@ -194,8 +195,9 @@ async def _disconnected(request: Request) -> None:
 
 
 def _engine_error(update: Update) -> RequestError:
-    busy = update.error.startswith("busy")
-    return RequestError(update.error, None, None, 503 if busy else 500, "server_error")
+    if update.error.startswith("busy"):  # the queue was full after all: retry later, as at submit
+        return RequestError(update.error, None, "rate_limit_exceeded", 429, "rate_limit_error")
+    return RequestError(update.error, None, None, 500, "server_error")
 
 
 async def _stream(

@@ -121,16 +121,20 @@ class EngineWorker:
             if request.seq_id is not None and self.active.pop(request.seq_id, None) is not None:
                 self.batcher.abort(request.seq_id)
             return
-        with self._lock:
-            self._pending -= 1
         try:
             seq = self.batcher.add(request.prompt_ids, request.params)
-        except QueueFull as e:
+        except QueueFull as e:  # the queue filled after submit() admitted it (preemptions)
             request.push(Update("", 0, "abort", error=f"busy: {e}"))
             return
         except Exception as e:  # a request the handler's checks let through
             request.push(Update("", 0, "abort", error=str(e)))
             return
+        finally:
+            # one update of both counts: between two metric snapshots, submit() must not see a
+            # request in neither (it admitted past the bound, and add() then refused: HTTP 503)
+            with self._lock:
+                self._pending -= 1
+                self._metrics["queue_length"] = len(self.batcher.scheduler.waiting)
         request.seq_id = seq.seq_id
         self.active[seq.seq_id] = request
 
