@@ -330,3 +330,56 @@ def test_kernel_targets_take_the_worst_covered_row():
         (prefill, "m"): (0.7, True),
         (prefill, "q"): (0.5, False),
     }
+
+
+def test_bench_kernels_streams_rows_then_prints_tables(monkeypatch, tmp_path):
+    """`pwctl bench --kernels`, its device work replaced: each row goes to stderr as soon as
+    _measure returns it (what a time-limited device run keeps), then the tables and the JSON."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import pwctl.bench.kernels as kb
+    from pwctl.cli import app
+
+    class Layer:  # the parts of a SyntheticLayer the loop touches
+        table = type("T", (), {"min_bits": 2, "max_bits": 8, "n_blocks": 3})()
+
+        def set_widths(self, w):
+            self.w = w
+
+    measured = []
+
+    def measure(layer, name, width, T, copy_bw, seed):
+        row = KernelRow(name, width, T, "decode", 10.0 * T, 2_000_000, 200.0, 5.0, 1.0, 0.1,
+                        2.0, 0.2)  # fmt: skip
+        measured.append(row)
+        return [row]
+
+    monkeypatch.setattr(kb, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(kb, "synthetic_layer", lambda spec, seed: Layer())
+    monkeypatch.setattr(kb, "_measure", measure)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    seen = []
+    real = kb.run_kernel_bench
+
+    def run(*args, on_row=None, **kw):  # record what the command's on_row is handed, in order
+        return real(*args, on_row=lambda r: (seen.append(r), on_row(r)), **kw)
+
+    monkeypatch.setattr(kb, "run_kernel_bench", run)
+    out = tmp_path / "k.json"
+    args = ["bench", "--kernels", "--shape", "mixtral", "--width", "4", "--width", "mixed"]
+    res = CliRunner().invoke(app, args + ["--tokens", "1", "--tokens", "4", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert seen == measured and len(seen) == 4
+    assert "fused MoE layer, Test GPU (copy 4.00 TB/s)" in res.output
+    assert "mixtral  mixed  4  decode  40.0" in res.output  # a streamed progress line
+    saved = json.loads(out.read_text())
+    assert [(r["width"], r["tokens"]) for r in saved["rows"]] == [
+        ("4", 1),
+        ("4", 4),
+        ("mixed", 1),
+        ("mixed", 4),
+    ]
+    assert len(kb.row_cells(seen[0])) == len(kb.ROW_COLUMNS)

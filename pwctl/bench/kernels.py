@@ -7,6 +7,7 @@ with the same `synthetic_layer`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -298,8 +299,14 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
 
 
 def run_kernel_bench(
-    shapes: list[str], widths: list[str], tokens: list[int], seed: int = 0
+    shapes: list[str],
+    widths: list[str],
+    tokens: list[int],
+    seed: int = 0,
+    on_row: Callable[[KernelRow], None] | None = None,
 ) -> tuple[float, list[KernelRow]]:
+    """Every shape x width x token count; `on_row` sees each row as soon as it is measured (a
+    run cut short by a time limit still reports what it got)."""
     copy_bw = copy_bandwidth()
     rows = []
     for name in shapes:
@@ -313,7 +320,29 @@ def run_kernel_bench(
                 w = np.full(t.n_blocks, int(width))
             layer.set_widths(w)
             for T in tokens:
-                rows += _measure(layer, name, width, T, copy_bw, seed)
+                for row in _measure(layer, name, width, T, copy_bw, seed):
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
         del layer
         torch.cuda.empty_cache()
     return copy_bw, rows
+
+
+ROW_COLUMNS = ("shape", "width", "tokens", "path", "us", "MB read", "GB/s", "% copy",
+               "x fp16 floor", "x fp16 grouped")  # fmt: skip
+
+
+def row_cells(r: KernelRow) -> tuple[str, ...]:
+    """One row of the `bench --kernels` table (also its progress line)."""
+    return (r.shape, r.width, str(r.tokens), r.path, f"{r.time_us:.1f}",
+            f"{r.bytes_read / 1e6:.1f}", f"{r.gb_s:.0f}", f"{r.pct_copy:.0f}",
+            f"{r.speedup_vs_floor:.2f}", f"{r.speedup_vs_grouped:.2f}")  # fmt: skip
+
+
+TARGET_COLUMNS = ("target", "shape", "bar", "worst", "best", "met")
+
+
+def target_cells(c: dict) -> tuple[str, ...]:
+    return (c["target"], c["shape"], f"{c['bar']:.2f}", f"{c['worst']:.2f}", f"{c['best']:.2f}",
+            "yes" if c["met"] else "no")  # fmt: skip

@@ -18,6 +18,7 @@ from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
 from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.commands.common import (
     console,
+    err_console,
     handles_errors,
     print_ppl,
     print_table,
@@ -149,33 +150,28 @@ def run(
         write_json(json, {"prose": str(prose), "results": [r.as_dict() for r in results]})
         return
     if kernels:
-        from pwctl.bench.kernels import SHAPES, against_targets, run_kernel_bench
+        from pwctl.bench import kernels as kb
 
         if not torch.cuda.is_available():
             raise PwctlError("bench --kernels needs a CUDA device")
-        bad = set(shape or []) - set(SHAPES)
+        bad = set(shape or []) - set(kb.SHAPES)
         if bad:
-            raise PwctlError(f"unknown --shape {sorted(bad)}; choose from {sorted(SHAPES)}")
-        copy_bw, rows = run_kernel_bench(
-            shape or list(SHAPES), width or ["2", "3", "4", "8", "mixed"],
+            raise PwctlError(f"unknown --shape {sorted(bad)}; choose from {sorted(kb.SHAPES)}")
+        copy_bw, rows = kb.run_kernel_bench(
+            shape or list(kb.SHAPES), width or ["2", "3", "4", "8", "mixed"],
             tokens or [1, 2, 4, 8, 16, 512],
+            on_row=lambda r: err_console.print("  ".join(kb.row_cells(r)), highlight=False),
         )  # fmt: skip
-        print_table(
-            f"fused MoE layer, {torch.cuda.get_device_name()} (copy {copy_bw / 1e12:.2f} TB/s)",
-            ("shape", "width", "tokens", "path", "us", "MB read", "GB/s", "% copy",
-             "x fp16 floor", "x fp16 grouped"),
-            [(r.shape, r.width, r.tokens, r.path, f"{r.time_us:.1f}", f"{r.bytes_read / 1e6:.1f}",
-              f"{r.gb_s:.0f}", f"{r.pct_copy:.0f}", f"{r.speedup_vs_floor:.2f}",
-              f"{r.speedup_vs_grouped:.2f}") for r in rows],
-        )  # fmt: skip
-        checks = against_targets(rows)
+        name = torch.cuda.get_device_name()
+        title = f"fused MoE layer, {name} (copy {copy_bw / 1e12:.2f} TB/s)"
+        print_table(title, kb.ROW_COLUMNS, [kb.row_cells(r) for r in rows])
+        checks = kb.against_targets(rows)
         print_table(
             "against the kernel targets (worst of the rows each covers)",
-            ("target", "shape", "bar", "worst", "best", "met"),
-            [(c["target"], c["shape"], f"{c['bar']:.2f}", f"{c['worst']:.2f}", f"{c['best']:.2f}",
-              "yes" if c["met"] else "no") for c in checks],
-        )  # fmt: skip
-        write_json(json, {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bw,
+            kb.TARGET_COLUMNS,
+            [kb.target_cells(c) for c in checks],
+        )
+        write_json(json, {"device": name, "copy_bytes_per_s": copy_bw,
                           "rows": [r.as_dict() for r in rows], "targets": checks})  # fmt: skip
         return
     if throughput:
