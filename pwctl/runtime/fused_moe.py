@@ -123,12 +123,15 @@ def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
     """[n, K] -> float16 [n, wpad, 32] (cuda/moe.cu's activation layout), zero-padded to 32*wpad
     columns: [n, w, 4s + i] holds column 32w + s // 2 + 16 (s % 2) + 4i. View ops only (no index
     tensor), so CUDA-graph capture works."""
-    n, K = x.shape
-    xh = x.half()
-    if 32 * wpad > K:
-        xh = F.pad(xh, (0, 32 * wpad - K))
     # column 32w + 16h + 4i + c, stored as [w][c][h][i] (k-step s = 2c + h)
-    return xh.view(n, wpad, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(n, wpad, 32)
+    n = x.shape[0]
+    return _half_padded(x, wpad).view(n, wpad, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(n, wpad, 32)
+
+
+def _half_padded(x: torch.Tensor, wpad: int) -> torch.Tensor:
+    """x in fp16 with zero columns up to 32 * wpad (the kernels' activation width)."""
+    xh = x.half()
+    return F.pad(xh, (0, 32 * wpad - x.shape[1])) if 32 * wpad > x.shape[1] else xh
 
 
 TILE_TOKENS = kernels.PREFILL_TOKENS  # tokens of an sm_90a prefill tile (cuda/moe.cu WG_TOKENS)
@@ -140,11 +143,7 @@ def wgmma_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
     the step, so one token's k-step is 32 contiguous bytes. Position 256 it + 16 s + k holds
     column 32 w + c + 16 h + 4 j with w = 8 it + 2 (k % 8 // 2) + s // 8, c = s // 2 % 4,
     h = s % 2, j = k % 2 + 2 (k // 8)."""
-    K = x.shape[1]
-    xh = x.half()
-    if 32 * wpad > K:
-        xh = F.pad(xh, (0, 32 * wpad - K))
-    return xh[:, _wgmma_columns(wpad, x.device)]
+    return _half_padded(x, wpad)[:, _wgmma_columns(wpad, x.device)]
 
 
 @functools.cache

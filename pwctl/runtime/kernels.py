@@ -18,10 +18,13 @@ ROWS = 16  # block rows per CTA: one mma m-tile
 DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu ENTRY)
 PREFILL_TOKENS = 128  # tokens of one slot per prefill pass (cuda/moe.cu PF_TOKENS)
 PREFILL_ROWS = {"gate_up": 32, "down": 64}  # block rows per prefill CTA (both prefill kernels)
-PREFILL_SMEM = 4 * (128 * 24 + 16 * 256 * 2) + 2 * 4 * 16 * 32 * 16  # sizeof(Prefill), checked
+STAGE_BYTES = 128 * 24 + 16 * 256 * 2  # sizeof(Stage): 16 rows x 8 planes of RowPtr, tables
+# dynamic shared memory of the prefill kernels (each checks its size against its struct):
+# sizeof(Prefill), 4 stages + two chunks of A fragments; sizeof(PrefillWG), 4 stages + two B
+# buffers of 8 k-steps x 128 tokens
+PREFILL_SMEM = 4 * STAGE_BYTES + 2 * 4 * 16 * 32 * 16
+PREFILL_WG_SMEM = 4 * STAGE_BYTES + 2 * 8 * 128 * 16 * 2
 PREFILL_WARPS = 4  # cuda/moe.cu PF_WARPS
-# sizeof(PrefillWG): 4 stages, two B buffers of 8 k-steps x 128 tokens; checked by the kernel
-PREFILL_WG_SMEM = 4 * (128 * 24 + 16 * 256 * 2) + 2 * 8 * 128 * 16 * 2
 CTAS_PER_SM = 8  # what a k-split aims for: enough warps in flight to cover memory latency
 DECODE_MAX_TOKENS = 8 * DECODE_TILES[-1]
 
