@@ -1,0 +1,52 @@
+"""Where a decode layer's time goes: GPU time per kernel (torch.profiler over eager calls) against
+the CUDA-graph replay time of the whole layer, per shape and token count (4 bits). The difference
+is what launches and gaps between dependent kernels cost. Usage (GPU machine):
+  python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1,4,16"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import defaultdict
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pwctl.bench.kernels import SHAPES, _graph_time, random_routing, synthetic_layer
+
+
+def kernel_times(call, reps: int = 20) -> dict[str, float]:
+    """Microseconds per call of each CUDA kernel `call` launches."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name[:40]] += e.device_time / reps
+    return dict(total)
+
+
+def main() -> None:
+    shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
+    for name in shapes:
+        layer = synthetic_layer(SHAPES[name], seed=0)
+        layer.set_widths(np.full(layer.table.n_blocks, 4))
+        for T in tokens:
+            x, w, idx, sc = random_routing(layer.spec, T, seed=T)
+
+            call = functools.partial(layer.moe, 0, x, w, idx, sc, path="decode")
+
+            graph_us = _graph_time(call) * 1e6
+            times = kernel_times(call)
+            parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
+            head = f"{name:10s} T{T:3d} graph {graph_us:6.1f} us"
+            print(f"{head}  kernels {sum(times.values()):6.1f} us: {parts}", flush=True)
+        layer = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
