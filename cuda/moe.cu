@@ -276,15 +276,17 @@ __device__ __forceinline__ void mma_word(const u32 (&P0)[8], const u32 (&P1)[8],
 // a load has half an iteration of decoding to arrive.
 template <int B, int NT, bool FLAT>
 __device__ __forceinline__ void mma_rows(const Stage& st, int words, int wpad, const uint4* xf,
-                         const int (&xrow)[NT], int live, float (&acc)[NT][4]) {
-    // the column iterations are shared by the CTA's warps and by the gridDim.z CTAs of a k-split
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+                         const int (&xrow)[NT], int live, int part, int parts,
+                         float (&acc)[NT][4]) {
+    // the column iterations are shared by the `parts` warps of a unit and by the gridDim.z CTAs
+    // of a k-split
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 L0[8], L1[8];
     lut_from(st.tbl[g], B, L0);
     lut_from(st.tbl[g + 8], B, L1);
     const RowPtr *r0 = st.ptr + g * 8, *r1 = st.ptr + (g + 8) * 8;
-    const int iters = (words + 7) / 8, step = gridDim.z * WARPS;
-    int it = blockIdx.z * WARPS + warp;
+    const int iters = (words + 7) / 8, step = gridDim.z * parts;
+    int it = blockIdx.z * parts + part;
     u32 Pa0[8], Pa1[8], Pb0[8], Pb1[8];  // words u = 0 (a) and 1 (b) of rows g, g + 8
     load_word<B, FLAT>(r0, r1, 8 * it + t, words, Pa0, Pa1);
     load_word<B, FLAT>(r0, r1, 8 * it + t + 4, words, Pb0, Pb1);
@@ -302,12 +304,13 @@ __device__ __forceinline__ void mma_rows(const Stage& st, int words, int wpad, c
 // the kernel's register count is that of its widest path).
 template <int B, int NT>
 __device__ __forceinline__ void mma_rows_wide(const Stage& st, int words, int wpad, const uint4* xf,
-                              const int (&xrow)[NT], int live, float (&acc)[NT][4]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+                              const int (&xrow)[NT], int live, int part, int parts,
+                              float (&acc)[NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 L[8] = {};  // unused: the lookups read the shared-memory table
     const bool pairs = (words & 1) == 0;
     const int iters = (words + 7) / 8;
-    for (int it = blockIdx.z * WARPS + warp; it < iters; it += gridDim.z * WARPS) {
+    for (int it = blockIdx.z * parts + part; it < iters; it += gridDim.z * parts) {
         const int w = 8 * it + 2 * t;
         u32 P[2][2][8];  // [row g / g + 8][word w / w + 1][plane]
         load_words<B>(st.ptr + g * 8, w, words, pairs, P[0][0], P[0][1]);
@@ -319,18 +322,19 @@ __device__ __forceinline__ void mma_rows_wide(const Stage& st, int words, int wp
 
 template <int NT>
 __device__ __forceinline__ void mma_block(const Stage& st, int B, bool flat, int words, int wpad,
-                          const uint4* xf, const int (&xrow)[NT], int live, float (&acc)[NT][4]) {
+                          const uint4* xf, const int (&xrow)[NT], int live, int part,
+                          int parts, float (&acc)[NT][4]) {
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     switch (B) {
 #define CASE(W)                                                                                   \
     case W:                                                                                       \
-        if (flat) mma_rows<W, NT, true>(st, words, wpad, xf, xrow, live, acc);                    \
-        else mma_rows<W, NT, false>(st, words, wpad, xf, xrow, live, acc);                        \
+        if (flat) mma_rows<W, NT, true>(st, words, wpad, xf, xrow, live, part, parts, acc);       \
+        else mma_rows<W, NT, false>(st, words, wpad, xf, xrow, live, part, parts, acc);           \
         break;
         CASE(1) CASE(2) CASE(3) CASE(4)
 #undef CASE
-#define CASE(W) case W: mma_rows_wide<W, NT>(st, words, wpad, xf, xrow, live, acc); break;
+#define CASE(W) case W: mma_rows_wide<W, NT>(st, words, wpad, xf, xrow, live, part, parts, acc); break;
         CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     }
@@ -363,23 +367,24 @@ struct Tile {
     int live;                     // decode: n-tiles that hold a token of the slot
 };
 
-__device__ __forceinline__ Tile tile_of(const Slots& s) {
+__device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta) {
     Tile c;
     c.slot = blockIdx.y;
     c.lo = __ldg(s.lo + c.slot);
     c.T = __ldg(s.hi + c.slot) - c.lo;
     c.base = 0;
-    c.row0 = blockIdx.x * ROWS;
+    c.row0 = blockIdx.x * rows_per_cta;
     c.live = (c.T + 7) / 8;  // a launch's NT fits its largest possible slot; most slots are smaller
     return c;
 }
 
-// The warps' partial sums, added in shared memory 4 n-tiles at a time: thread (warp w, lane l)
-// ends with fragment register w of lane l, i.e. row (l / 4) + 8 (w / 2), token 2 (l % 4) + (w % 2)
-// of each n-tile, in sum[nt].
+// The warps' partial sums, added in shared memory 4 n-tiles at a time. The warps form units of
+// `parts` warps that split one m-tile's columns (4 parts: one unit; 2 parts: two m-tiles side by
+// side). Thread (warp w, lane l) ends with fragment register w of lane l, i.e. row (l / 4) +
+// 8 (w / 2), token 2 (l % 4) + (w % 2) of each n-tile, of unit u in sum[u][nt].
 #define RED_TILES 4
 template <int NT>
-__device__ void reduce_warps(const float (&acc)[NT][4], float* red, float (&sum)[NT]) {
+__device__ void reduce_units(const float (&acc)[NT][4], float* red, int parts, float (&sum)[2][NT]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     #pragma unroll
     for (int n0 = 0; n0 < NT; n0 += RED_TILES) {
@@ -391,10 +396,14 @@ __device__ void reduce_warps(const float (&acc)[NT][4], float* red, float (&sum)
         __syncthreads();
         #pragma unroll
         for (int nt = n0; nt < min(NT, n0 + RED_TILES); ++nt) {
-            float v = 0.f;
+            float s0 = 0.f, s1 = 0.f;  // not sum[w / parts]: a run-time index would spill sum
             #pragma unroll
-            for (int w = 0; w < WARPS; ++w) v += red[((w * RED_TILES + nt - n0) * 4 + warp) * 32 + lane];
-            sum[nt] = v;
+            for (int w = 0; w < WARPS; ++w) {
+                const float v = red[((w * RED_TILES + nt - n0) * 4 + warp) * 32 + lane];
+                if (w < parts) s0 += v;
+                else s1 += v;
+            }
+            sum[0][nt] = s0, sum[1][nt] = s1;
         }
     }
 }
@@ -405,7 +414,7 @@ __device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, i
                         int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
     __shared__ Stage st[2];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
-    const Tile c = tile_of(s);
+    const Tile c = tile_of(s, ROWS);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
@@ -422,15 +431,16 @@ __device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, i
         bool flat = stage(g, bg, wg, bits_nbytes, words_in, rpt, c.row0, nrows, st[0], threadIdx.x, blockDim.x);
         flat &= stage(g, bu, wu, bits_nbytes, words_in, rpt, c.row0, nrows, st[1], threadIdx.x, blockDim.x);
         flat = __syncthreads_and(flat);
-        // one copy of the loops for both blocks (two inlined copies spilled the second's
-        // accumulators to local memory)
+        // gate, then up, each on all 4 warps (running them side by side on 2 warps each was
+        // 10-20% slower on Mixtral and no faster on Qwen3-MoE: docs/PERF.md); one copy of the
+        // loops for both blocks (two inlined copies spilled the second's accumulators)
         #pragma unroll 1
         for (int m = 0; m < 2; ++m) {
-            float acc[NT][4], sum[NT];
-            mma_block<NT>(st[m], m ? wu : wg, flat, words_in, wpad_in, xf, xrow, c.live, acc);
-            reduce_warps<NT>(acc, red, sum);
+            float acc[NT][4], sum[2][NT];
+            mma_block<NT>(st[m], m ? wu : wg, flat, words_in, wpad_in, xf, xrow, c.live, warp, WARPS, acc);
+            reduce_units<NT>(acc, red, WARPS, sum);
             #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) (m ? us : gs)[nt] = sum[nt];
+            for (int nt = 0; nt < NT; ++nt) (m ? us : gs)[nt] = sum[0][nt];
         }
     }
     const int row = c.row0 + (lane >> 2) + 8 * (warp >> 1);
@@ -442,16 +452,19 @@ __device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, i
 }
 
 // out[token] += weight * (down h[pair]) for every pair of a slot (fp32 atomics, so the columns may
-// also be split over gridDim.z CTAs).
+// also be split over gridDim.z CTAs). `units` m-tiles a CTA: 1 (16 rows, 4 warps on its columns)
+// or, for short rows, 2 (rows [row0, row0 + 16) and the 16 after, 2 warps each), so that warps
+// have columns to stream.
 template <int NT>
 __device__ void down(Paged g, Slots s, const uint4* hp, float* out, int H, int words_in, int wpad_in,
-                     i64 bits_nbytes, int rpt) {
-    __shared__ Stage st;
+                     i64 bits_nbytes, int rpt, int units) {
+    __shared__ Stage st[2];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
-    const Tile c = tile_of(s);
+    const Tile c = tile_of(s, ROWS * units);
     if (c.base >= c.T || c.row0 >= H) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, H - c.row0);
+    const int parts = WARPS / units, unit = warp / parts;
+    const int e = __ldg(s.expert + c.slot);
     int xrow[NT];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -459,18 +472,28 @@ __device__ void down(Paged g, Slots s, const uint4* hp, float* out, int H, int w
         xrow[nt] = j < c.T ? c.lo + j : -1;
     }
     const int bd = __ldg(s.block_ids + 3 * e + 2), wd = __ldg(g.width + bd);
-    const bool flat = __syncthreads_and(
-        stage(g, bd, wd, bits_nbytes, words_in, rpt, c.row0, nrows, st, threadIdx.x, blockDim.x));
-    float acc[NT][4], sum[NT];
-    mma_block<NT>(st, wd, flat, words_in, wpad_in, hp, xrow, c.live, acc);
-    reduce_warps<NT>(acc, red, sum);
-    const int row = c.row0 + (lane >> 2) + 8 * (warp >> 1);
-    if (row >= H) return;
+    bool flat = true;
+    for (int u = 0; u < units; ++u) {
+        const int row0 = c.row0 + ROWS * u;  // a second tile past H is neither staged nor streamed
+        if (row0 < H)
+            flat &= stage(g, bd, wd, bits_nbytes, words_in, rpt, row0, min(ROWS, H - row0), st[u],
+                          threadIdx.x, blockDim.x);
+    }
+    flat = __syncthreads_and(flat);
+    float acc[NT][4] = {}, sum[2][NT];  // acc stays zero for a tile past H
+    if (c.row0 + ROWS * unit < H)
+        mma_block<NT>(st[unit], wd, flat, words_in, wpad_in, hp, xrow, c.live, warp % parts, parts, acc);
+    reduce_units<NT>(acc, red, parts, sum);
     #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int j = c.base + 8 * nt + 2 * (lane & 3) + (warp & 1);
-        if (j < c.T)
-            atomicAdd(out + (i64)__ldg(s.token + c.lo + j) * H + row, __ldg(s.weight + c.lo + j) * sum[nt]);
+    for (int u = 0; u < 2; ++u) {
+        const int row = c.row0 + ROWS * u + (lane >> 2) + 8 * (warp >> 1);
+        if (u >= units || row >= H) break;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int j = c.base + 8 * nt + 2 * (lane & 3) + (warp & 1);
+            if (j < c.T)
+                atomicAdd(out + (i64)__ldg(s.token + c.lo + j) * H + row, __ldg(s.weight + c.lo + j) * sum[u][nt]);
+        }
     }
 }
 
@@ -1050,8 +1073,8 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
     }                                                                                            \
     extern "C" __global__ void BOUNDS down_n##NT(                                                 \
         PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,    \
-        i64 bits_nbytes, int rpt) {                                                              \
-        down<NT>(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt);                 \
+        i64 bits_nbytes, int rpt, int units) {                                                   \
+        down<NT>(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, units);          \
     }
 
 ENTRY(1, __launch_bounds__(32 * WARPS))
@@ -1089,40 +1112,68 @@ extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
                             tile_info))
 }
 
-// Decode-time grouping of (token, expert) pairs by expert, in one launch (it replaced ~20 small
-// torch kernels: 53 us of a Mixtral decode step on the H200). Pairs are placed stably (sorted by
-// expert, then by token); slots list the active experts in increasing order, empty slots after.
-// One block; dynamic shared memory: experts ints. For <= a few hundred pairs (decode).
-extern "C" __global__ void group_pairs(const i64* index, const float* weights, int pairs, int k,
-                                       int experts, int slots, int* token, float* weight,
-                                       int* s_expert, int* s_lo, int* s_hi) {
-    extern __shared__ int first[];  // per expert: count, then its first pair
+// Decode-time preparation of one layer call, in one launch (it replaced ~20 small torch kernels,
+// then three more launches: docs/PERF.md). Block 0 groups the (token, expert) pairs by expert:
+// pairs placed stably (sorted by expert, then by pair), slots listing the active experts in
+// increasing order, empty slots after. The other blocks write x (fp16 [T, H]) in fragment order
+// (fp16 [T, wpad, 32], zero-padded: fused_moe.fragment_order) and zero the fp32 output the down
+// kernels add into. Dynamic shared memory: `experts` ints. For decode sizes (<= 512 pairs).
+__device__ void group_pairs(const i64* index, const float* weights, int pairs, int k, int experts,
+                            int slots, int* token, float* weight, int* s_expert, int* s_lo, int* s_hi) {
+    extern __shared__ int first[];  // per expert: count, then where its next pair goes
+    const int lane = threadIdx.x & 31;
+    const unsigned all = 0xffffffffu, below = (1u << lane) - 1;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) first[e] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) atomicAdd(&first[(int)index[i]], 1);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int start = 0, n = 0;
-        for (int e = 0; e < experts; ++e) {
-            const int c = first[e];
-            first[e] = start;
-            if (c > 0 && n < slots) {
-                s_expert[n] = e;
-                s_lo[n] = start;
-                s_hi[n] = start + c;
-                ++n;
-            }
-            start += c;
+    if (threadIdx.x >= 32) return;
+    // one warp: counts -> first pair of each expert (a scan 32 experts at a time), active -> slots
+    int start = 0, n = 0;
+    for (int e0 = 0; e0 < experts; e0 += 32) {
+        const int e = e0 + lane, c = e < experts ? first[e] : 0;
+        int inc = c;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(all, inc, d);
+            if (lane >= d) inc += v;
         }
-        for (; n < slots; ++n) s_expert[n] = s_lo[n] = s_hi[n] = 0;
+        const unsigned active = __ballot_sync(all, c > 0);
+        const int slot = n + __popc(active & below), at = start + inc - c;
+        if (e < experts) first[e] = at;
+        if (c > 0 && slot < slots) s_expert[slot] = e, s_lo[slot] = at, s_hi[slot] = at + c;
+        start += __shfl_sync(all, inc, 31);
+        n += __popc(active);
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-        const i64 e = index[i];
-        int rank = 0;
-        for (int j = 0; j < i; ++j) rank += index[j] == e;
-        const int pos = first[e] + rank;
-        token[pos] = i / k;
-        weight[pos] = weights[i];
+    for (int r = n + lane; r < slots; r += 32) s_expert[r] = s_lo[r] = s_hi[r] = 0;
+    __syncwarp();
+    // place the pairs 32 at a time, in order: a lane's rank among the lanes of its expert below it
+    for (int i0 = 0; i0 < pairs; i0 += 32) {
+        const int i = i0 + lane, e = i < pairs ? (int)index[i] : -1;
+        const unsigned peers = __match_any_sync(all, e);
+        const int before = __popc(peers & below);
+        if (e >= 0) token[first[e] + before] = i / k, weight[first[e] + before] = weights[i];
+        __syncwarp();
+        if (e >= 0 && before == __popc(peers) - 1) first[e] += __popc(peers);
+        __syncwarp();
     }
+}
+
+extern "C" __global__ void decode_prep(const i64* index, const float* weights, int pairs, int k,
+                                       int experts, int slots, int* token, float* weight,
+                                       int* s_expert, int* s_lo, int* s_hi,
+                                       const unsigned short* x, int T, int H, int wpad,
+                                       unsigned short* xf, float* out, int out_n) {
+    if (blockIdx.x == 0) {
+        group_pairs(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
+        return;
+    }
+    const int stride = (gridDim.x - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
+    for (int i = first; i < T * wpad * 32; i += stride) {
+        // [n][w][4 s + j] holds column 32 w + s / 2 + 16 (s % 2) + 4 j
+        const int n = i / (wpad * 32), w = i / 32 % wpad, s = i % 32 / 4, j = i % 4;
+        const int col = 32 * w + s / 2 + 16 * (s % 2) + 4 * j;
+        xf[i] = col < H ? x[(i64)n * H + col] : (unsigned short)0;
+    }
+    for (int i = first; i < out_n; i += stride) out[i] = 0.f;
 }

@@ -1,5 +1,5 @@
 """Where a fused MoE decode call spends its time (NVIDIA GPU): the whole call, the grouping and
-input layout alone, and each kernel alone, on one real layer shape with synthetic planes.
+input layout alone, and the two kernels alone, on one real layer shape with synthetic planes.
 Usage: python recipes/perf_kernel_parts.py [--shape mixtral] [--width 4] [--tokens 1]"""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pwctl.bench.kernels import SHAPES, _graph_time, random_routing, synthetic_layer
-from pwctl.runtime.fused_moe import fragment_order, group_on_device
+from pwctl.runtime.fused_moe import prepare_decode
 
 
 def main() -> None:
@@ -23,19 +23,19 @@ def main() -> None:
     layer.set_widths(np.full(layer.table.n_blocks, a.width))
     x, weights, index, scale = random_routing(layer.spec, a.tokens)
     moe, E = layer.moe, layer.spec.num_experts
+    wpad = moe.proj[(0, False, "gate")].wpad
+    out = torch.empty(x.shape[0], x.shape[1], device="cuda")
     parts = {
         "whole call (graph)": lambda: moe(0, x, weights, index, scale),
-        "group_on_device + fragment_order (graph)": lambda: (
-            group_on_device(index, weights, E),
-            fragment_order(x, moe.proj[(0, False, "gate")].wpad),
+        "prepare_decode: grouping, layout, zeroed output (graph)": lambda: prepare_decode(
+            x, index, weights, E, wpad, out
         ),
     }
     for name, fn in parts.items():
         print(f"{name}: {_graph_time(fn) * 1e6:.1f} us")
-    pairs = group_on_device(index, weights, E)
-    out = torch.zeros(x.shape[0], x.shape[1], device="cuda")
-    t = _graph_time(lambda: moe._decode(0, False, x, pairs, out))
-    print(f"_decode: input layout + the two routed-expert kernels (graph): {t * 1e6:.1f} us")
+    pairs, xf = prepare_decode(x, index, weights, E, wpad, out)
+    t = _graph_time(lambda: moe._decode(0, False, xf, pairs, out))
+    print(f"_decode: the two routed-expert kernels (graph): {t * 1e6:.1f} us")
 
 
 if __name__ == "__main__":

@@ -254,10 +254,15 @@ def _poison(moe: FusedMoE) -> None:
 PREFILL_KINDS = ["wgmma", "mma"] if torch.cuda.is_available() and kernels.has_wgmma() else ["mma"]
 
 
+# rows and columns off every tile size: partial m-tiles, a down CTA whose second m-tile is past
+# the last row, odd plane words, a shared expert
+ODD = MoESpec(6, 2, 120, 200, "softmax_topk", False, 1.0, 72, True, "silu")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", [*SHAPES, "odd"])
 def test_kernels_match_reference(shape):
-    layer = synthetic_layer(SHAPES[shape], seed=1)
+    layer = synthetic_layer(SHAPES.get(shape, ODD), seed=1)
     t = layer.table
     rng = np.random.default_rng(1)
     worst = {}
@@ -282,18 +287,23 @@ def test_kernels_match_reference(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, k, E", [(1, 2, 8), (3, 4, 60), (8, 8, 128)])
-def test_group_kernel_matches_torch_grouping(T, k, E):
-    from pwctl.runtime.fused_moe import group_on_device
+@pytest.mark.parametrize("T, k, E", [(1, 2, 8), (3, 4, 60), (8, 8, 128), (64, 8, 128)])
+def test_decode_prep_matches_torch(T, k, E):
+    """One launch: `group`'s pairs, x in fragment order, and the output zeroed (poisoned first)."""
+    from pwctl.runtime.fused_moe import prepare_decode
 
     spec = MoESpec(E, k, 64, 64, "softmax_topk", False, 1.0, 0, False, "silu")
     gen = torch.Generator(device="cuda").manual_seed(T)
     weights, index = route(torch.randn(T, E, generator=gen, device="cuda"), spec)
-    want, got = group(index, weights, E), group_on_device(index, weights, E)
+    x = torch.randn(T, 200, generator=gen, device="cuda").half()  # 200 columns: padded to 256
+    out = torch.full((T, 200), float("nan"), device="cuda")
+    want, (got, xf) = group(index, weights, E), prepare_decode(x, index, weights, E, 8, out)
     for field in ("token", "weight", "lo", "hi"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     live = want.hi > want.lo  # empty slots may name any expert
     assert torch.equal(got.expert[live], want.expert[live])
+    assert torch.equal(xf, fragment_order(x, 8))
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_device_table_sync_uploads_what_changed():

@@ -80,8 +80,16 @@ def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs
     )
 
 
-def group_on_device(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs:
-    """`group` in one kernel launch (decode sizes, CUDA): same pairs, same slots."""
+def prepare_decode(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    wpad: int,
+    out: torch.Tensor,
+) -> tuple[Pairs, torch.Tensor]:
+    """One launch for what a decode call needs before its kernels: `group`'s pairs and slots (no
+    host sync), x in fragment order (`fragment_order(x, wpad)`), and `out` (float32) zeroed."""
     T, k = index.shape
     n, slots = T * k, min(num_experts, T * k)
     dev = index.device
@@ -94,29 +102,43 @@ def group_on_device(index: torch.Tensor, weights: torch.Tensor, num_experts: int
         hi=torch.empty(slots, dtype=i32, device=dev),
     )
     idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
-    p = kernels.ptr
+    xh = x.half().contiguous()
+    xf = torch.empty(T, wpad, 32, dtype=torch.float16, device=dev)
+    blocks = 1 + min(64, -(-max(xf.numel(), out.numel()) // 1024))  # block 0 groups
+    p, i = kernels.ptr, np.int32
     kernels.launch(
-        "group_pairs",
-        (1,),
+        "decode_prep",
+        (blocks,),
         (256,),
-        (p(idx), p(w), np.int32(n), np.int32(k), np.int32(num_experts), np.int32(slots))
-        + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi)),
+        (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
+        + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
+        + (p(xh), i(T), i(x.shape[1]), i(wpad), p(xf), p(out), i(out.numel())),
         shared_mem=4 * num_experts,
     )
-    return pairs
+    return pairs, xf
+
+
+@functools.cache
+def _all_tokens(T: int, expert: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    i32 = torch.int32
+    return (
+        torch.arange(T, dtype=i32, device=device),
+        torch.ones(T, device=device),
+        torch.full((1,), expert, dtype=i32, device=device),
+        torch.zeros(1, dtype=i32, device=device),
+        torch.full((1,), T, dtype=i32, device=device),
+    )
 
 
 def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.device) -> Pairs:
-    """One slot holding every token (the shared expert), weighted by its gate."""
-    i32 = torch.int32
-    weight = torch.ones(T, device=device) if scale is None else scale.reshape(-1).float()
-    return Pairs(
-        token=torch.arange(T, dtype=i32, device=device),
-        weight=weight,
-        expert=torch.full((1,), expert, dtype=i32, device=device),  # no host copy: graphs
-        lo=torch.zeros(1, dtype=i32, device=device),
-        hi=torch.full((1,), T, dtype=i32, device=device),
-    )
+    """One slot holding every token (the shared expert), weighted by its gate. Its constant
+    tensors are made once per (T, expert, device): no launch and no host copy per call (graphs)."""
+    # under stream capture the fills are only recorded, not run: nothing to cache then
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    make = _all_tokens.__wrapped__ if capturing else _all_tokens
+    token, ones, experts, lo, hi = make(T, expert, device)
+    weight = ones if scale is None else scale.reshape(-1).float()
+    return Pairs(token=token, weight=weight, expert=experts, lo=lo, hi=hi)
 
 
 def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
@@ -226,15 +248,19 @@ class FusedMoE:
     ) -> torch.Tensor:
         """Sum over routed experts (and the shared one) for tokens x [T, H]: float32 [T, H].
         `path` forces "decode" or "prefill" on CUDA (benchmarks); default: by token count."""
-        T = x.shape[0]
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        T, E = x.shape[0], self.spec.num_experts
         if reference or not x.is_cuda:
             path = "torch"
         elif path is None:
             path = "decode" if T <= kernels.DECODE_MAX_TOKENS else "prefill"
         run = {"torch": self._torch, "decode": self._decode, "prefill": self._prefill}[path]
-        E = self.spec.num_experts
-        pairs = group_on_device(index, weights, E) if path == "decode" else group(index, weights, E)
+        if path == "decode":  # one launch groups, zeroes out and lays x out for both kernels
+            out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
+            wpad = self.proj[(layer, False, "gate")].wpad
+            pairs, x = prepare_decode(x, index, weights, E, wpad, out)
+        else:
+            out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+            pairs = group(index, weights, E)
         run(layer, False, x, pairs, out)
         if self.spec.has_shared:
             run(layer, True, x, all_tokens(T, shared_scale, E, x.device), out)
@@ -256,14 +282,15 @@ class FusedMoE:
 
     # --- CUDA: two kernels per expert group ---------------------------------------------------
 
-    def _decode(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
-        """<= 64 tokens: one token pass, no host sync (graph-capturable)."""
+    def _decode(self, layer: int, shared: bool, xf: torch.Tensor, pairs: Pairs, out: torch.Tensor):
+        """<= 64 tokens, x already in fragment order (`prepare_decode`): one token pass, no host
+        sync (graph-capturable)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
+        assert xf.shape[1] == gu.wpad, "the shared expert reads x at the routed experts' layout"
         key = (pairs.token.numel(), dn.wpad)
         if key not in self._hp:  # reused across steps: fixed pointers for CUDA graphs
-            self._hp[key] = torch.empty(*key, 32, dtype=torch.float16, device=x.device)
-        hp, nt, n_slots = self._hp[key], kernels.n_tiles(x.shape[0]), pairs.expert.numel()
-        xf = fragment_order(x, gu.wpad)
+            self._hp[key] = torch.empty(*key, 32, dtype=torch.float16, device=xf.device)
+        hp, nt, n_slots = self._hp[key], kernels.n_tiles(xf.shape[0]), pairs.expert.numel()
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         i32, i64, rows = np.int32, np.int64, kernels.ROWS
         # gate_up covers every padded column of h (rows past I are written as zeros)
@@ -275,14 +302,16 @@ class FusedMoE:
             + (kernels.ptr(xf), kernels.ptr(hp), i32(gu.rows), i32(gu.words), i32(gu.wpad))
             + (i32(dn.wpad), i64(gu.bits_nbytes), i32(gu.rows_per_table)),
         )
-        down_ctas = -(-dn.rows // rows)
+        units = kernels.down_units(dn.words)
+        down_ctas = -(-dn.rows // (rows * units))
+        split = kernels.k_split(down_ctas * n_slots, dn.words, kernels.WARPS // units)
         kernels.launch(
             f"down_n{nt}",
-            (down_ctas, n_slots, kernels.k_split(down_ctas * n_slots, dn.words)),
+            (down_ctas, n_slots, split),
             (32 * kernels.WARPS,),
             common
             + (kernels.ptr(hp), kernels.ptr(out), i32(dn.rows), i32(dn.words), i32(dn.wpad))
-            + (i64(dn.bits_nbytes), i32(dn.rows_per_table)),
+            + (i64(dn.bits_nbytes), i32(dn.rows_per_table), i32(units)),
         )
 
     def _prefill(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):

@@ -13,8 +13,8 @@ import torch
 from pwctl.errors import PwctlError
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
-WARPS = 4  # warps per CTA (cuda/moe.cu): they split a block's columns
-ROWS = 16  # block rows per CTA: one mma m-tile
+WARPS = 4  # warps per decode CTA (cuda/moe.cu): they split a block's columns
+ROWS = 16  # block rows of one mma m-tile: a gate_up CTA's rows (of gate and of up)
 DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu ENTRY)
 PREFILL_TOKENS = 128  # tokens of one slot per prefill pass (cuda/moe.cu PF_TOKENS)
 PREFILL_ROWS = {"gate_up": 32, "down": 64}  # block rows per prefill CTA (both prefill kernels)
@@ -100,11 +100,17 @@ def sm_count() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
-def k_split(ctas: int, words: int) -> int:
+def down_units(words: int) -> int:
+    """m-tiles of a down CTA (cuda/moe.cu `down`): 2 side by side, 2 warps each, when rows are too
+    short (< 4 iterations of 8 words) to give 4 warps a share of one tile's columns."""
+    return 2 if -(-words // 8) < WARPS else 1
+
+
+def k_split(ctas: int, words: int, parts: int = WARPS) -> int:
     """CTAs sharing one tile's columns (down only: it adds with atomics): enough CTAs to fill the
-    GPU, while every warp keeps at least one 8-word iteration."""
+    GPU, while every one of the `parts` warps on a tile keeps at least one 8-word iteration."""
     want = -(-CTAS_PER_SM * sm_count() // max(ctas, 1))
-    return max(1, min(want, -(-words // 8) // WARPS))
+    return max(1, min(want, -(-words // 8) // parts))
 
 
 def n_tiles(tokens: int) -> int:
