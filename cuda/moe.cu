@@ -29,6 +29,21 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
     return d;
 }
 
+// Programmatic dependent launch (kernels.launch(early=True), Hopper on). `wait_previous`: block
+// until the previous kernel on the stream has finished and its writes are visible; `start_next`:
+// let the next kernel's CTAs launch now (they wait in their own `wait_previous`). Both are no-ops
+// for a plain launch and compile to nothing before sm_90.
+__device__ __forceinline__ void wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void start_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 struct Paged {
     const unsigned char* arena;  // [n_slabs, 1 << slab_shift]
     const int* slab_map;         // slab id of every (block, plane, page)
@@ -414,6 +429,8 @@ __device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, i
                         int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
     __shared__ Stage st[2];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
+    wait_previous();  // the slots and x come from decode_prep (or h's buffer is still being read)
+    start_next();     // down may launch and stage while this grid runs
     const Tile c = tile_of(s, ROWS);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -480,6 +497,8 @@ __device__ void down(Paged g, Slots s, const uint4* hp, float* out, int H, int w
                           threadIdx.x, blockDim.x);
     }
     flat = __syncthreads_and(flat);
+    // everything above read what was final before gate_up started (slots, descriptors); h is not
+    wait_previous();
     float acc[NT][4] = {}, sum[2][NT];  // acc stays zero for a tile past H
     if (c.row0 + ROWS * unit < H)
         mma_block<NT>(st[unit], wd, flat, words_in, wpad_in, hp, xrow, c.live, warp % parts, parts, acc);
@@ -1164,6 +1183,7 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
                                        int* s_expert, int* s_lo, int* s_hi,
                                        const unsigned short* x, int T, int H, int wpad,
                                        unsigned short* xf, float* out, int out_n) {
+    start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
     if (blockIdx.x == 0) {
         group_pairs(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
         return;

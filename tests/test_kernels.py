@@ -3,6 +3,7 @@ ExpertStore reference; the CUDA kernels against the torch path on real layer sha
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import re
 
@@ -393,3 +394,12 @@ def test_bench_kernels_streams_rows_then_prints_tables(monkeypatch, tmp_path):
         ("mixed", 4),
     ]
     assert len(kb.row_cells(seen[0])) == len(kb.ROW_COLUMNS)
+
+
+def test_pdl_launch_structs_match_the_driver_abi():
+    """cuLaunchKernelEx reads CUlaunchConfig / CUlaunchAttribute (cuda.h, 64-bit): the ctypes
+    mirrors must have the driver's sizes and field offsets, or the launch reads garbage."""
+    cfg, attr = kernels._LaunchConfig, kernels._LaunchAttr
+    assert ctypes.sizeof(attr) == 72 and attr.value.offset == 8
+    assert (cfg.shared_mem.offset, cfg.stream.offset, cfg.attrs.offset) == (24, 32, 40)
+    assert cfg.num_attrs.offset == 48 and ctypes.sizeof(cfg) == 56

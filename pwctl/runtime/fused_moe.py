@@ -301,6 +301,7 @@ class FusedMoE:
             common
             + (kernels.ptr(xf), kernels.ptr(hp), i32(gu.rows), i32(gu.words), i32(gu.wpad))
             + (i32(dn.wpad), i64(gu.bits_nbytes), i32(gu.rows_per_table)),
+            early=True,
         )
         units = kernels.down_units(dn.words)
         down_ctas = -(-dn.rows // (rows * units))
@@ -312,6 +313,7 @@ class FusedMoE:
             common
             + (kernels.ptr(hp), kernels.ptr(out), i32(dn.rows), i32(dn.words), i32(dn.wpad))
             + (i64(dn.bits_nbytes), i32(dn.rows_per_table), i32(units)),
+            early=True,  # stages while gate_up finishes; waits before it reads h
         )
 
     def _prefill(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):

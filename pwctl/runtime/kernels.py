@@ -4,7 +4,9 @@ torch's current stream and take raw device pointers, so torch tensors are passed
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -73,12 +75,77 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 
 def launch(
-    name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+    name: str,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple,
+    shared_mem: int = 0,
+    early: bool = False,
 ) -> None:
+    """`early`: the kernel may start before the previous kernel on the stream has finished
+    (programmatic dependent launch, Hopper on): it waits (`griddepcontrol.wait`) before it reads
+    what that kernel wrote. Elsewhere a plain launch."""
     f = _function(name)
     if shared_mem > 48 << 10:
         _opt_in(name, shared_mem)
-    f(grid, block, args, stream=_stream(), shared_mem=shared_mem)
+    if early and has_pdl():
+        _launch_pdl(f.kernel.ptr, grid, block, args, shared_mem)
+    else:
+        f(grid, block, args, stream=_stream(), shared_mem=shared_mem)
+
+
+@functools.cache
+def has_pdl() -> bool:
+    """Programmatic dependent launch: compute capability 9.0 or later, and the driver's
+    cuLaunchKernelEx (CUDA 12+). PWCTL_NO_PDL=1 turns it off (A/B timing)."""
+    if os.environ.get("PWCTL_NO_PDL") == "1" or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    return hasattr(_libcuda(), "cuLaunchKernelEx")
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttr)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32}
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _launch_pdl(func: int, grid: tuple, block: tuple, args: tuple, shared_mem: int) -> None:
+    values = [_CTYPES[type(a)](a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    pad = (1, 1, 1)
+    config = _LaunchConfig(
+        (ctypes.c_uint * 3)(*(tuple(grid) + pad)[:3]),
+        (ctypes.c_uint * 3)(*(tuple(block) + pad)[:3]),
+        shared_mem,
+        torch.cuda.current_stream().cuda_stream,
+        ctypes.pointer(attr),
+        1,
+    )
+    fn = _libcuda().cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    err = fn(ctypes.byref(config), ctypes.c_void_p(func), params, None)
+    if err != 0:
+        raise PwctlError(f"cuLaunchKernelEx failed with CUDA driver error {err}")
 
 
 @functools.cache
