@@ -418,7 +418,8 @@ __device__ void reduce_units(const float (&acc)[NT][4], float* red, int parts, f
                 if (w < parts) s0 += v;
                 else s1 += v;
             }
-            sum[0][nt] = s0, sum[1][nt] = s1;
+            sum[0][nt] = s0;
+            sum[1][nt] = s1;
         }
     }
 }
@@ -1160,7 +1161,11 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
         const unsigned active = __ballot_sync(all, c > 0);
         const int slot = n + __popc(active & below), at = start + inc - c;
         if (e < experts) first[e] = at;
-        if (c > 0 && slot < slots) s_expert[slot] = e, s_lo[slot] = at, s_hi[slot] = at + c;
+        if (c > 0 && slot < slots) {
+            s_expert[slot] = e;
+            s_lo[slot] = at;
+            s_hi[slot] = at + c;
+        }
         start += __shfl_sync(all, inc, 31);
         n += __popc(active);
     }
@@ -1171,7 +1176,10 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
         const int i = i0 + lane, e = i < pairs ? (int)index[i] : -1;
         const unsigned peers = __match_any_sync(all, e);
         const int before = __popc(peers & below);
-        if (e >= 0) token[first[e] + before] = i / k, weight[first[e] + before] = weights[i];
+        if (e >= 0) {
+            token[first[e] + before] = i / k;
+            weight[first[e] + before] = weights[i];
+        }
         __syncwarp();
         if (e >= 0 && before == __popc(peers) - 1) first[e] += __popc(peers);
         __syncwarp();

@@ -127,6 +127,13 @@ def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
+@functools.cache
+def _launch_kernel_ex():
+    fn = _libcuda().cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
 def _launch_pdl(func: int, grid: tuple, block: tuple, args: tuple, shared_mem: int) -> None:
     values = [_CTYPES[type(a)](a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
@@ -141,9 +148,7 @@ def _launch_pdl(func: int, grid: tuple, block: tuple, args: tuple, shared_mem: i
         ctypes.pointer(attr),
         1,
     )
-    fn = _libcuda().cuLaunchKernelEx
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    err = fn(ctypes.byref(config), ctypes.c_void_p(func), params, None)
+    err = _launch_kernel_ex()(ctypes.byref(config), ctypes.c_void_p(func), params, None)
     if err != 0:
         raise PwctlError(f"cuLaunchKernelEx failed with CUDA driver error {err}")
 
