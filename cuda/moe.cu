@@ -1132,6 +1132,37 @@ extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
                             tile_info))
 }
 
+// The sm_90a prefill's token tiles in one pass (fused_moe.wgmma_tiles, which gathers, reorders
+// and permutes in torch): tile t holds the tokens of pairs pair[128 t ..], each a row of x (fp16
+// [T, H]) in wgmma order, laid out as `PrefillWG::b` holds it (the inverse of `tile_pos`). A
+// thread writes one 16-byte unit: 8 k of one token's k-step. Tiles past the last real one (slot
+// -1 in tile_info) are left unwritten: no CTA reads them.
+extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad, const int* token,
+                                       const i64* pair, const int* tile_info, uint4* xt) {
+    const int t = blockIdx.y, units = wpad / 4 * 2048;  // half-chunks x (8 x 16 x 2 x 8) units
+    if (tile_info[2 * t] < 0) return;
+    for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < units; u += gridDim.x * blockDim.x) {
+        // unit u = [half-chunk hc][k-step s 8][token group 16][k half 2][token 8]
+        const int hc = u >> 11, s = (u >> 8) & 7, kh = (u >> 3) & 1;
+        const int n = ((u >> 4) & 15) * 8 + (u & 7);
+        const unsigned short* row = x + (i64)token[pair[(i64)t * 128 + n]] * H;  // 128: WG_TOKENS
+        u32 v[4];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            u32 two = 0;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int k = 8 * kh + 2 * i + h, j = (k & 1) + 2 * (k >> 3);
+                const int w = 8 * (hc >> 1) + 2 * ((k & 7) >> 1) + (hc & 1);
+                const int col = 32 * w + (s >> 1) + 4 * j + 16 * (s & 1);
+                two |= (u32)(col < H ? row[col] : (unsigned short)0) << (16 * h);
+            }
+            v[i] = two;
+        }
+        xt[(i64)t * units + u] = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
 // Decode-time preparation of one layer call, in one launch (it replaced ~20 small torch kernels,
 // then three more launches: docs/PERF.md). Block 0 groups the (token, expert) pairs by expert:
 // pairs placed stably (sorted by expert, then by pair), slots listing the active experts in

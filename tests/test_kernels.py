@@ -103,6 +103,30 @@ def test_wgmma_tiles_put_each_column_where_the_kernel_reads_it():
         assert torch.equal(tiles[t, pos], want), (t, n)
 
 
+def _token_tiles_replay(x: torch.Tensor, wpad: int, rows: torch.Tensor) -> torch.Tensor:
+    """cuda/moe.cu `token_tiles`' index math, in torch: unit u of tile t = [hc][s][token group]
+    [k half][token], 8 k a unit; k -> column by the inverse of `tile_pos`."""
+    units = wpad // 4 * 2048
+    u = torch.arange(units)
+    hc, s, kh = u >> 11, (u >> 8) & 7, (u >> 3) & 1
+    n = ((u >> 4) & 15) * 8 + (u & 7)
+    k = 8 * kh[:, None] + torch.arange(8)
+    j = (k & 1) + 2 * (k >> 3)
+    w = 8 * (hc[:, None] >> 1) + 2 * ((k & 7) >> 1) + (hc[:, None] & 1)
+    col = 32 * w + (s[:, None] >> 1) + 4 * j + 16 * (s[:, None] & 1)
+    xp = F.pad(x.half(), (0, 32 * wpad - x.shape[1]))
+    tiles = rows.numel() // 128
+    token = rows.view(tiles, 128)[:, n]  # [tiles, units]
+    return xp[token[:, :, None], col[None]].reshape(tiles, -1)
+
+
+def test_token_tiles_kernel_math_matches_wgmma_tiles():
+    x = torch.randn(7, 300)
+    rows = torch.randint(0, 7, (384,))
+    want = wgmma_tiles(x, 16, rows).reshape(3, -1)
+    assert torch.equal(_token_tiles_replay(x, 16, rows), want)
+
+
 def test_tile_plan_gives_each_slot_its_passes():
     lo, hi = torch.tensor([0, 130, 130, 200]), torch.tensor([130, 130, 200, 457])
     token = torch.zeros(457, dtype=torch.int32)
@@ -305,6 +329,22 @@ def test_decode_prep_matches_torch(T, k, E):
     assert torch.equal(got.expert[live], want.expert[live])
     assert torch.equal(xf, fragment_order(x, 8))
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.gpu
+def test_token_tiles_kernel_matches_wgmma_tiles():
+    from pwctl.runtime.fused_moe import token_tiles
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(40, 300, generator=gen, device="cuda")
+    hi = torch.tensor([0, 130, 131, 300, 300], device="cuda")  # slots of 130, 1, 169, 0 pairs
+    token = torch.randint(0, 40, (300,), generator=gen, device="cuda", dtype=torch.int32)
+    pairs = Pairs(token, torch.ones(300, device="cuda"), hi[:4].int(), hi[:4].int(), hi[1:].int())
+    plan = tile_plan(pairs)
+    got = token_tiles(x, 16, token, plan)
+    want = wgmma_tiles(x, 16, token[plan.pair].long()).reshape(plan.tiles, -1)
+    live = plan.info[:, 0] >= 0  # the kernel leaves tiles past the last real one unwritten
+    assert int(live.sum()) == 5 and torch.equal(got[live], want[live])
 
 
 def test_device_table_sync_uploads_what_changed():

@@ -214,6 +214,22 @@ def tile_plan(pairs: Pairs) -> TilePlan:
     return TilePlan(info, pair)
 
 
+def token_tiles(x: torch.Tensor, wpad: int, token: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+    """`wgmma_tiles(x, wpad, token[plan.pair])` in one launch (CUDA), flat [tiles, 128 * 32 *
+    wpad]. Tiles past the last real one (slot -1) are left unwritten: no kernel reads them."""
+    xh = x.half().contiguous()
+    xt = torch.empty(plan.tiles, TILE_TOKENS * 32 * wpad, dtype=torch.float16, device=x.device)
+    units = wpad // 4 * 2048  # 16-byte units a tile (cuda/moe.cu token_tiles)
+    p, i = kernels.ptr, np.int32
+    kernels.launch(
+        "token_tiles",
+        (min(64, -(-units // 256)), plan.tiles),
+        (256,),
+        (p(xh), i(x.shape[1]), i(wpad), p(token), p(plan.pair), p(plan.info), p(xt)),
+    )
+    return xt
+
+
 class FusedMoE:
     def __init__(self, spec: MoESpec, dt: DeviceTable, index: dict[tuple[int, int, str], int]):
         """`index`: (layer, expert, proj) -> block (shared experts: expert = num_experts)."""
@@ -332,7 +348,7 @@ class FusedMoE:
         block = (32 * kernels.PREFILL_WARPS,)
         if self.prefill_kernel == "wgmma":
             plan = tile_plan(pairs)
-            xt = wgmma_tiles(x, gu.wpad, pairs.token[plan.pair].long())
+            xt = token_tiles(x, gu.wpad, pairs.token, plan)
             hp = torch.empty(plan.pair.numel(), 32 * dn.wpad, dtype=torch.float16, device=x.device)
             smem, extra = kernels.PREFILL_WG_SMEM, (ptr(plan.info),)
             grids = [(n, plan.tiles) for n in row_tiles]
