@@ -84,11 +84,13 @@ def launch(
 ) -> None:
     """`early`: the kernel may start before the previous kernel on the stream has finished
     (programmatic dependent launch, Hopper on): it waits (`griddepcontrol.wait`) before it reads
-    what that kernel wrote. Elsewhere a plain launch."""
+    what that kernel wrote. Only while a CUDA graph is being captured, where it was measured
+    (docs/PERF.md): the ctypes launch costs ~24 us of Python a launch, paid once at capture but
+    on every eager call. Otherwise a plain launch."""
     f = _function(name)
     if shared_mem > 48 << 10:
         _opt_in(name, shared_mem)
-    if early and has_pdl():
+    if early and has_pdl() and torch.cuda.is_current_stream_capturing():
         _launch_pdl(f.kernel.ptr, grid, block, args, shared_mem)
     else:
         f(grid, block, args, stream=_stream(), shared_mem=shared_mem)
