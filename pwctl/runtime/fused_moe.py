@@ -118,7 +118,7 @@ def prepare_decode(
     return pairs, xf
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
 def _all_tokens(T: int, expert: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     i32 = torch.int32
     return (
