@@ -1,6 +1,7 @@
 """Where a decode layer's time goes: GPU time per kernel (torch.profiler over eager calls) against
-the CUDA-graph replay time of the whole layer, per shape and token count (4 bits). The difference
-is what launches and gaps between dependent kernels cost. Usage (GPU machine):
+the CUDA-graph replay time of the whole layer and an eager call's time (host work included: the
+engine decodes eagerly), per shape and token count (4 bits). Graph minus kernels is what gaps
+between dependent kernels cost; eager minus graph is the host's share. Usage (GPU machine):
   python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1,4,16"""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pwctl.bench.kernels import SHAPES, _graph_time, random_routing, synthetic_layer
+from pwctl.bench.kernels import SHAPES, _event_time, _graph_time, random_routing, synthetic_layer
 
 
 def kernel_times(call, reps: int = 20) -> dict[str, float]:
@@ -39,10 +40,10 @@ def main() -> None:
 
             call = functools.partial(layer.moe, 0, x, w, idx, sc, path="decode")
 
-            graph_us = _graph_time(call) * 1e6
+            graph_us, eager_us = _graph_time(call) * 1e6, _event_time(call) * 1e6
             times = kernel_times(call)
             parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
-            head = f"{name:10s} T{T:3d} graph {graph_us:6.1f} us"
+            head = f"{name:10s} T{T:3d} eager {eager_us:6.1f} us  graph {graph_us:6.1f} us"
             print(f"{head}  kernels {sum(times.values()):6.1f} us: {parts}", flush=True)
         layer = None
         torch.cuda.empty_cache()
