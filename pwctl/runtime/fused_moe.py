@@ -298,6 +298,16 @@ class FusedMoE:
 
     # --- CUDA: two kernels per expert group ---------------------------------------------------
 
+    def _scalars(self, layer: int, shared: bool) -> tuple[tuple, tuple]:
+        """The shape arguments both kernel pairs take after their two pointers (cuda/moe.cu):
+        gate_up (rows, words, wpad, h's wpad, bits bytes, rows per table), down (the same of
+        down, without h's)."""
+        gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
+        i32, i64 = np.int32, np.int64
+        gate_up = (i32(gu.rows), i32(gu.words), i32(gu.wpad), i32(dn.wpad), i64(gu.bits_nbytes))
+        down = (i32(dn.rows), i32(dn.words), i32(dn.wpad), i64(dn.bits_nbytes))
+        return gate_up + (i32(gu.rows_per_table),), down + (i32(dn.rows_per_table),)
+
     def _decode(self, layer: int, shared: bool, xf: torch.Tensor, pairs: Pairs, out: torch.Tensor):
         """<= 64 tokens, x already in fragment order (`prepare_decode`): one token pass, no host
         sync (graph-capturable)."""
@@ -308,15 +318,14 @@ class FusedMoE:
             self._hp[key] = torch.empty(*key, 32, dtype=torch.float16, device=xf.device)
         hp, nt, n_slots = self._hp[key], kernels.n_tiles(xf.shape[0]), pairs.expert.numel()
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        i32, i64, rows = np.int32, np.int64, kernels.ROWS
+        gate_up, down = self._scalars(layer, shared)
+        ptr, rows = kernels.ptr, kernels.ROWS
         # gate_up covers every padded column of h (rows past I are written as zeros)
         kernels.launch(
             f"gate_up_n{nt}",
             (32 * dn.wpad // rows, n_slots),
             (32 * kernels.WARPS,),
-            common
-            + (kernels.ptr(xf), kernels.ptr(hp), i32(gu.rows), i32(gu.words), i32(gu.wpad))
-            + (i32(dn.wpad), i64(gu.bits_nbytes), i32(gu.rows_per_table)),
+            common + (ptr(xf), ptr(hp)) + gate_up,
             early=True,
         )
         units = kernels.down_units(dn.words)
@@ -326,9 +335,7 @@ class FusedMoE:
             f"down_n{nt}",
             (down_ctas, n_slots, split),
             (32 * kernels.WARPS,),
-            common
-            + (kernels.ptr(hp), kernels.ptr(out), i32(dn.rows), i32(dn.words), i32(dn.wpad))
-            + (i64(dn.bits_nbytes), i32(dn.rows_per_table), i32(units)),
+            common + (ptr(hp), ptr(out)) + down + (np.int32(units),),
             early=True,  # stages while gate_up finishes; waits before it reads h
         )
 
@@ -338,11 +345,8 @@ class FusedMoE:
         passes); the sm_90a ones none."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        i32, i64, ptr = np.int32, np.int64, kernels.ptr
-        gate_up = (i32(gu.rows), i32(gu.words), i32(gu.wpad), i32(dn.wpad), i64(gu.bits_nbytes))
-        gate_up += (i32(gu.rows_per_table),)
-        down = (i32(dn.rows), i32(dn.words), i32(dn.wpad), i64(dn.bits_nbytes))
-        down += (i32(dn.rows_per_table),)
+        gate_up, down = self._scalars(layer, shared)
+        i32, ptr = np.int32, kernels.ptr
         rows = kernels.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
         row_tiles = (-(-32 * dn.wpad // rows["gate_up"]), -(-dn.rows // rows["down"]))
         block = (32 * kernels.PREFILL_WARPS,)
