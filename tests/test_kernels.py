@@ -472,3 +472,24 @@ def test_pdl_launch_structs_match_the_driver_abi():
     assert ctypes.sizeof(attr) == 72 and attr.value.offset == 8
     assert (cfg.shared_mem.offset, cfg.stream.offset, cfg.attrs.offset) == (24, 32, 40)
     assert cfg.num_attrs.offset == 48 and ctypes.sizeof(cfg) == 56
+
+
+def test_kernel_parameters_pack_at_their_natural_alignment():
+    """cuLaunchKernel's `extra` buffer: each parameter at its own alignment, in order, the size
+    ending at the last one (the CUDA driver API's rule); the `extra` array points at both."""
+    args = (np.int32(-3), np.uint64(2**63 + 5), np.int32(7), np.int64(-9), np.float32(1.5))
+    layout = kernels.param_layout(tuple(map(type, args)))
+    assert layout.size == 36  # int32 @0, pointer @8, int32 @16, int64 @24, float @32
+    params = kernels._Params()
+    extra = params.pack(args)
+    raw = params.data.raw[: params.size.value]
+    assert params.size.value == 36
+    assert int.from_bytes(raw[0:4], "little", signed=True) == -3
+    assert int.from_bytes(raw[8:16], "little") == 2**63 + 5
+    assert int.from_bytes(raw[16:20], "little") == 7
+    assert int.from_bytes(raw[24:32], "little", signed=True) == -9
+    assert np.frombuffer(raw[32:36], np.float32)[0] == 1.5
+    pointers = (ctypes.c_void_p * 5).from_address(extra)
+    assert [pointers[0], pointers[2], pointers[4]] == [1, 2, None]  # the driver's markers
+    assert pointers[1] == ctypes.addressof(params.data)
+    assert pointers[3] == ctypes.addressof(params.size)

@@ -80,6 +80,23 @@ def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs
     )
 
 
+def decode_buffers(
+    T: int, k: int, num_experts: int, wpad: int, device: torch.device
+) -> tuple[Pairs, torch.Tensor]:
+    """What `prepare_decode` fills for T tokens of top-k routing: pairs, slots, x in fragment
+    order (uninitialized)."""
+    n, slots = T * k, min(num_experts, T * k)
+    i32 = torch.int32
+    pairs = Pairs(
+        token=torch.empty(n, dtype=i32, device=device),
+        weight=torch.empty(n, dtype=torch.float32, device=device),
+        expert=torch.empty(slots, dtype=i32, device=device),
+        lo=torch.empty(slots, dtype=i32, device=device),
+        hi=torch.empty(slots, dtype=i32, device=device),
+    )
+    return pairs, torch.empty(T, wpad, 32, dtype=torch.float16, device=device)
+
+
 def prepare_decode(
     x: torch.Tensor,
     index: torch.Tensor,
@@ -87,23 +104,16 @@ def prepare_decode(
     num_experts: int,
     wpad: int,
     out: torch.Tensor,
+    buffers: tuple[Pairs, torch.Tensor] | None = None,
 ) -> tuple[Pairs, torch.Tensor]:
     """One launch for what a decode call needs before its kernels: `group`'s pairs and slots (no
-    host sync), x in fragment order (`fragment_order(x, wpad)`), and `out` (float32) zeroed."""
+    host sync), x in fragment order (`fragment_order(x, wpad)`), and `out` (float32) zeroed.
+    Into `buffers` (`decode_buffers`) when given, else into new ones."""
     T, k = index.shape
     n, slots = T * k, min(num_experts, T * k)
-    dev = index.device
-    i32 = torch.int32
-    pairs = Pairs(
-        token=torch.empty(n, dtype=i32, device=dev),
-        weight=torch.empty(n, dtype=torch.float32, device=dev),
-        expert=torch.empty(slots, dtype=i32, device=dev),
-        lo=torch.empty(slots, dtype=i32, device=dev),
-        hi=torch.empty(slots, dtype=i32, device=dev),
-    )
+    pairs, xf = buffers or decode_buffers(T, k, num_experts, wpad, index.device)
     idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
     xh = x.half().contiguous()
-    xf = torch.empty(T, wpad, 32, dtype=torch.float16, device=dev)
     blocks = 1 + min(64, -(-max(xf.numel(), out.numel()) // 1024))  # block 0 groups
     p, i = kernels.ptr, np.int32
     kernels.launch(
@@ -249,6 +259,8 @@ class FusedMoE:
                     b = dt.blocks[index[(layer, e, p)]]
                     self.proj[(layer, shared, p)] = Proj(b.rows, b.cols, b.words, b.rows_per_table)
         self._hp: dict[tuple[int, int], torch.Tensor] = {}
+        self._decode_buffers: dict[tuple[int, int, int], tuple[Pairs, torch.Tensor]] = {}
+        self._scalar_args: dict[tuple[int, bool], tuple[tuple, tuple]] = {}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
 
@@ -273,7 +285,12 @@ class FusedMoE:
         if path == "decode":  # one launch groups, zeroes out and lays x out for both kernels
             out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
             wpad = self.proj[(layer, False, "gate")].wpad
-            pairs, x = prepare_decode(x, index, weights, E, wpad, out)
+            key = (T, index.shape[1], wpad)
+            # reused across calls (an eager decode is host-bound, and a torch.empty costs ~5 us
+            # of it); the kernels that read them run in stream order
+            if key not in self._decode_buffers:
+                self._decode_buffers[key] = decode_buffers(T, key[1], E, wpad, x.device)
+            pairs, x = prepare_decode(x, index, weights, E, wpad, out, self._decode_buffers[key])
         else:
             out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
             pairs = group(index, weights, E)
@@ -301,7 +318,12 @@ class FusedMoE:
     def _scalars(self, layer: int, shared: bool) -> tuple[tuple, tuple]:
         """The shape arguments both kernel pairs take after their two pointers (cuda/moe.cu):
         gate_up (rows, words, wpad, h's wpad, bits bytes, rows per table), down (the same of
-        down, without h's)."""
+        down, without h's). Made once per (layer, shared): every decode call passes them."""
+        if (layer, shared) not in self._scalar_args:
+            self._scalar_args[(layer, shared)] = self._make_scalars(layer, shared)
+        return self._scalar_args[(layer, shared)]
+
+    def _make_scalars(self, layer: int, shared: bool) -> tuple[tuple, tuple]:
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
         i32, i64 = np.int32, np.int64
         gate_up = (i32(gu.rows), i32(gu.words), i32(gu.wpad), i32(dn.wpad), i64(gu.bits_nbytes))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,11 @@ def module():
         raise PwctlError(
             "the CUDA kernels need CuPy: pip install 'pwctl[cuda13]' (or [cuda12])"
         ) from None
+    prebuilt = os.environ.get("PWCTL_CUBIN")
+    if prebuilt:  # development: a cubin built elsewhere (nvcc) skips NVRTC's minutes on a GPU box
+        if not Path(prebuilt).is_file():
+            raise PwctlError(f"PWCTL_CUBIN={prebuilt}: no such file")
+        return cupy.RawModule(path=prebuilt)
     if not CUDA_SRC.exists():
         raise PwctlError(f"{CUDA_SRC}: kernel source missing (pwctl must run from its checkout)")
     major, minor = torch.cuda.get_device_capability()
@@ -55,23 +62,47 @@ def has_wgmma() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
 
-@functools.cache
-def _external(handle: int):
-    import warnings
-
-    import cupy
-
-    with warnings.catch_warnings():  # ExternalStream: deprecated in CuPy 14, still the way to
-        warnings.simplefilter("ignore", DeprecationWarning)  # wrap a raw handle on 12 and 13
-        return cupy.cuda.ExternalStream(handle)
-
-
-def _stream():
-    return _external(torch.cuda.current_stream().cuda_stream)
+def _current_stream(device: int) -> int:
+    """torch's current stream on `device`, as a raw handle (the kernels run on it)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # one C call; what Triton uses
+    return raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
 
 
 def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
+
+
+_CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i", np.float32: "f"}
+
+
+@functools.lru_cache(maxsize=64)
+def param_layout(types: tuple[type, ...]) -> struct.Struct:
+    """A kernel's parameters packed as CUDA lays them out: in order, each at its natural
+    alignment, nothing after the last (`struct`'s native mode does exactly that)."""
+    return struct.Struct("@" + "".join(_CODES[t] for t in types))
+
+
+class _Params(threading.local):
+    """This thread's packed kernel parameters and the `extra` array of cuLaunchKernel(Ex) that
+    points at them. The driver copies the parameters before the launch call returns, so one
+    buffer serves every launch. One packed buffer instead of CuPy's per-argument conversion:
+    the eager decode is host-bound on the many-expert shapes (docs/PERF.md, session 8)."""
+
+    def __init__(self) -> None:
+        self.data = ctypes.create_string_buffer(4096)
+        self.size = ctypes.c_size_t(0)
+        data, size = ctypes.addressof(self.data), ctypes.addressof(self.size)
+        self.extra = (ctypes.c_void_p * 5)(1, data, 2, size, 0)  # BUFFER_POINTER, BUFFER_SIZE, END
+        self.address = ctypes.addressof(self.extra)
+
+    def pack(self, args: tuple) -> int:
+        layout = param_layout(tuple(map(type, args)))
+        layout.pack_into(self.data, 0, *args)
+        self.size.value = layout.size
+        return self.address
+
+
+_params = _Params()
 
 
 def launch(
@@ -82,18 +113,23 @@ def launch(
     shared_mem: int = 0,
     early: bool = False,
 ) -> None:
-    """`early`: the kernel may start before the previous kernel on the stream has finished
-    (programmatic dependent launch, Hopper on): it waits (`griddepcontrol.wait`) before it reads
-    what that kernel wrote. Only while a CUDA graph is being captured, where it was measured
-    (docs/PERF.md): the ctypes launch costs ~24 us of Python a launch, paid once at capture but
-    on every eager call. Otherwise a plain launch."""
-    f = _function(name)
+    """Launch kernel `name` on torch's current stream. `args`: np.uint64 (pointers, `ptr`),
+    np.int64, np.int32 or np.float32 values, as the kernel declares them. `early`: the kernel
+    may start before the previous kernel on the stream has finished (programmatic dependent
+    launch, Hopper on): it waits (`griddepcontrol.wait`) before it reads what that kernel wrote.
+    Only while a CUDA graph is being captured, where it was measured (docs/PERF.md)."""
+    device = torch.cuda.current_device()
+    func = _handle(name, device)
     if shared_mem > 48 << 10:
-        _opt_in(name, shared_mem)
+        _opt_in(name, shared_mem, device)
+    grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+    extra, stream = _params.pack(args), _current_stream(device)
     if early and has_pdl() and torch.cuda.is_current_stream_capturing():
-        _launch_pdl(f.kernel.ptr, grid, block, args, shared_mem)
+        _launch_pdl(func, grid, block, extra, shared_mem, stream)
     else:
-        f(grid, block, args, stream=_stream(), shared_mem=shared_mem)
+        from cupy_backends.cuda.api import driver
+
+        driver.launchKernel(func, *grid, *block, shared_mem, stream, 0, extra)
 
 
 @functools.cache
@@ -121,7 +157,6 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32}
 
 
 @functools.cache
@@ -136,21 +171,18 @@ def _launch_kernel_ex():
     return fn
 
 
-def _launch_pdl(func: int, grid: tuple, block: tuple, args: tuple, shared_mem: int) -> None:
-    values = [_CTYPES[type(a)](a) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+def _launch_pdl(func: int, grid: tuple, block: tuple, extra: int, shared_mem: int, stream: int):
     attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1  # programmaticStreamSerializationAllowed
-    pad = (1, 1, 1)
     config = _LaunchConfig(
-        (ctypes.c_uint * 3)(*(tuple(grid) + pad)[:3]),
-        (ctypes.c_uint * 3)(*(tuple(block) + pad)[:3]),
+        (ctypes.c_uint * 3)(*grid),
+        (ctypes.c_uint * 3)(*block),
         shared_mem,
-        torch.cuda.current_stream().cuda_stream,
+        stream,
         ctypes.pointer(attr),
         1,
     )
-    err = _launch_kernel_ex()(ctypes.byref(config), ctypes.c_void_p(func), params, None)
+    err = _launch_kernel_ex()(ctypes.byref(config), ctypes.c_void_p(func), None, extra)
     if err != 0:
         raise PwctlError(f"cuLaunchKernelEx failed with CUDA driver error {err}")
 
@@ -161,12 +193,20 @@ def _function(name: str):
 
 
 @functools.cache
-def _opt_in(name: str, shared_mem: int) -> None:
+def _handle(name: str, device: int) -> int:
+    """The CUfunction of kernel `name` on `device` (CuPy loads the module there on first use)."""
+    with torch.cuda.device(device):
+        return _function(name).kernel.ptr
+
+
+@functools.cache
+def _opt_in(name: str, shared_mem: int, device: int) -> None:
     """Allow `shared_mem` bytes of dynamic shared memory above the 48 KB default (once: reading the
     attribute is a driver call, and prefill launches every layer)."""
-    f = _function(name)
-    if f.max_dynamic_shared_size_bytes < shared_mem:
-        f.max_dynamic_shared_size_bytes = shared_mem
+    with torch.cuda.device(device):
+        f = _function(name)
+        if f.max_dynamic_shared_size_bytes < shared_mem:
+            f.max_dynamic_shared_size_bytes = shared_mem
 
 
 @functools.cache
