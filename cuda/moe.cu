@@ -1217,6 +1217,18 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
     }
 }
 
+// Threads first, first + stride, ...: x in fragment order (zero-padded), the output zeroed.
+__device__ void lay_out_x(const unsigned short* x, int T, int H, int wpad, unsigned short* xf,
+                          float* out, int out_n, int first, int stride) {
+    for (int i = first; i < T * wpad * 32; i += stride) {
+        // [n][w][4 s + j] holds column 32 w + s / 2 + 16 (s % 2) + 4 j
+        const int n = i / (wpad * 32), w = i / 32 % wpad, s = i % 32 / 4, j = i % 4;
+        const int col = 32 * w + s / 2 + 16 * (s % 2) + 4 * j;
+        xf[i] = col < H ? x[(i64)n * H + col] : (unsigned short)0;
+    }
+    for (int i = first; i < out_n; i += stride) out[i] = 0.f;
+}
+
 extern "C" __global__ void decode_prep(const i64* index, const float* weights, int pairs, int k,
                                        int experts, int slots, int* token, float* weight,
                                        int* s_expert, int* s_lo, int* s_hi,
@@ -1228,11 +1240,149 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
         return;
     }
     const int stride = (gridDim.x - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
-    for (int i = first; i < T * wpad * 32; i += stride) {
-        // [n][w][4 s + j] holds column 32 w + s / 2 + 16 (s % 2) + 4 j
-        const int n = i / (wpad * 32), w = i / 32 % wpad, s = i % 32 / 4, j = i % 4;
-        const int col = 32 * w + s / 2 + 16 * (s % 2) + 4 * j;
-        xf[i] = col < H ? x[(i64)n * H + col] : (unsigned short)0;
+    lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Routing in the launch that prepares a decode call (`route_prep`: decode_prep with the router
+// folded in). An eager decode is host-bound on the many-expert shapes, and the router was 6-8 more
+// small launches (linear, softmax, top-k, normalization, scaling, the shared expert's gate):
+// docs/PERF.md, session 8.
+//
+// Every block takes a share of the logits (one warp a (token, row) dot product over H in fp32,
+// rounded to fp16 as the reference's fp16 linear rounds them; row `experts` is the shared
+// expert's gate when there is one), of x's fragment-order copy and of the output's zeroing. The
+// last block to finish (a counter it resets) picks each token's top-k in the recipe's order,
+// writes index / weights / the shared gate, and groups the pairs (`group_pairs`).
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float hsum2(u32 a, u32 b) {  // a.lo b.lo + a.hi b.hi, fp32
+    return h2f(a & 0xffff) * h2f(b & 0xffff) + h2f(a >> 16) * h2f(b >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    return v;
+}
+
+// This warp's dot product of two fp16 rows of H values (H % 8 == 0, 16-byte aligned rows).
+__device__ float row_dot(const unsigned short* a, const unsigned short* b, int H) {
+    const uint4 *a4 = (const uint4*)a, *b4 = (const uint4*)b;
+    float s = 0.f;
+    for (int i = threadIdx.x & 31; i < H / 8; i += 32) {
+        const uint4 u = __ldg(a4 + i), v = __ldg(b4 + i);
+        s += hsum2(u.x, v.x) + hsum2(u.y, v.y) + hsum2(u.z, v.z) + hsum2(u.w, v.w);
     }
-    for (int i = first; i < out_n; i += stride) out[i] = 0.f;
+    return warp_sum(s);
+}
+
+#define ROUTE_MAX_EXPERTS 256
+#define ROUTE_PER_LANE (ROUTE_MAX_EXPERTS / 32)
+#define NEG_INF __int_as_float(0xff800000)
+
+// The lane holding the largest of the warp's live values (ties: the lowest expert), broadcast.
+__device__ __forceinline__ void warp_argmax(float v, int e, float& best, int& at) {
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, d);
+        const int oe = __shfl_xor_sync(0xffffffffu, e, d);
+        if (ov > v || (ov == v && oe < e)) v = ov, e = oe;
+    }
+    best = v, at = e;
+}
+
+// Token t's top-k from its logits row (one warp): order 0 = softmax over all experts, then top-k
+// (renormalized when `norm`); order 1 = top-k of the logits, then softmax over those k.
+__device__ void route_token(const float* logits, int experts, int k, int order, int norm,
+                            float scaling, i64* index, float* weights) {
+    const int lane = threadIdx.x & 31;
+    float v[ROUTE_PER_LANE];
+    float m = NEG_INF;
+    #pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; ++j) {
+        const int e = lane + 32 * j;
+        v[j] = e < experts ? __ldcg(logits + e) : NEG_INF;  // other blocks wrote them: L2
+        m = fmaxf(m, v[j]);
+    }
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+    if (order == 0) {  // probabilities first: the top-k of them (the same order as the logits')
+        float s = 0.f;
+        #pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; ++j) {
+            v[j] = lane + 32 * j < experts ? expf(v[j] - m) : -1.f;
+            s += fmaxf(v[j], 0.f);
+        }
+        s = warp_sum(s);
+        #pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; ++j) v[j] = v[j] >= 0.f ? v[j] / s : -1.f;
+    }
+    float top[8], total = 0.f;  // k <= 8
+    for (int i = 0; i < k; ++i) {
+        float bv = NEG_INF;
+        int be = 0x7fffffff;
+        #pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; ++j) {
+            const int e = lane + 32 * j;
+            if (e < experts && (v[j] > bv || (v[j] == bv && e < be))) bv = v[j], be = e;
+        }
+        warp_argmax(bv, be, bv, be);
+        #pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; ++j)
+            if (lane + 32 * j == be) v[j] = NEG_INF;  // taken
+        top[i] = order == 0 ? bv : expf(bv - m);
+        total += top[i];
+        if (lane == 0) index[i] = be;
+    }
+    if (lane == 0)
+        for (int i = 0; i < k; ++i) {
+            const bool divide = order == 1 || norm;
+            weights[i] = (divide ? top[i] / total : top[i]) * scaling;
+        }
+}
+
+extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
+                                      const unsigned short* gate_w, int experts,
+                                      const unsigned short* shared_gate_w, int k, int order,
+                                      int norm, float scaling, float* logits, unsigned* done,
+                                      i64* index, float* weights, float* shared_scale, int slots,
+                                      int* token, float* weight, int* s_expert, int* s_lo,
+                                      int* s_hi, int wpad, unsigned short* xf, float* out,
+                                      int out_n) {
+    start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
+    const int rows = experts + (shared_gate_w != nullptr);
+    const int warps = blockDim.x / 32, warp = blockIdx.x * warps + threadIdx.x / 32;
+    for (int d = warp; d < T * rows; d += gridDim.x * warps) {
+        const int t = d / rows, e = d % rows;
+        const unsigned short* w = e < experts ? gate_w + (i64)e * H : shared_gate_w;
+        const float s = row_dot(x + (i64)t * H, w, H);
+        if ((threadIdx.x & 31) == 0) logits[d] = h2f(f2h(s));
+    }
+    const int stride = gridDim.x * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
+    lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
+    // the last block to get here routes: every other block's logits are written by then
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int t = threadIdx.x / 32; t < T; t += warps) {
+        route_token(logits + (i64)t * rows, experts, k, order, norm, scaling, index + (i64)t * k,
+                    weights + (i64)t * k);
+        if (shared_gate_w != nullptr && (threadIdx.x & 31) == 0) {
+            const float g = __ldcg(logits + (i64)t * rows + experts);
+            shared_scale[t] = h2f(f2h(1.f / (1.f + expf(-g))));  // an fp16 sigmoid, as torch's
+        }
+    }
+    if (threadIdx.x == 0) *done = 0u;  // for the next launch
+    __syncthreads();  // index and weights, written by this block, are visible to it
+    group_pairs(index, weights, T * k, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
 }

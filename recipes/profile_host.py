@@ -8,24 +8,11 @@ import cProfile
 import functools
 import pstats
 import sys
-import time
 
 import numpy as np
 import torch
 
-from pwctl.bench.kernels import SHAPES, random_routing, synthetic_layer
-
-
-def host_us(call, reps: int = 200) -> float:
-    """Microseconds of host time per call: the loop's wall time, synchronized once at the end
-    (while the GPU is faster than the host, the wall time is the host's)."""
-    call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps * 1e6
+from pwctl.bench.kernels import SHAPES, host_time, random_routing, synthetic_layer
 
 
 def main() -> None:
@@ -36,7 +23,7 @@ def main() -> None:
         for T in tokens:
             x, w, idx, sc = random_routing(layer.spec, T, seed=T)
             call = functools.partial(layer.moe, 0, x, w, idx, sc, path="decode")
-            print(f"{name} T={T}: {host_us(call):.1f} us a call (host-bound wall time)", flush=True)
+            print(f"{name} T={T}: {host_time(call) * 1e6:.1f} us of host time a call", flush=True)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(200):

@@ -7,6 +7,7 @@ with the same `synthetic_layer`."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -138,6 +139,18 @@ def _event_time(fn, iters: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / iters
+
+
+def host_time(fn, iters: int = 200) -> float:
+    """Seconds per call of `fn` from the host's side: back-to-back calls, one sync at the end.
+    While the GPU keeps up, this is the host's own cost a call (the eager engine's pace)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

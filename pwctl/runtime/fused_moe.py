@@ -128,6 +128,85 @@ def prepare_decode(
     return pairs, xf
 
 
+@dataclass
+class Routing:
+    """What `prepare_routed` writes besides the pairs: each token's top-k and the shared expert's
+    gate, and the router logits they came from (fp16 values held as fp32)."""
+
+    index: torch.Tensor  # int64 [T, k]
+    weights: torch.Tensor  # float32 [T, k]
+    scale: torch.Tensor | None  # float32 [T]: sigmoid of the shared expert's gate (None: none)
+    logits: torch.Tensor  # float32 [T, experts (+ 1: the shared gate's)]
+
+
+def routing_buffers(T: int, spec: MoESpec, shared_gate: bool, device: torch.device) -> Routing:
+    rows = spec.num_experts + shared_gate
+    return Routing(
+        index=torch.empty(T, spec.top_k, dtype=torch.int64, device=device),
+        weights=torch.empty(T, spec.top_k, dtype=torch.float32, device=device),
+        scale=torch.empty(T, dtype=torch.float32, device=device) if shared_gate else None,
+        logits=torch.empty(T, rows, dtype=torch.float32, device=device),
+    )
+
+
+ROUTE_MAX_EXPERTS, ROUTE_MAX_K = 256, 8  # cuda/moe.cu route_prep
+ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
+
+
+def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
+    """Whether `prepare_routed` takes this call: a CUDA decode of fp16 tokens and router, rows a
+    multiple of 8 values (16-byte loads), at most 256 experts and top-8."""
+    return (
+        x.is_cuda
+        and x.shape[0] <= kernels.DECODE_MAX_TOKENS
+        and x.dtype == gate_weight.dtype == torch.float16
+        and x.shape[1] % 8 == 0
+        and spec.num_experts <= ROUTE_MAX_EXPERTS
+        and spec.top_k <= ROUTE_MAX_K
+        and spec.order in ROUTE_ORDERS
+    )
+
+
+def prepare_routed(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    shared_gate_weight: torch.Tensor | None,
+    spec: MoESpec,
+    wpad: int,
+    out: torch.Tensor,
+    done: torch.Tensor,
+    buffers: tuple[Pairs, torch.Tensor] | None = None,
+    routing: Routing | None = None,
+) -> tuple[Pairs, torch.Tensor, Routing]:
+    """`prepare_decode` with the router folded into its launch: logits (x @ gate_weight.T, fp16
+    values), each token's top-k in the recipe's order, the shared expert's gate, then the pairs,
+    x in fragment order and `out` zeroed. x, gate weights: fp16 (`can_route`). `done`: an int32
+    counter, zero between launches (the kernel's last block resets it)."""
+    T, H = x.shape
+    E, k = spec.num_experts, spec.top_k
+    slots, shared = min(E, T * k), shared_gate_weight is not None
+    pairs, xf = buffers or decode_buffers(T, k, E, wpad, x.device)
+    routing = routing or routing_buffers(T, spec, shared, x.device)
+    x, gw = x.contiguous(), gate_weight.contiguous()
+    sgw = shared_gate_weight.reshape(-1).contiguous() if shared else None
+    units = max(xf.numel(), out.numel())
+    blocks = min(2 * kernels.sm_count(), max(-(-T * (E + shared) // 8), -(-units // 1024)))
+    p, i = kernels.ptr, np.int32
+    kernels.launch(
+        "route_prep",
+        (blocks,),
+        (256,),
+        (p(x), i(T), i(H), p(gw), i(E), np.uint64(sgw.data_ptr() if shared else 0), i(k))
+        + (i(ROUTE_ORDERS[spec.order]), i(spec.norm_topk_prob), np.float32(spec.routed_scaling))
+        + (p(routing.logits), p(done), p(routing.index), p(routing.weights))
+        + (np.uint64(routing.scale.data_ptr() if shared else 0), i(slots))
+        + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
+        + (i(wpad), p(xf), p(out), i(out.numel())),
+        shared_mem=4 * E,
+    )
+    return pairs, xf, routing
+
+
 @functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
 def _all_tokens(T: int, expert: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     i32 = torch.int32
@@ -260,6 +339,10 @@ class FusedMoE:
                     self.proj[(layer, shared, p)] = Proj(b.rows, b.cols, b.words, b.rows_per_table)
         self._hp: dict[tuple[int, int], torch.Tensor] = {}
         self._decode_buffers: dict[tuple[int, int, int], tuple[Pairs, torch.Tensor]] = {}
+        self._routing: dict[tuple[int, bool], Routing] = {}
+        self.routes = True  # MoEBlock routes decode calls here when it can (False: torch, A/B)
+        on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
+        self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         self._scalar_args: dict[tuple[int, bool], tuple[tuple, tuple]] = {}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
@@ -285,12 +368,8 @@ class FusedMoE:
         if path == "decode":  # one launch groups, zeroes out and lays x out for both kernels
             out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
             wpad = self.proj[(layer, False, "gate")].wpad
-            key = (T, index.shape[1], wpad)
-            # reused across calls (an eager decode is host-bound, and a torch.empty costs ~5 us
-            # of it); the kernels that read them run in stream order
-            if key not in self._decode_buffers:
-                self._decode_buffers[key] = decode_buffers(T, key[1], E, wpad, x.device)
-            pairs, x = prepare_decode(x, index, weights, E, wpad, out, self._decode_buffers[key])
+            buffers = self._buffers(T, index.shape[1], wpad, x.device)
+            pairs, x = prepare_decode(x, index, weights, E, wpad, out, buffers)
         else:
             out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
             pairs = group(index, weights, E)
@@ -298,6 +377,41 @@ class FusedMoE:
         if self.spec.has_shared:
             run(layer, True, x, all_tokens(T, shared_scale, E, x.device), out)
         return out
+
+    def routed(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        shared_gate_weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Router and experts for a CUDA decode call (`can_route`): float32 [T, H]. One launch
+        routes, groups and lays x out (`prepare_routed`), then the decode kernels run."""
+        T, E = x.shape[0], self.spec.num_experts
+        wpad = self.proj[(layer, False, "gate")].wpad
+        out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
+        shared = shared_gate_weight is not None
+        if (T, shared) not in self._routing:
+            self._routing[(T, shared)] = routing_buffers(T, self.spec, shared, x.device)
+        routing = self._routing[(T, shared)]
+        buffers = self._buffers(T, self.spec.top_k, wpad, x.device)
+        args = (x, gate_weight, shared_gate_weight, self.spec, wpad, out, self._done)
+        pairs, xf, routing = prepare_routed(*args, buffers, routing)
+        self._decode(layer, False, xf, pairs, out)
+        if self.spec.has_shared:
+            self._decode(layer, True, xf, all_tokens(T, routing.scale, E, x.device), out)
+        return out
+
+    def _buffers(
+        self, T: int, k: int, wpad: int, device: torch.device
+    ) -> tuple[Pairs, torch.Tensor]:
+        """A decode call's pairs and fragment-order x, made once per (T, k, wpad) and reused: an
+        eager decode is host-bound, and a torch.empty costs ~5 us of it. The kernels that read
+        them run in stream order, so the next call cannot overwrite them early."""
+        if (T, k, wpad) not in self._decode_buffers:
+            E = self.spec.num_experts
+            self._decode_buffers[(T, k, wpad)] = decode_buffers(T, k, E, wpad, device)
+        return self._decode_buffers[(T, k, wpad)]
 
     # --- the torch path: CPU execution and the kernels' reference ------------------------------
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from pwctl.recipe import MoESpec
 from pwctl.runtime.expert_store import ExpertStore
+from pwctl.runtime.fused_moe import can_route
 
 if TYPE_CHECKING:
     from pwctl.runtime.paged_experts import PagedExperts
@@ -53,6 +54,13 @@ class MoEBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, self.spec.hidden)
+        if self.paged is not None and self.observer is None:
+            fused = self.paged.fused
+            if fused.routes and can_route(self.spec, x, self.gate.weight):  # one launch routes
+                sg = self.shared_expert_gate
+                sgw = None if sg is None else sg.weight
+                out = fused.routed(self.layer, x, self.gate.weight, sgw)
+                return out.to(x.dtype).view_as(hidden)
         weights, index = route(self.gate(x), self.spec)
         if self.observer is not None:
             self.observer(self.layer, x, index, weights)
