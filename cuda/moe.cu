@@ -293,15 +293,15 @@ template <int B, int NT, bool FLAT>
 __device__ __forceinline__ void mma_rows(const Stage& st, int words, int wpad, const uint4* xf,
                          const int (&xrow)[NT], int live, int part, int parts,
                          float (&acc)[NT][4]) {
-    // the column iterations are shared by the `parts` warps of a unit and by the gridDim.z CTAs
-    // of a k-split
+    // the column iterations are shared by `parts` warps: those of a unit times the CTAs of a
+    // k-split (`part`: this warp's place among them)
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     u32 L0[8], L1[8];
     lut_from(st.tbl[g], B, L0);
     lut_from(st.tbl[g + 8], B, L1);
     const RowPtr *r0 = st.ptr + g * 8, *r1 = st.ptr + (g + 8) * 8;
-    const int iters = (words + 7) / 8, step = gridDim.z * parts;
-    int it = blockIdx.z * parts + part;
+    const int iters = (words + 7) / 8, step = parts;
+    int it = part;
     u32 Pa0[8], Pa1[8], Pb0[8], Pb1[8];  // words u = 0 (a) and 1 (b) of rows g, g + 8
     load_word<B, FLAT>(r0, r1, 8 * it + t, words, Pa0, Pa1);
     load_word<B, FLAT>(r0, r1, 8 * it + t + 4, words, Pb0, Pb1);
@@ -325,7 +325,7 @@ __device__ __forceinline__ void mma_rows_wide(const Stage& st, int words, int wp
     const u32 L[8] = {};  // unused: the lookups read the shared-memory table
     const bool pairs = (words & 1) == 0;
     const int iters = (words + 7) / 8;
-    for (int it = blockIdx.z * parts + part; it < iters; it += gridDim.z * parts) {
+    for (int it = part; it < iters; it += parts) {
         const int w = 8 * it + 2 * t;
         u32 P[2][2][8];  // [row g / g + 8][word w / w + 1][plane]
         load_words<B>(st.ptr + g * 8, w, words, pairs, P[0][0], P[0][1]);
@@ -376,19 +376,20 @@ __device__ __forceinline__ void store_h(unsigned short* hp, int pair, int row, i
     hp[(i64)pair * wpad * 32 + off] = f2h(row < I ? silu(gate) * up : 0.f);
 }
 
-// Where a CTA is: blockIdx.x = row tile, blockIdx.y = slot (blockIdx.z: k-split of down).
+// Where a CTA is: blockIdx.x = row tile, `slot` = its slot in its group (ENTRY: blockIdx.y less
+// the routed slots for the shared expert's), blockIdx.z: k-split of down.
 struct Tile {
     int slot, lo, T, base, row0;  // base: the pass's first token of the slot (prefill)
     int live;                     // decode: n-tiles that hold a token of the slot
 };
 
-__device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta) {
+__device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta, int slot, int tile) {
     Tile c;
-    c.slot = blockIdx.y;
+    c.slot = slot;
     c.lo = __ldg(s.lo + c.slot);
     c.T = __ldg(s.hi + c.slot) - c.lo;
     c.base = 0;
-    c.row0 = blockIdx.x * rows_per_cta;
+    c.row0 = tile * rows_per_cta;
     c.live = (c.T + 7) / 8;  // a launch's NT fits its largest possible slot; most slots are smaller
     return c;
 }
@@ -426,13 +427,13 @@ __device__ void reduce_units(const float (&acc)[NT][4], float* red, int parts, f
 
 // h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection.
 template <int NT>
-__device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, int I, int words_in,
-                        int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
+__device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, unsigned short* hp,
+                        int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
     __shared__ Stage st[2];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
     wait_previous();  // the slots and x come from decode_prep (or h's buffer is still being read)
     start_next();     // down may launch and stage while this grid runs
-    const Tile c = tile_of(s, ROWS);
+    const Tile c = tile_of(s, ROWS, slot, tile);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
@@ -470,15 +471,16 @@ __device__ void gate_up(Paged g, Slots s, const uint4* xf, unsigned short* hp, i
 }
 
 // out[token] += weight * (down h[pair]) for every pair of a slot (fp32 atomics, so the columns may
-// also be split over gridDim.z CTAs). `units` m-tiles a CTA: 1 (16 rows, 4 warps on its columns)
+// also be split over kn CTAs; this one is kz). `units` m-tiles a CTA: 1 (16 rows, 4 warps on its columns)
 // or, for short rows, 2 (rows [row0, row0 + 16) and the 16 after, 2 warps each), so that warps
 // have columns to stream.
 template <int NT>
-__device__ void down(Paged g, Slots s, const uint4* hp, float* out, int H, int words_in, int wpad_in,
-                     i64 bits_nbytes, int rpt, int units) {
+__device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const uint4* hp,
+                     float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
+                     int units) {
     __shared__ Stage st[2];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
-    const Tile c = tile_of(s, ROWS * units);
+    const Tile c = tile_of(s, ROWS * units, slot, tile);
     if (c.base >= c.T || c.row0 >= H) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int parts = WARPS / units, unit = warp / parts;
@@ -502,7 +504,8 @@ __device__ void down(Paged g, Slots s, const uint4* hp, float* out, int H, int w
     wait_previous();
     float acc[NT][4] = {}, sum[2][NT];  // acc stays zero for a tile past H
     if (c.row0 + ROWS * unit < H)
-        mma_block<NT>(st[unit], wd, flat, words_in, wpad_in, hp, xrow, c.live, warp % parts, parts, acc);
+        mma_block<NT>(st[unit], wd, flat, words_in, wpad_in, hp, xrow, c.live,
+                      kz * parts + warp % parts, kn * parts, acc);
     reduce_units<NT>(acc, red, parts, sum);
     #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -1085,16 +1088,45 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
 // with on the H200 (docs/PERF.md). One n-tile: no CTA floor (80 / 72 registers; a floor of 7,
 // i.e. 72 registers for gate_up_n1, ran 5-9% slower at 1-4 tokens). Wider: a floor that leaves
 // their registers as they were (96 / 128) but ran 3-9% faster at 16 tokens than none.
+//
+// One launch covers two groups of slots. Rows blockIdx.y < n_routed are the routed experts'
+// slots (blockIdx.x: row tile, blockIdx.z: k-split). The shared expert's slot (its own slots, h
+// buffer and shapes: the t_ arguments) has t_tiles row tiles of t_split parts each, numbered
+// through the CTAs of the rows after them, so that it streams beside the routed experts instead
+// of after them, with a k-split of its own (its rows may be much longer). Without a shared expert
+// the launcher passes the routed group twice and n_routed = gridDim.y.
+#define SHARED_SLOT_ARGS const int *t_expert, const int *t_lo, const int *t_hi, const int *t_token,   \
+                         const float *t_weight
+#define SHARED_SLOTS Slots{t_expert, t_lo, t_hi, t_token, t_weight, block_ids}
+#define WHICH_GROUP                                                                              \
+    const bool t = (int)blockIdx.y >= n_routed;                                                  \
+    int slot = blockIdx.y, tile = blockIdx.x, kz = blockIdx.z, kn = gridDim.z;                   \
+    if (t) {                                                                                     \
+        const int at = ((blockIdx.y - n_routed) * gridDim.z + blockIdx.z) * gridDim.x + blockIdx.x; \
+        if (at >= t_tiles * t_split) return;                                                     \
+        slot = 0, tile = at % t_tiles, kz = at / t_tiles, kn = t_split;                          \
+    }
 #define ENTRY(NT, BOUNDS)                                                                         \
     extern "C" __global__ void BOUNDS gate_up_n##NT(                                              \
         PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
-        int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {                                   \
-        gate_up<NT>(PAGED, SLOTS, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt);      \
+        int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, int n_routed, SHARED_SLOT_ARGS,    \
+        unsigned short* t_hp, int t_I, int t_wpad_out, i64 t_bits_nbytes, int t_rpt,            \
+        int t_tiles, int t_split) {                                                              \
+        WHICH_GROUP                                                                              \
+        (void)kz, (void)kn; /* gate_up is never k-split: t_split = 1 */                          \
+        gate_up<NT>(PAGED, t ? SHARED_SLOTS : SLOTS, slot, tile, xf, t ? t_hp : hp, t ? t_I : I,  \
+                    words_in, wpad_in, t ? t_wpad_out : wpad_out,                                \
+                    t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt);                           \
     }                                                                                            \
     extern "C" __global__ void BOUNDS down_n##NT(                                                 \
         PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,    \
-        i64 bits_nbytes, int rpt, int units) {                                                   \
-        down<NT>(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, units);          \
+        i64 bits_nbytes, int rpt, int units, int n_routed, SHARED_SLOT_ARGS, const uint4* t_hp, \
+        int t_words_in, int t_wpad_in, i64 t_bits_nbytes, int t_rpt, int t_units, int t_tiles,  \
+        int t_split) {                                                                           \
+        WHICH_GROUP                                                                              \
+        down<NT>(PAGED, t ? SHARED_SLOTS : SLOTS, slot, tile, kz, kn, t ? t_hp : hp, out, H,      \
+                 t ? t_words_in : words_in, t ? t_wpad_in : wpad_in,                             \
+                 t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, t ? t_units : units);         \
     }
 
 ENTRY(1, __launch_bounds__(32 * WARPS))

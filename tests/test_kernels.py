@@ -574,3 +574,13 @@ def test_kernel_parameters_pack_at_their_natural_alignment():
     assert [pointers[0], pointers[2], pointers[4]] == [1, 2, None]  # the driver's markers
     assert pointers[1] == ctypes.addressof(params.data)
     assert pointers[3] == ctypes.addressof(params.size)
+
+
+def test_balanced_split_evens_the_shared_experts_iterations():
+    """Qwen1.5-MoE decode: routed down rows of 44 words (6 iterations of 8, 4 warps: 2 each),
+    the shared expert's 176 (22 iterations): 3 CTAs a tile give its warps 2 each as well."""
+    assert kernels.balanced_split(176, 4, 44, 4, 1) == 3
+    assert kernels.balanced_split(44, 4, 44, 4, 1) == 1  # a group beside itself: no split
+    assert kernels.balanced_split(24, 2, 176, 4, 1) == 1  # shorter rows: never below 1
+    assert kernels.balanced_split(4096, 4, 44, 4, 1) == 64  # 512 iterations, 2 a warp
+    assert kernels.balanced_split(40, 4, 8, 4, 1) == 1  # 5 iterations: one a warp at least

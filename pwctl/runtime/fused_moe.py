@@ -51,9 +51,12 @@ class Pairs:
     lo: torch.Tensor  # int32 [slots]
     hi: torch.Tensor  # int32 [slots]; hi == lo: empty slot
 
-    def kernel_args(self, block_ids: torch.Tensor) -> tuple:
+    def slot_args(self) -> tuple:
         p = kernels.ptr
-        return (p(self.expert), p(self.lo), p(self.hi), p(self.token), p(self.weight), p(block_ids))
+        return (p(self.expert), p(self.lo), p(self.hi), p(self.token), p(self.weight))
+
+    def kernel_args(self, block_ids: torch.Tensor) -> tuple:
+        return self.slot_args() + (kernels.ptr(block_ids),)
 
 
 def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs:
@@ -364,15 +367,17 @@ class FusedMoE:
             path = "torch"
         elif path is None:
             path = "decode" if T <= kernels.DECODE_MAX_TOKENS else "prefill"
-        run = {"torch": self._torch, "decode": self._decode, "prefill": self._prefill}[path]
         if path == "decode":  # one launch groups, zeroes out and lays x out for both kernels
             out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
             wpad = self.proj[(layer, False, "gate")].wpad
             buffers = self._buffers(T, index.shape[1], wpad, x.device)
-            pairs, x = prepare_decode(x, index, weights, E, wpad, out, buffers)
-        else:
-            out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-            pairs = group(index, weights, E)
+            pairs, xf = prepare_decode(x, index, weights, E, wpad, out, buffers)
+            shared = all_tokens(T, shared_scale, E, x.device) if self.spec.has_shared else None
+            self._decode(layer, xf, pairs, out, shared)
+            return out
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        pairs = group(index, weights, E)
+        run = self._torch if path == "torch" else self._prefill
         run(layer, False, x, pairs, out)
         if self.spec.has_shared:
             run(layer, True, x, all_tokens(T, shared_scale, E, x.device), out)
@@ -397,9 +402,8 @@ class FusedMoE:
         buffers = self._buffers(T, self.spec.top_k, wpad, x.device)
         args = (x, gate_weight, shared_gate_weight, self.spec, wpad, out, self._done)
         pairs, xf, routing = prepare_routed(*args, buffers, routing)
-        self._decode(layer, False, xf, pairs, out)
-        if self.spec.has_shared:
-            self._decode(layer, True, xf, all_tokens(T, routing.scale, E, x.device), out)
+        shared = all_tokens(T, routing.scale, E, x.device) if self.spec.has_shared else None
+        self._decode(layer, xf, pairs, out, shared)
         return out
 
     def _buffers(
@@ -444,34 +448,66 @@ class FusedMoE:
         down = (i32(dn.rows), i32(dn.words), i32(dn.wpad), i64(dn.bits_nbytes))
         return gate_up + (i32(gu.rows_per_table),), down + (i32(dn.rows_per_table),)
 
-    def _decode(self, layer: int, shared: bool, xf: torch.Tensor, pairs: Pairs, out: torch.Tensor):
+    def _h(self, layer: int, shared: bool, pairs: Pairs, device: torch.device) -> torch.Tensor:
+        """h's buffer (fp16 [pairs, h's wpad, 32]) of a group: reused across calls (fixed
+        pointers for CUDA graphs); the routed and shared groups never share one (one launch
+        writes both)."""
+        key = (shared, pairs.token.numel(), self.proj[(layer, shared, "down")].wpad)
+        if key not in self._hp:
+            self._hp[key] = torch.empty(*key[1:], 32, dtype=torch.float16, device=device)
+        return self._hp[key]
+
+    def _decode(
+        self, layer: int, xf: torch.Tensor, pairs: Pairs, out: torch.Tensor, shared: Pairs | None
+    ):
         """<= 64 tokens, x already in fragment order (`prepare_decode`): one token pass, no host
-        sync (graph-capturable)."""
-        gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
-        assert xf.shape[1] == gu.wpad, "the shared expert reads x at the routed experts' layout"
-        key = (pairs.token.numel(), dn.wpad)
-        if key not in self._hp:  # reused across steps: fixed pointers for CUDA graphs
-            self._hp[key] = torch.empty(*key, 32, dtype=torch.float16, device=xf.device)
-        hp, nt, n_slots = self._hp[key], kernels.n_tiles(xf.shape[0]), pairs.expert.numel()
+        sync (graph-capturable). Each kernel covers the routed slots and, when there is one, the
+        shared expert's slot in one launch (cuda/moe.cu ENTRY): the shared expert streams beside
+        the routed ones, its CTAs numbered through grid rows after the routed slots'."""
+        ptr, i32, rows, warps = kernels.ptr, np.int32, kernels.ROWS, kernels.WARPS
+        groups = [(False, pairs)] + ([(True, shared)] if shared is not None else [])
+        n_routed = pairs.expert.numel()
+        hp = [self._h(layer, t, p, xf.device) for t, p in groups]
+        dn = [self.proj[(layer, t, "down")] for t, _ in groups]
+        gate_up, down = zip(*(self._scalars(layer, t) for t, _ in groups), strict=True)
+        assert all(g[2] == xf.shape[1] for g in gate_up), "both groups read x at one layout"
+        t = len(groups) - 1  # the second group: the routed one again when there is no shared one
+        second = groups[t][1].slot_args() + (ptr(hp[t]),)
+        nt = kernels.n_tiles(xf.shape[0])
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        gate_up, down = self._scalars(layer, shared)
-        ptr, rows = kernels.ptr, kernels.ROWS
         # gate_up covers every padded column of h (rows past I are written as zeros)
+        tiles = [32 * d.wpad // rows for d in dn]
+        extra = -(-tiles[t] // tiles[0]) if t else 0  # grid rows of the shared expert's CTAs
         kernels.launch(
             f"gate_up_n{nt}",
-            (32 * dn.wpad // rows, n_slots),
-            (32 * kernels.WARPS,),
-            common + (ptr(xf), ptr(hp)) + gate_up,
+            (tiles[0], n_routed + extra),
+            (32 * warps,),
+            common
+            + (ptr(xf), ptr(hp[0]))
+            + gate_up[0]
+            + (i32(n_routed),)
+            + second
+            + tuple(gate_up[t][i] for i in (0, 3, 4, 5))  # rows, h's wpad, bits, rows a table
+            + (i32(tiles[t]), i32(1)),
             early=True,
         )
-        units = kernels.down_units(dn.words)
-        down_ctas = -(-dn.rows // (rows * units))
-        split = kernels.k_split(down_ctas * n_slots, dn.words, kernels.WARPS // units)
+        units = [kernels.down_units(d.words) for d in dn]
+        ctas = [-(-d.rows // (rows * u)) for d, u in zip(dn, units, strict=True)]
+        parts = [warps // u for u in units]
+        split = kernels.k_split(ctas[0] * n_routed, dn[0].words, parts[0])
+        split_t = kernels.balanced_split(dn[t].words, parts[t], dn[0].words, parts[0], split)
+        extra = -(-ctas[t] * split_t // (ctas[0] * split)) if t else 0
         kernels.launch(
             f"down_n{nt}",
-            (down_ctas, n_slots, split),
-            (32 * kernels.WARPS,),
-            common + (ptr(hp), ptr(out)) + down + (np.int32(units),),
+            (ctas[0], n_routed + extra, split),
+            (32 * warps,),
+            common
+            + (ptr(hp[0]), ptr(out))
+            + down[0]
+            + (i32(units[0]), i32(n_routed))
+            + second
+            + down[t][1:]  # words, wpad, bits, rows a table
+            + (i32(units[t]), i32(ctas[t]), i32(split_t)),
             early=True,  # stages while gate_up finishes; waits before it reads h
         )
 

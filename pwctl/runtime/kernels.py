@@ -227,6 +227,17 @@ def k_split(ctas: int, words: int, parts: int = WARPS) -> int:
     return max(1, min(want, -(-words // 8) // parts))
 
 
+def balanced_split(
+    words: int, parts: int, like_words: int, like_parts: int, like_split: int
+) -> int:
+    """The k-split of a group launched beside another (the shared expert beside the routed ones,
+    whose rows may be several times longer): enough CTAs a tile that its warps get about the
+    iterations of 8 words the other group's warps get, while each keeps at least one."""
+    iters, like_iters = -(-words // 8), -(-like_words // 8)
+    per_warp = -(-like_iters // (like_parts * like_split))
+    return max(1, min(-(-iters // (parts * per_warp)), iters // parts))
+
+
 def n_tiles(tokens: int) -> int:
     """The smallest compiled decode tile (in n-tiles of 8 tokens) holding `tokens` a slot."""
     for nt in DECODE_TILES:
