@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pwctl.bench.kernels import SHAPES, _event_time, _graph_time, host_time, synthetic_layer
-from pwctl.runtime.moe import route
+from pwctl.runtime.router import route
 
 
 def torch_router(moe, spec, gw, sgw, x):

@@ -35,9 +35,9 @@ from pwctl.runtime.fused_moe import (
     wgmma_order,
     wgmma_tiles,
 )
-from pwctl.runtime.moe import route
 from pwctl.runtime.page_table import PageTable
 from pwctl.runtime.pager import CpuBackend, Pager
+from pwctl.runtime.router import route
 
 
 def test_group_sorts_pairs_by_expert():
@@ -424,7 +424,7 @@ def test_routed_decode_matches_reference(shape):
         assert err < 1e-3, f"{shape} {case}: relative error {err:.2e}"
 
     _poison(layer.moe)
-    check(layer.moe.routed(0, x, gw, sgw).clone(), "eager")
+    check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager")
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -432,7 +432,7 @@ def test_routed_decode_matches_reference(shape):
         layer.moe.routed(0, x, gw, sgw)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        out = layer.moe.routed(0, x, gw, sgw)
+        out, _ = layer.moe.routed(0, x, gw, sgw)
     for seed in (1, 2):
         x.copy_(torch.randn(4, spec.hidden, generator=gen, device="cuda").half())
         out.fill_(float("nan"))

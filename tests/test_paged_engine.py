@@ -57,6 +57,32 @@ def test_paged_equals_store_every_arch(arch, packs):
         same_logits_and_tokens(store, paged, policy)
 
 
+def test_moe_blocks_route_through_the_fused_moe(bundled_qwen_pack, monkeypatch):
+    """MoEBlock hands its router to `FusedMoE.routed` (on CUDA one launch routes and prepares the
+    decode; here torch's router, the reference), every layer, with the tap on: the tap sees
+    routing equal to the store engine's, in buffers of its own."""
+    from pwctl.runtime.fused_moe import FusedMoE
+
+    store, paged = engines(bundled_qwen_pack)
+    store.set_policy(parse_policy("uniform:4"))
+    paged.set_policy(parse_policy("uniform:4"))
+    calls, real = [], FusedMoE.routed
+
+    def routed(self, layer, *args):
+        out, routing = real(self, layer, *args)
+        calls.append((layer, routing.index))
+        return out, routing
+
+    monkeypatch.setattr(FusedMoE, "routed", routed)
+    ids = torch.tensor([store.tokenizer(PROMPTS[0]).input_ids])
+    with MoETap(store.model) as want, MoETap(paged.model) as got:
+        torch.testing.assert_close(paged.logits(ids), store.logits(ids), rtol=1e-4, atol=1e-4)
+    assert [layer for layer, _ in calls] == sorted(want.seen)
+    for layer, index in calls:
+        assert torch.equal(got.seen[layer][1], want.seen[layer][1])
+        assert got.seen[layer][1].data_ptr() != index.data_ptr()  # a copy: buffers are reused
+
+
 @pytest.mark.parametrize("fixture", ["bundled_pack", "bundled_qwen_pack"])
 def test_paged_equals_store_bundled(fixture, request):
     store, paged = engines(request.getfixturevalue(fixture))

@@ -21,8 +21,8 @@ from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.fused_moe import FusedMoE
 from pwctl.runtime.kernels import DECODE_MAX_TOKENS
-from pwctl.runtime.moe import route
 from pwctl.runtime.page_table import GPU, PageTable, choose_slab
+from pwctl.runtime.router import route
 
 
 def _spec(hidden, inter, experts, top_k, shared=0, order="softmax_topk", norm=False) -> MoESpec:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pwctl.recipe import MoESpec
 from pwctl.runtime import kernels
 from pwctl.runtime.device_table import DeviceTable
+from pwctl.runtime.router import route
 
 
 @dataclass(frozen=True)
@@ -157,11 +158,13 @@ ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
 
 
 def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
-    """Whether `prepare_routed` takes this call: a CUDA decode of fp16 tokens and router, rows a
-    multiple of 8 values (16-byte loads), at most 256 experts and top-8."""
+    """Whether `FusedMoE.routed` takes this call: always on the CPU (torch's router); on CUDA
+    when `prepare_routed` does, a decode of fp16 tokens and router, rows a multiple of 8 values
+    (16-byte loads), at most 256 experts and top-8."""
+    if not x.is_cuda:
+        return True
     return (
-        x.is_cuda
-        and x.shape[0] <= kernels.DECODE_MAX_TOKENS
+        x.shape[0] <= kernels.DECODE_MAX_TOKENS
         and x.dtype == gate_weight.dtype == torch.float16
         and x.shape[1] % 8 == 0
         and spec.num_experts <= ROUTE_MAX_EXPERTS
@@ -389,9 +392,12 @@ class FusedMoE:
         x: torch.Tensor,
         gate_weight: torch.Tensor,
         shared_gate_weight: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Router and experts for a CUDA decode call (`can_route`): float32 [T, H]. One launch
+    ) -> tuple[torch.Tensor, Routing]:
+        """Router and experts for a CUDA decode call (`can_route`): float32 [T, H], and the
+        routing chosen (buffers the next call of the same token count overwrites). One launch
         routes, groups and lays x out (`prepare_routed`), then the decode kernels run."""
+        if not x.is_cuda:  # the reference: torch's router, then the torch path
+            return self._routed_torch(layer, x, gate_weight, shared_gate_weight)
         T, E = x.shape[0], self.spec.num_experts
         wpad = self.proj[(layer, False, "gate")].wpad
         out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
@@ -404,7 +410,22 @@ class FusedMoE:
         pairs, xf, routing = prepare_routed(*args, buffers, routing)
         shared = all_tokens(T, routing.scale, E, x.device) if self.spec.has_shared else None
         self._decode(layer, xf, pairs, out, shared)
-        return out
+        return out, routing
+
+    def _routed_torch(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        shared_gate_weight: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, Routing]:
+        logits = F.linear(x, gate_weight)
+        weights, index = route(logits, self.spec)
+        scale = None
+        if shared_gate_weight is not None:
+            scale = torch.sigmoid(F.linear(x, shared_gate_weight)).reshape(-1).float()
+        out = self(layer, x, weights, index, scale)
+        return out, Routing(index, weights, scale, logits.float())
 
     def _buffers(
         self, T: int, k: int, wpad: int, device: torch.device

@@ -1,36 +1,24 @@
 """The MoE block pwctl puts in place of each transformers MoE block: routing per recipe, routed
-experts, the shared expert and its gate, weighted combine. Two execution backends share the
-routing: the ExpertStore (CPU reference, dequantized weights per width) and, once the engine
-installs one in `paged`, PagedExperts (paged planes and the fused MoE: CUDA kernels on the GPU,
-the same pairs in torch on the CPU)."""
+experts, the shared expert and its gate, weighted combine. Two execution backends: the
+ExpertStore (CPU reference, dequantized weights per width; routed here with `route`) and, once
+the engine installs one in `paged`, PagedExperts, whose fused MoE takes the router weights too
+(`FusedMoE.routed`: on CUDA decode one launch routes and prepares the kernels; on the CPU
+`route` and the same pairs in torch)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pwctl.recipe import MoESpec
 from pwctl.runtime.expert_store import ExpertStore
 from pwctl.runtime.fused_moe import can_route
+from pwctl.runtime.router import route
 
 if TYPE_CHECKING:
     from pwctl.runtime.paged_experts import PagedExperts
-
-
-def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k expert weights [T, k] (fp32) and indices [T, k] in the recipe's order."""
-    if spec.order == "softmax_topk":
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, index = torch.topk(probs, spec.top_k, dim=-1)
-        if spec.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    else:
-        top, index = torch.topk(logits, spec.top_k, dim=-1)
-        weights = F.softmax(top, dim=-1, dtype=torch.float32)
-    return weights * spec.routed_scaling, index
 
 
 class MoEBlock(nn.Module):
@@ -54,13 +42,14 @@ class MoEBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, self.spec.hidden)
-        if self.paged is not None and self.observer is None:
-            fused = self.paged.fused
-            if fused.routes and can_route(self.spec, x, self.gate.weight):  # one launch routes
-                sg = self.shared_expert_gate
-                sgw = None if sg is None else sg.weight
-                out = fused.routed(self.layer, x, self.gate.weight, sgw)
-                return out.to(x.dtype).view_as(hidden)
+        fused = self.paged.fused if self.paged is not None else None
+        if fused is not None and fused.routes and can_route(self.spec, x, self.gate.weight):
+            sg = self.shared_expert_gate  # router, grouping and layout in one launch
+            sgw = None if sg is None else sg.weight
+            out, routing = fused.routed(self.layer, x, self.gate.weight, sgw)
+            if self.observer is not None:  # routing's buffers are reused by the next layer
+                self.observer(self.layer, x, routing.index.clone(), routing.weights.clone())
+            return out.to(x.dtype).view_as(hidden)
         weights, index = route(self.gate(x), self.spec)
         if self.observer is not None:
             self.observer(self.layer, x, index, weights)
