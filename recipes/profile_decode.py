@@ -6,15 +6,13 @@ between dependent kernels cost; eager minus graph is the host's share. Usage (GP
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections import defaultdict
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pwctl.bench.kernels import SHAPES, _event_time, _graph_time, random_routing, synthetic_layer
+from pwctl.bench.kernels import _event_time, _graph_time, decode_calls
 
 
 def kernel_times(call, reps: int = 20) -> dict[str, float]:
@@ -32,21 +30,12 @@ def kernel_times(call, reps: int = 20) -> dict[str, float]:
 
 def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
-    for name in shapes:
-        layer = synthetic_layer(SHAPES[name], seed=0)
-        layer.set_widths(np.full(layer.table.n_blocks, 4))
-        for T in tokens:
-            x, w, idx, sc = random_routing(layer.spec, T, seed=T)
-
-            call = functools.partial(layer.moe, 0, x, w, idx, sc, path="decode")
-
-            graph_us, eager_us = _graph_time(call) * 1e6, _event_time(call) * 1e6
-            times = kernel_times(call)
-            parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
-            head = f"{name:10s} T{T:3d} eager {eager_us:6.1f} us  graph {graph_us:6.1f} us"
-            print(f"{head}  kernels {sum(times.values()):6.1f} us: {parts}", flush=True)
-        layer = None
-        torch.cuda.empty_cache()
+    for name, T, call in decode_calls(shapes, tokens):
+        graph_us, eager_us = _graph_time(call) * 1e6, _event_time(call) * 1e6
+        times = kernel_times(call)
+        parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
+        head = f"{name:10s} T{T:3d} eager {eager_us:6.1f} us  graph {graph_us:6.1f} us"
+        print(f"{head}  kernels {sum(times.values()):6.1f} us: {parts}", flush=True)
 
 
 if __name__ == "__main__":

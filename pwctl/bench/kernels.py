@@ -7,6 +7,7 @@ with the same `synthetic_layer`."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -110,6 +111,20 @@ def random_routing(spec: MoESpec, T: int, device: str = "cuda", seed: int = 0):
     if spec.has_shared:
         scale = torch.sigmoid(torch.randn(T, 1, generator=gen, device=device))
     return x, weights, index, scale
+
+
+def decode_calls(shapes: list[str], tokens: list[int], width: int = 4):
+    """(shape, T, call) per shape and token count: the decode call of a synthetic layer at
+    `width` bits on random routing (the profiling recipes' subjects). A shape's layer is freed
+    before the next one is built."""
+    for name in shapes:
+        layer = synthetic_layer(SHAPES[name], seed=0)
+        layer.set_widths(np.full(layer.table.n_blocks, width))
+        for T in tokens:
+            x, w, idx, sc = random_routing(layer.spec, T, seed=T)
+            yield name, T, functools.partial(layer.moe, 0, x, w, idx, sc, path="decode")
+        layer = None
+        torch.cuda.empty_cache()
 
 
 # --- timing ------------------------------------------------------------------------------------

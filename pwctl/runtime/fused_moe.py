@@ -393,9 +393,10 @@ class FusedMoE:
         gate_weight: torch.Tensor,
         shared_gate_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Routing]:
-        """Router and experts for a CUDA decode call (`can_route`): float32 [T, H], and the
-        routing chosen (buffers the next call of the same token count overwrites). One launch
-        routes, groups and lays x out (`prepare_routed`), then the decode kernels run."""
+        """Router and experts of a call `can_route` accepts: float32 [T, H], and the routing
+        chosen. On CUDA one launch routes, groups and lays x out (`prepare_routed`), then the
+        decode kernels run; the routing is in buffers the next call of the same token count
+        overwrites. On the CPU: torch's router (`route`), then the torch path."""
         if not x.is_cuda:  # the reference: torch's router, then the torch path
             return self._routed_torch(layer, x, gate_weight, shared_gate_weight)
         T, E = x.shape[0], self.spec.num_experts

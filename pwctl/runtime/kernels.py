@@ -127,9 +127,15 @@ def launch(
     if early and has_pdl() and torch.cuda.is_current_stream_capturing():
         _launch_pdl(func, grid, block, extra, shared_mem, stream)
     else:
-        from cupy_backends.cuda.api import driver
+        _launch_kernel()(func, *grid, *block, shared_mem, stream, 0, extra)
 
-        driver.launchKernel(func, *grid, *block, shared_mem, stream, 0, extra)
+
+@functools.cache
+def _launch_kernel():
+    """cuLaunchKernel through CuPy's driver binding (a thin Cython call that raises on error)."""
+    from cupy_backends.cuda.api import driver
+
+    return driver.launchKernel
 
 
 @functools.cache
