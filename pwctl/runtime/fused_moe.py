@@ -160,13 +160,16 @@ ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
 def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
     """Whether `FusedMoE.routed` takes this call: always on the CPU (torch's router); on CUDA
     when `prepare_routed` does, a decode of fp16 tokens and router, rows a multiple of 8 values
-    (16-byte loads), at most 256 experts and top-8."""
+    starting 16-byte aligned (the dot products load 16 bytes at a time), at most 256 experts and
+    top-8."""
     if not x.is_cuda:
         return True
     return (
         x.shape[0] <= kernels.DECODE_MAX_TOKENS
         and x.dtype == gate_weight.dtype == torch.float16
         and x.shape[1] % 8 == 0
+        and x.data_ptr() % 16 == 0
+        and gate_weight.data_ptr() % 16 == 0
         and spec.num_experts <= ROUTE_MAX_EXPERTS
         and spec.top_k <= ROUTE_MAX_K
         and spec.order in ROUTE_ORDERS
