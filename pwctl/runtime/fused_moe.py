@@ -328,6 +328,21 @@ def token_tiles(x: torch.Tensor, wpad: int, token: torch.Tensor, plan: TilePlan)
     return xt
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The shape side of a decode call's two launches: grids, and the scalar arguments around
+    the pointers (cuda/moe.cu ENTRY: the routed group's after x / h, the shared expert's after
+    its own pointers). Made once per (layer, routed slots, shared expert): an eager decode is
+    host-bound."""
+
+    gate_up_grid: tuple[int, int]
+    gate_up_routed: tuple
+    gate_up_shared: tuple
+    down_grid: tuple[int, int, int]
+    down_routed: tuple
+    down_shared: tuple
+
+
 class FusedMoE:
     def __init__(self, spec: MoESpec, dt: DeviceTable, index: dict[tuple[int, int, str], int]):
         """`index`: (layer, expert, proj) -> block (shared experts: expert = num_experts)."""
@@ -349,10 +364,9 @@ class FusedMoE:
         self._hp: dict[tuple[int, int], torch.Tensor] = {}
         self._decode_buffers: dict[tuple[int, int, int], tuple[Pairs, torch.Tensor]] = {}
         self._routing: dict[tuple[int, bool], Routing] = {}
-        self.routes = True  # MoEBlock routes decode calls here when it can (False: torch, A/B)
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
-        self._scalar_args: dict[tuple[int, bool], tuple[tuple, tuple]] = {}
+        self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
 
@@ -461,12 +475,7 @@ class FusedMoE:
     def _scalars(self, layer: int, shared: bool) -> tuple[tuple, tuple]:
         """The shape arguments both kernel pairs take after their two pointers (cuda/moe.cu):
         gate_up (rows, words, wpad, h's wpad, bits bytes, rows per table), down (the same of
-        down, without h's). Made once per (layer, shared): every decode call passes them."""
-        if (layer, shared) not in self._scalar_args:
-            self._scalar_args[(layer, shared)] = self._make_scalars(layer, shared)
-        return self._scalar_args[(layer, shared)]
-
-    def _make_scalars(self, layer: int, shared: bool) -> tuple[tuple, tuple]:
+        down, without h's)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
         i32, i64 = np.int32, np.int64
         gate_up = (i32(gu.rows), i32(gu.words), i32(gu.wpad), i32(dn.wpad), i64(gu.bits_nbytes))
@@ -489,51 +498,59 @@ class FusedMoE:
         sync (graph-capturable). Each kernel covers the routed slots and, when there is one, the
         shared expert's slot in one launch (cuda/moe.cu ENTRY): the shared expert streams beside
         the routed ones, its CTAs numbered through grid rows after the routed slots'."""
-        ptr, i32, rows, warps = kernels.ptr, np.int32, kernels.ROWS, kernels.WARPS
+        key = (layer, pairs.expert.numel(), shared is not None)
+        if key not in self._launches:
+            self._launches[key] = self._decode_launch(*key)
+        plan, ptr = self._launches[key], kernels.ptr
         groups = [(False, pairs)] + ([(True, shared)] if shared is not None else [])
-        n_routed = pairs.expert.numel()
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
-        dn = [self.proj[(layer, t, "down")] for t, _ in groups]
-        gate_up, down = zip(*(self._scalars(layer, t) for t, _ in groups), strict=True)
-        assert all(g[2] == xf.shape[1] for g in gate_up), "both groups read x at one layout"
-        t = len(groups) - 1  # the second group: the routed one again when there is no shared one
-        second = groups[t][1].slot_args() + (ptr(hp[t]),)
+        # the second group's pointers: the routed group again when there is no shared expert
+        second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
         nt = kernels.n_tiles(xf.shape[0])
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        # gate_up covers every padded column of h (rows past I are written as zeros)
-        tiles = [32 * d.wpad // rows for d in dn]
-        extra = -(-tiles[t] // tiles[0]) if t else 0  # grid rows of the shared expert's CTAs
         kernels.launch(
             f"gate_up_n{nt}",
-            (tiles[0], n_routed + extra),
-            (32 * warps,),
-            common
-            + (ptr(xf), ptr(hp[0]))
-            + gate_up[0]
-            + (i32(n_routed),)
-            + second
-            + tuple(gate_up[t][i] for i in (0, 3, 4, 5))  # rows, h's wpad, bits, rows a table
-            + (i32(tiles[t]), i32(1)),
+            plan.gate_up_grid,
+            (32 * kernels.WARPS,),
+            common + (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared,
             early=True,
         )
+        kernels.launch(
+            f"down_n{nt}",
+            plan.down_grid,
+            (32 * kernels.WARPS,),
+            common + (ptr(hp[0]), ptr(out)) + plan.down_routed + second + plan.down_shared,
+            early=True,  # stages while gate_up finishes; waits before it reads h
+        )
+
+    def _decode_launch(self, layer: int, n_routed: int, with_shared: bool) -> DecodeLaunch:
+        """Grids and shape arguments of a decode call's two launches (cuda/moe.cu ENTRY): fixed
+        by the layer, its routed slot count and whether a shared expert rides along."""
+        i32, i64, rows, warps = np.int32, np.int64, kernels.ROWS, kernels.WARPS
+        groups = [False] + ([True] if with_shared else [])
+        gu = [self.proj[(layer, g, "gate")] for g in groups]
+        dn = [self.proj[(layer, g, "down")] for g in groups]
+        assert gu[0].wpad == gu[-1].wpad, "both groups read x at one layout"
+        gate_up, down = self._scalars(layer, False)
+        # gate_up covers every padded column of h (rows past I are written as zeros)
+        tiles = [32 * d.wpad // rows for d in dn]
         units = [kernels.down_units(d.words) for d in dn]
         ctas = [-(-d.rows // (rows * u)) for d, u in zip(dn, units, strict=True)]
         parts = [warps // u for u in units]
         split = kernels.k_split(ctas[0] * n_routed, dn[0].words, parts[0])
-        split_t = kernels.balanced_split(dn[t].words, parts[t], dn[0].words, parts[0], split)
-        extra = -(-ctas[t] * split_t // (ctas[0] * split)) if t else 0
-        kernels.launch(
-            f"down_n{nt}",
-            (ctas[0], n_routed + extra, split),
-            (32 * warps,),
-            common
-            + (ptr(hp[0]), ptr(out))
-            + down[0]
-            + (i32(units[0]), i32(n_routed))
-            + second
-            + down[t][1:]  # words, wpad, bits, rows a table
-            + (i32(units[t]), i32(ctas[t]), i32(split_t)),
-            early=True,  # stages while gate_up finishes; waits before it reads h
+        split_t = kernels.balanced_split(dn[-1].words, parts[-1], dn[0].words, parts[0], split)
+        # grid rows after the routed slots' that number the shared expert's CTAs
+        extra = (-(-tiles[-1] // tiles[0]), -(-ctas[-1] * split_t // (ctas[0] * split)))
+        extra = extra if with_shared else (0, 0)
+        return DecodeLaunch(
+            gate_up_grid=(tiles[0], n_routed + extra[0]),
+            gate_up_routed=gate_up + (i32(n_routed),),
+            gate_up_shared=(i32(gu[-1].rows), i32(dn[-1].wpad), i64(gu[-1].bits_nbytes))
+            + (i32(gu[-1].rows_per_table), i32(tiles[-1]), i32(1)),
+            down_grid=(ctas[0], n_routed + extra[1], split),
+            down_routed=down + (i32(units[0]), i32(n_routed)),
+            down_shared=(i32(dn[-1].words), i32(dn[-1].wpad), i64(dn[-1].bits_nbytes))
+            + (i32(dn[-1].rows_per_table), i32(units[-1]), i32(ctas[-1]), i32(split_t)),
         )
 
     def _prefill(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):

@@ -43,7 +43,7 @@ class MoEBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, self.spec.hidden)
         fused = self.paged.fused if self.paged is not None else None
-        if fused is not None and fused.routes and can_route(self.spec, x, self.gate.weight):
+        if fused is not None and can_route(self.spec, x, self.gate.weight):
             sg = self.shared_expert_gate  # router, grouping and layout in one launch
             sgw = None if sg is None else sg.weight
             out, routing = fused.routed(self.layer, x, self.gate.weight, sgw)
