@@ -148,6 +148,14 @@ __device__ __forceinline__ void lut16(const u32 (&L)[8], u32 s, u32 q, u32& h0, 
 template <int B, int C>
 __device__ __forceinline__ void decode(const u32 (&P)[8], const u32 (&L)[8],
                                        const unsigned short* tbl, u32 (&A)[4]) {
+#ifdef PWCTL_LOAD_ONLY
+    // Timing probe, never built by pwctl: the kernels' loads and mma with no lookup (wrong results).
+    // nvcc -DPWCTL_LOAD_ONLY ... -cubin, then PWCTL_CUBIN=FILE pwctl bench --kernels (docs/PERF.md).
+    if constexpr (B <= 4) {
+        const u32 v = (P[0] ^ P[1]) ^ (P[2] ^ P[3]) ^ L[C];
+        A[0] = v, A[1] = v + 1u, A[2] = v + 2u, A[3] = v + 3u;
+    } else
+#endif
     if constexpr (B <= 3) {
         const u32 s = gather<C, B - 1, B>(P);
         lut8(L, s, A[0], A[1]);
