@@ -1,10 +1,13 @@
 """A/B-time variants of cuda/moe.cu with the `bench --kernels` harness, in one process, several
-rounds interleaved (the best time of each is printed). Usage (GPU machine; variants are .cu files,
-e.g. `git show main:cuda/moe.cu > /tmp/a.cu`):
+rounds interleaved (the best time of each is printed). Variants are .cu files (NVRTC compiles
+each: ~2.5 min; e.g. `git show main:cuda/moe.cu > /tmp/a.cu`) or cubins built elsewhere (`nvcc
+-arch=sm_90a -std=c++17 -cubin`: no compile on the GPU machine; compare cubins with cubins).
+Usage (GPU machine):
   python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +24,11 @@ def main() -> None:
     best: dict[tuple, dict[str, float]] = {}
     for _ in range(rounds):
         for v in variants:
-            kernels.CUDA_SRC = Path(v).resolve()
+            if v.endswith(".cubin"):
+                os.environ["PWCTL_CUBIN"] = str(Path(v).resolve())
+            else:
+                os.environ.pop("PWCTL_CUBIN", None)
+                kernels.CUDA_SRC = Path(v).resolve()
             for cached in (kernels.module, kernels._function, kernels._opt_in):
                 cached.cache_clear()
             for row in run_kernel_bench(shapes, widths, tokens)[1]:
