@@ -1,6 +1,7 @@
 """Issue rates of mma.sync on this GPU: f16 m16n8k16, s8 m16n8k32, s4 m16n8k64 and b1 m16n8k256
 (and.popc, xor.popc), in mma a clock an SM and operations a second. Behind docs/KERNELS.md's
-"lookup-free decode" (a b1 mma does 16x the products of an f16 one; does it issue as fast?).
+next step "the binary tensor-core dot product" (a b1 mma does 16x the products of an f16 one;
+does it issue as fast?).
 Usage (GPU machine): python3 recipes/perf_mma_rates.py"""
 
 from __future__ import annotations

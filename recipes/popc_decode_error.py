@@ -1,19 +1,19 @@
-"""CPU experiment behind docs/KERNELS.md's "lookup-free decode" next step: y = W x computed the
-way a binary tensor-core kernel (mma.m16n8k256 .b1 .and.popc) would, against the fp16 operands the
-kernels use now. A row's table T (2^b fp16 levels) is written in the multilinear basis of its label
-bits, T[v] = sum over plane subsets A of c_A * prod_{j in A} bit_j(v) (c_A: Moebius sums of T, in
-fp32), so y = sum_A c_A * (M_A . x) with M_A the AND of the planes in A (a bit mask: no lookup).
-x is `xbits`-bit two's-complement fixed point with a per-token scale; M_A . x_int is what the
-popcounts of M_A & (bit plane i of x_int), weighted 2^i, add up to: an exact integer. The fp32
-combine follows the kernel's order. W: a 256 x 14336 block, each row quantized to 2^b non-uniform
-levels (its quantiles); x: 4 tokens, N(0, 1) with 8 outlier channels scaled by `outlier`.
-Usage: python3 recipes/popc_decode_error.py"""
+"""CPU experiment behind docs/KERNELS.md's next step "the binary tensor-core dot product": y = W x
+computed the way a binary tensor-core kernel (mma.m16n8k256 .b1 .and.popc) would, against the
+fp16 operands the kernels use now. A row's table T (2^b fp16 levels) is written in the
+multilinear basis of its label bits, T[v] = sum over plane subsets A of c_A * prod_{j in A}
+bit_j(v) (c_A: Moebius sums of T, in fp32), so y = sum_A c_A * (M_A . x) with M_A the AND of the
+planes in A (a bit mask: no lookup). x is `xbits`-bit two's-complement fixed point with a
+per-token scale; M_A . x_int is what the popcounts of M_A & (bit plane i of x_int), weighted 2^i,
+add up to: an exact integer. The fp32 combine follows the kernel's order. The block:
+`lut_block.py`. Usage: python3 recipes/popc_decode_error.py"""
 
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
+from lut_block import lut_block, print_error_table, relative_errors
 
 
 def subset_coefficients(levels: np.ndarray, bits: int) -> dict[tuple[int, ...], np.ndarray]:
@@ -45,28 +45,18 @@ def popc_matvec(levels16, label, bits, x, xbits) -> np.ndarray:
     return y * sx.T
 
 
-def errors(rng, bits: int, outlier: float, rows=256, cols=14336, tokens=4) -> list[float]:
-    w = rng.standard_normal((rows, cols)) * 0.02
-    levels = np.quantile(w, (np.arange(2**bits) + 0.5) / 2**bits, axis=1).T
+def errors(rng, bits: int, outlier: float) -> list[float]:
+    levels, label, x = lut_block(rng, bits, outlier)
     levels16 = levels.astype(np.float16)
-    label = np.abs(w[:, :, None] - levels[:, None, :]).argmin(-1)
     wq = np.take_along_axis(levels16.astype(np.float64), label, 1)
-    x = rng.standard_normal((tokens, cols))
-    x[:, rng.choice(cols, 8, replace=False)] *= outlier
     ref = wq @ x.T
     fp16 = wq @ x.astype(np.float16).astype(np.float64).T
     got = [fp16] + [popc_matvec(levels16, label, bits, x, xb).astype(np.float64) for xb in (12, 16)]
-    return [float(np.linalg.norm(y - ref) / np.linalg.norm(ref)) for y in got]
+    return relative_errors(ref, got)
 
 
 def main() -> None:
-    rng = np.random.default_rng(0)
-    print("| bits | outlier x | fp16 | popc, 12-bit x | popc, 16-bit x |")
-    print("| --- | --- | --- | --- | --- |")
-    for bits in (2, 3, 4):
-        for outlier in (1.0, 50.0, 300.0):
-            e = errors(rng, bits, outlier)
-            print(f"| {bits} | {outlier:g} | " + " | ".join(f"{v:.1e}" for v in e) + " |")
+    print_error_table(errors, ["fp16", "popc, 12-bit x", "popc, 16-bit x"], (2, 3, 4))
 
 
 if __name__ == "__main__":
