@@ -29,8 +29,7 @@ def main() -> None:
             else:
                 os.environ.pop("PWCTL_CUBIN", None)
                 kernels.CUDA_SRC = Path(v).resolve()
-            for cached in (kernels.module, kernels._function, kernels._opt_in):
-                cached.cache_clear()
+            kernels.reload()
             for row in run_kernel_bench(shapes, widths, tokens)[1]:
                 times = best.setdefault((row.shape, row.width, row.tokens, row.path), {})
                 times[v] = min(times.get(v, float("inf")), row.time_us)

@@ -3,9 +3,12 @@ ExpertStore reference; the CUDA kernels against the torch path on real layer sha
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import itertools
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -574,6 +577,29 @@ def test_kernel_parameters_pack_at_their_natural_alignment():
     assert [pointers[0], pointers[2], pointers[4]] == [1, 2, None]  # the driver's markers
     assert pointers[1] == ctypes.addressof(params.data)
     assert pointers[3] == ctypes.addressof(params.size)
+
+
+def test_reload_forgets_the_module_and_its_handles(monkeypatch):
+    """An A/B of kernel variants in one process (recipes/perf_kernel_ab.py) must launch the newly
+    loaded module's functions, not handles cached from the one before."""
+    loads = []
+
+    @functools.cache
+    def module():
+        loads.append(len(loads))
+        handle = SimpleNamespace(kernel=SimpleNamespace(ptr=len(loads)))  # CUfunction of this load
+        return SimpleNamespace(get_function=lambda name: handle)
+
+    monkeypatch.setattr(kernels, "module", module)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kernels.reload()
+    try:
+        assert kernels._handle("gate_up_n1", 0) == 1
+        assert kernels._handle("gate_up_n1", 0) == 1 and len(loads) == 1  # cached
+        kernels.reload()
+        assert kernels._handle("gate_up_n1", 0) == 2 and len(loads) == 2
+    finally:
+        kernels.reload()  # no fake handle outlives the test
 
 
 def test_balanced_split_evens_the_shared_experts_iterations():

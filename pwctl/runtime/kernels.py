@@ -205,6 +205,13 @@ def _handle(name: str, device: int) -> int:
         return _function(name).kernel.ptr
 
 
+def reload() -> None:
+    """Forget the loaded module and every handle taken from it, so that the next launch loads
+    `CUDA_SRC` or `PWCTL_CUBIN` afresh (development A/B of kernel variants in one process)."""
+    for cached in (module, _function, _handle, _opt_in):
+        cached.cache_clear()
+
+
 @functools.cache
 def _opt_in(name: str, shared_mem: int, device: int) -> None:
     """Allow `shared_mem` bytes of dynamic shared memory above the 48 KB default (once: reading the
