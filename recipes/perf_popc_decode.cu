@@ -1,0 +1,133 @@
+// Prototype of the binary tensor-core decode (recipes/perf_popc_decode.py): y = W x for one token,
+// W stored as B bit planes with a per-row table, computed as
+//   y[r] = sx * (c_0[r] * sum(xi) + sum over plane subsets S != {} of c_S[r] * (AND_S . xi))
+// where xi = x / sx is 16-bit two's-complement fixed point and AND_S . xi is the exact integer
+// that mma.m16n8k256 .and.popc adds up: A = the 16 bit planes of xi, B = the AND of the planes
+// in S for 8 rows. No lookup: 2^B - 1 mma and about 2^B - B - 1 LOP3 per 32-bit word pair.
+typedef unsigned u32;
+
+__device__ __forceinline__ void mma_popc(int (&d)[4], const uint4& a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+// AND of the planes in subset S (bit p of S: plane p).
+template <int B, int S>
+__device__ __forceinline__ u32 subset_and(const u32 (&w)[B]) {
+    u32 v = 0xffffffffu;
+    #pragma unroll
+    for (int p = 0; p < B; ++p)
+        if (S & (1 << p)) v &= w[p];
+    return v;
+}
+
+template <int B, int S>
+__device__ __forceinline__ void subset_mma(int (&acc)[1 << B][4], const uint4& a, const u32 (&lo)[B],
+                                           const u32 (&hi)[B]) {
+    if constexpr (S < (1 << B)) {
+        mma_popc(acc[S], a, subset_and<B, S>(lo), subset_and<B, S>(hi));
+        subset_mma<B, S + 1>(acc, a, lo, hi);
+    }
+}
+
+// planes: [B][R][words] u32 (plane p = bit B-1-p of the label); xa: per token, per 16-word chunk c
+// and lane, two uint4 A fragments (k-steps 2c, 2c + 1); coef: [R][16] fp32 subset coefficients;
+// sx, sumxi: per token. A warp takes 8 rows and the chunks [c0, c1) (blockIdx.y of gridDim.y
+// k-splits); lane (g, t) loads words 16c + 4t .. + 3 of row g: one 16-byte load a plane. y: [T][R],
+// zeroed, the k-splits' sums added atomically. Warps loop over row groups (grid smaller than R / 32:
+// persistent CTAs).
+template <int B, int T>
+__device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int R, int words,
+                          const uint4* __restrict__ xa, const float* __restrict__ coef,
+                          const float* __restrict__ sx, const float* __restrict__ sumxi,
+                          float* __restrict__ y, int r0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int quads = words / 4, chunks = words / 16;
+    const int per = (chunks + gridDim.y - 1) / gridDim.y;
+    const int c0 = blockIdx.y * per, c1 = min(chunks, c0 + per);
+    const uint4* base = planes + (long long)(r0 + g) * quads + t;
+    const long long pstride = (long long)R * quads;
+    int acc[T][1 << B][4] = {};
+    auto load = [&](uint4 (&q)[B], int c) {
+        #pragma unroll
+        for (int p = 0; p < B; ++p) q[p] = c < c1 ? __ldg(base + p * pstride + 4 * c) : make_uint4(0, 0, 0, 0);
+    };
+    auto run = [&](const uint4 (&q)[B], int c) {
+        u32 lo[B], hi[B];
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            #pragma unroll
+            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+            #pragma unroll
+            for (int k = 0; k < T; ++k) {
+                const uint4 a = __ldg(xa + (((long long)k * chunks + c) * 32 + lane) * 2 + s);
+                subset_mma<B, 1>(acc[k], a, lo, hi);
+            }
+        }
+    };
+    uint4 q[B], n[B];
+    load(q, c0);
+    for (int c = c0; c < c1; c += 2) {  // two chunks an iteration: no register copies
+        load(n, c + 1);
+        run(q, c);
+        if (c + 1 >= c1) break;
+        load(q, c + 2);
+        run(n, c + 1);
+    }
+    // acc[k][S]: c0 (x plane g, row 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1).
+    // A lane's two planes of two's-complement x cancel across lanes by up to ~2^15 / |x|: the
+    // lane sums go to fp64 before the reduction.
+    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
+    const float* cr = coef + (long long)(r0 + 2 * t) * 16;
+    #pragma unroll
+    for (int k = 0; k < T; ++k) {
+        double f0 = 0.0, f1 = 0.0;
+        #pragma unroll
+        for (int S = 1; S < (1 << B); ++S) {
+            f0 += (double)cr[S] * (double)(wg * acc[k][S][0] + w8 * acc[k][S][2]);
+            f1 += (double)cr[16 + S] * (double)(wg * acc[k][S][1] + w8 * acc[k][S][3]);
+        }
+        #pragma unroll
+        for (int m = 4; m < 32; m <<= 1) {
+            f0 += __shfl_xor_sync(0xffffffffu, f0, m);
+            f1 += __shfl_xor_sync(0xffffffffu, f1, m);
+        }
+        if (g == 0) {
+            const float e = blockIdx.y == 0 ? sumxi[k] : 0.f;  // the empty subset's term, once
+            atomicAdd(y + (long long)k * R + r0 + 2 * t, sx[k] * (float)(f0 + cr[0] * (double)e));
+            atomicAdd(y + (long long)k * R + r0 + 2 * t + 1, sx[k] * (float)(f1 + cr[16] * (double)e));
+        }
+    }
+}
+
+template <int B, int T>
+__device__ void popc_gemv(const uint4* __restrict__ planes, int R, int words,
+                          const uint4* __restrict__ xa, const float* __restrict__ coef,
+                          const float* __restrict__ sx, const float* __restrict__ sumxi,
+                          float* __restrict__ y) {
+    const int warps = gridDim.x * (blockDim.x >> 5);
+    for (int rg = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); rg * 8 < R; rg += warps)
+        popc_rows<B, T>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
+}
+
+#define GEMV(B, T, CTAS)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                      \
+    popc_gemv##B##_##T(const uint4* planes, int R, int words, const uint4* xa, const float* coef, \
+                       const float* sx, const float* sumxi, float* y) {                          \
+        popc_gemv<B, T>(planes, R, words, xa, coef, sx, sumxi, y);                               \
+    }
+GEMV(3, 1, 4)
+GEMV(4, 1, 4)
+GEMV(3, 2, 3)
+GEMV(4, 2, 2)
+
+// One mma.m16n8k256 .and.popc with fragments as given: a [32 lanes][4], b [32][2] -> d [32][4]
+// (the layout check of perf_popc_decode.py).
+extern "C" __global__ void probe(const uint4* a, const uint2* b, int4* d) {
+    int acc[4] = {};
+    const uint2 bb = b[threadIdx.x];
+    mma_popc(acc, a[threadIdx.x], bb.x, bb.y);
+    d[threadIdx.x] = make_int4(acc[0], acc[1], acc[2], acc[3]);
+}

@@ -1,0 +1,219 @@
+"""Prototype of docs/KERNELS.md's next step "the binary tensor-core dot product", for one token:
+how close to copy bandwidth a decode GEMV gets when the lookup is replaced by plane ANDs and
+mma.m16n8k256 .and.popc (recipes/perf_popc_decode.cu; the math: recipes/popc_decode_error.py).
+Planes here are one flat array (no pages), tables are random sorted fp16 levels per row, x is
+N(0, 1) with 8 outlier channels x50. Prints the fragment-layout check, each shape's error against
+W x in fp64 (exact: against W (sx xi), the fixed-point x the kernel sees), and its time against
+copy bandwidth and cuBLAS's FP16 GEMV of the same W, all measured in this run.
+Usage (GPU machine): python3 recipes/perf_popc_decode.py"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+SHAPES = (  # (name, rows, cols, k-splits to try): a layer's routed experts stacked
+    ("mixtral gate+up, 2 experts", 2 * 2 * 14336, 4096, (1,)),
+    ("mixtral down, 2 experts", 2 * 4096, 14336, (2, 4)),
+    ("qwen3-moe gate+up, 8 experts", 8 * 2 * 768, 2048, (1, 2)),
+)
+
+
+def event_us(fn, reps: int = 50) -> float:
+    fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) * 1e3 / reps
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 1 GiB device copy (pwctl bench's convention)."""
+    a = cp.zeros(1 << 30, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    return 2 * a.nbytes / event_us(lambda: b.__setitem__(Ellipsis, a), 20) * 1e6
+
+
+def probe_layout(mod) -> bool:
+    """One mma against the fragment layout the kernel assumes (that of m16n8k32 .s8, 32 bits a
+    register): a0/a1 rows g/g+8 at k = 32t + i, a2/a3 the same at k = 128 + 32t + i; b0/b1 column g
+    at those k; d: rows g, g + 8 x columns 2t, 2t + 1."""
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 2**32, size=(32, 4), dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, size=(32, 2), dtype=np.uint64).astype(np.uint32)
+    bits = lambda v: (v[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # noqa: E731
+    A = np.zeros((16, 256), dtype=np.int64)
+    Bm = np.zeros((256, 8), dtype=np.int64)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for half in range(2):
+            k = slice(128 * half + 32 * t, 128 * half + 32 * t + 32)
+            A[g, k] = bits(a[lane, 2 * half])
+            A[g + 8, k] = bits(a[lane, 2 * half + 1])
+            Bm[k, g] = bits(b[lane, half])
+    D = A @ Bm
+    want = np.array(
+        [
+            [
+                D[lane >> 2, 2 * (lane & 3)],
+                D[lane >> 2, 2 * (lane & 3) + 1],
+                D[(lane >> 2) + 8, 2 * (lane & 3)],
+                D[(lane >> 2) + 8, 2 * (lane & 3) + 1],
+            ]
+            for lane in range(32)
+        ]
+    )
+    d = cp.zeros((32, 4), dtype=cp.int32)
+    mod.get_function("probe")((1,), (32,), (cp.asarray(a), cp.asarray(b), d))
+    return bool((cp.asnumpy(d) == want).all())
+
+
+def subset_coefficients(levels: np.ndarray, bits: int) -> np.ndarray:
+    """[rows, 16] fp32: c_S for plane subsets S (bit p of S: plane p, the label's bit bits-1-p),
+    the Moebius transform of the table read by plane subset."""
+    label = [sum(1 << (bits - 1 - p) for p in range(bits) if s >> p & 1) for s in range(1 << bits)]
+    c = levels[:, label].astype(np.float64)
+    for p in range(bits):
+        for s in range(1 << bits):
+            if s >> p & 1:
+                c[:, s] -= c[:, s ^ (1 << p)]
+    out = np.zeros((levels.shape[0], 16), dtype=np.float32)
+    out[:, : 1 << bits] = c
+    return out
+
+
+def x_fragments(xi: np.ndarray) -> np.ndarray:
+    """The A fragments of xi's 16 bit planes: [chunks, 32 lanes, 2 k-steps, 4] u32, where lane
+    (g, t) of chunk c holds, for k-step s, planes g and g + 8 at words 16c + 4t + 2s and + 1."""
+    cols = xi.size
+    u = (xi.astype(np.int64) & 0xFFFF).astype(np.uint64)
+    bitsk = (u[None, :] >> np.arange(16, dtype=np.uint64)[:, None]) & 1  # [16, cols]
+    words = (bitsk.reshape(16, cols // 32, 32) << np.arange(32, dtype=np.uint64)).sum(-1)
+    words = words.astype(np.uint32)  # [16 planes, words]
+    chunks = cols // 512
+    out = np.zeros((chunks, 32, 2, 4), dtype=np.uint32)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for s in range(2):
+            w = 16 * np.arange(chunks) + 4 * t + 2 * s
+            out[:, lane, s] = np.stack(
+                [words[g, w], words[g + 8, w], words[g, w + 1], words[g + 8, w + 1]], -1
+            )
+    return out
+
+
+def run_shape(
+    mod,
+    name: str,
+    rows: int,
+    cols: int,
+    bits: int,
+    tokens: int,
+    splits: int,
+    persist: bool,
+    copy_bw: float,
+) -> list[str]:
+    rng = np.random.default_rng(rows + cols + bits)
+    words = cols // 32
+    nbytes = bits * rows * words * 4
+    copies = max(1, -(-400_000_000 // nbytes))  # > 8x the L2 between two reads of one copy
+    planes = cp.random.randint(0, 256, size=copies * nbytes, dtype=cp.uint8)
+    planes = planes.view(cp.uint32).reshape(copies, bits, rows, words)
+    levels = np.sort(rng.standard_normal((rows, 1 << bits)) * 0.02, 1).astype(np.float16)
+    coef = cp.asarray(subset_coefficients(levels.astype(np.float64), bits))
+    x = rng.standard_normal((tokens, cols))
+    for k in range(tokens):
+        x[k, rng.choice(cols, 8, replace=False)] *= 50
+    sx = np.abs(x).max(1) / 32767
+    xi = np.round(x / sx[:, None]).astype(np.int64)
+    xa = cp.asarray(np.stack([x_fragments(v) for v in xi]))
+    sxd, sumd = cp.asarray(sx, dtype=cp.float32), cp.asarray(xi.sum(1), dtype=cp.float32)
+    y = cp.zeros((tokens, rows), dtype=cp.float32)
+    kernel = mod.get_function(f"popc_gemv{bits}_{tokens}")
+    grid = (-(-rows // 32), splits)
+    if persist:  # as many CTAs as fit at once (launch bounds in the .cu), the warps loop
+        sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+        fit = {1: 4, 2: 3 if bits == 3 else 2}[tokens]
+        grid = (min(grid[0], -(-sms * fit // splits)), splits)
+
+    def launch(i: int) -> None:
+        kernel(grid, (128,), (planes[i], cp.int32(rows), cp.int32(words), xa, coef, sxd, sumd, y))
+
+    launch(0)
+    # reference on the GPU in fp64: labels from the planes, then the table
+    p = planes[0]
+    shifts = cp.arange(32, dtype=cp.uint32)
+    label = cp.zeros((rows, cols), dtype=cp.int64)
+    for k in range(bits):
+        b = ((p[k][:, :, None] >> shifts) & 1).reshape(rows, cols).astype(cp.int64)
+        label |= b << (bits - 1 - k)
+    w = cp.take_along_axis(cp.asarray(levels.astype(np.float64)), label, 1)
+    ref = cp.asarray(x) @ w.T
+    exact = cp.asarray(xi * sx[:, None]) @ w.T
+    del label, w
+    err = float(cp.linalg.norm(y - ref) / cp.linalg.norm(ref))
+    err_exact = float(cp.linalg.norm(y - exact) / cp.linalg.norm(exact))
+    i = [0]
+
+    def step() -> None:  # y not zeroed between timed launches: its values no longer matter
+        i[0] = (i[0] + 1) % copies
+        launch(i[0])
+
+    us = event_us(step)
+    w16 = cp.random.standard_normal(
+        (max(1, -(-400_000_000 // (rows * cols * 2))), rows, cols), dtype=cp.float32
+    ).astype(cp.float16)
+    x16 = cp.asarray(x.T, dtype=cp.float16)
+    j = [0]
+
+    def gemm() -> None:
+        j[0] = (j[0] + 1) % w16.shape[0]
+        w16[j[0]] @ x16
+
+    us16 = event_us(gemm)
+    pct = 100 * nbytes / (us * 1e-6) / copy_bw
+    floor = rows * cols * 2 / copy_bw * 1e6
+    cells = (
+        name,
+        bits,
+        tokens,
+        splits,
+        "yes" if persist else "no",
+        f"{us:.1f}",
+        f"{pct:.0f}%",
+        f"{floor / us:.2f}x",
+        f"{us16:.1f}",
+        f"{us16 / us:.2f}x",
+        f"{err:.1e}",
+        f"{err_exact:.1e}",
+    )
+    return [str(c) for c in cells]
+
+
+def main() -> None:
+    mod = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(), options=("-std=c++17",))
+    print("fragment layout as assumed:", probe_layout(mod))
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    print(
+        "| shape | bits | tokens | k-splits | persistent | us | % copy | x FP16 floor | "
+        "cuBLAS FP16 us | x cuBLAS | rel err vs W x | vs W (sx xi) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, rows, cols, splits in SHAPES:
+        for bits in (3, 4):
+            for tokens in (1, 2):
+                for k, persist in itertools.product(splits, (False, True)):
+                    cells = run_shape(mod, name, rows, cols, bits, tokens, k, persist, copy_bw)
+                    print("| " + " | ".join(cells) + " |", flush=True)
+                    cp.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
