@@ -20,6 +20,12 @@ __device__ __forceinline__ unsigned short f2h(float f) {
 typedef unsigned int u32;
 typedef long long i64;
 
+__device__ __forceinline__ float h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
 // PRMT, as PTX defines it: byte i of the result is byte (s >> 4i) & 7 of {b, a} (bit 3 of a
 // nibble would replicate a sign; every selector here keeps it clear). Not `__byte_perm`: CUDA
 // documents that one as ignoring bit 3, so the compiler masks each run-time selector first.
@@ -433,10 +439,13 @@ __device__ void reduce_units(const float (&acc)[NT][4], float* red, int parts, f
     }
 }
 
+struct PopcX;  // x's pieces for the one-token kernels (below); the lookup kernels ignore them
+
 // h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection.
 template <int NT>
 __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, unsigned short* hp,
-                        int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
+                        int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
+                        const PopcX*) {
     __shared__ Stage st[2];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
     wait_previous();  // the slots and x come from decode_prep (or h's buffer is still being read)
@@ -485,7 +494,7 @@ __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, u
 template <int NT>
 __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const uint4* hp,
                      float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
-                     int units) {
+                     int units, const PopcX*) {
     __shared__ Stage st[2];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
     const Tile c = tile_of(s, ROWS * units, slot, tile);
@@ -528,6 +537,390 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
     }
 }
 
+
+// ---- one-token decode on binary tensor cores ---------------------------------------------------
+//
+// With one token a slot, mma.m16n8k16 spends 7 of its 8 columns on nothing and the lookup's
+// integer work bounds the kernels (docs/KERNELS.md). These kernels (`gate_up_p1`, `down_p1`; the
+// launcher takes them for one-token calls) do no lookup. A row's table T at width B is written in
+// the multilinear basis of its label bits: T[label] = sum over plane subsets S of c_S * prod_{p in
+// S} bit_p (c_S: Moebius sums of T), so
+//     y[r] = sum_S c_S[r] * (AND of r's planes in S) . x,
+// and with x in 16-bit two's-complement fixed point q = round(x / sx), each (AND_S) . q is an exact
+// integer that mma.m16n8k256 .and.popc adds up: A = q's 16 bit planes (rows) over 256 columns,
+// B = AND_S of 8 weight rows (columns). Per 32 weights a lane: 2^B - B - 1 LOP3 and (2^B - 1) / 8
+// of an mma, against ~100 integer operations for the lookup at 4 bits.
+//
+// Columns go in k-steps of 256: first full 16-word chunks (two k-steps; lane t holds words
+// 16c + 4t .. + 3 of its row, one 16-byte load a plane), then 8-word k-steps (lane t: words
+// 8j + 2t, + 1). `step_word` gives lane t's first word of a k-step, its second is the next.
+// x (the token's activations for gate_up, each pair's h for down) is quantized once per call by
+// `popc_planes`, per piece of at most POPC_STEPS k-steps with the piece's own scale, into the
+// A fragments in global memory (PopcX); the lanes fold their integer sums into fp64 after each
+// piece (the two's-complement planes of a lane's two x bit planes cancel against other lanes' by
+// up to 2^15 / |x|, too much for fp32). pwctl/runtime/popc.py is the CPU twin.
+#define POPC_STEPS 32
+// CTAs an SM, and whether a warp loads its next chunk while it works on this one (16 registers at
+// 4 bits). Measured on the H200: docs/PERF.md, session 10.
+#ifndef POPC_CTAS
+#define POPC_CTAS 3
+#endif
+#ifndef POPC_PREFETCH
+#define POPC_PREFETCH 1
+#endif
+
+__device__ __forceinline__ int step_word(int ks, int chunks, int t) {
+    return ks < 2 * chunks ? 16 * (ks >> 1) + 4 * t + 2 * (ks & 1)
+                           : 16 * chunks + 8 * (ks - 2 * chunks) + 2 * t;
+}
+
+// k-steps of a row of `words` words (words % 4 == 0)
+__device__ __forceinline__ int popc_steps(int words) {
+    return 2 * (words / 16) + (words % 16 + 7) / 8;
+}
+
+struct PopcX {  // one piece of one row of x (fused_moe.POPC_PIECE_BYTES)
+    uint4 a[POPC_STEPS][32];  // [k-step][lane]: planes g, g + 8 at the step's two words
+    int ksum[POPC_STEPS];     // sum of q over each k-step (the empty subset's term)
+    float sx;                 // the piece's scale: x = sx * q
+    int pad[3];
+};
+
+__device__ __forceinline__ int popc_pieces(int words) {
+    return (popc_steps(words) + POPC_STEPS - 1) / POPC_STEPS;
+}
+
+// One piece (blockIdx.x) of one row (blockIdx.y) of fragment-order fp16 rows into PopcX: column
+// 32w + j of word w is src[32w + 8(j % 4) + 4(j / 16) + (j / 4) % 4] (see the file's head). Rows
+// past `rows` are the second group's (the shared expert's h). 1024 threads: warp i takes the
+// piece's words 8i .. 8i + 7 (k-step i), one column a lane, all loads in flight at once.
+#define POPC_THREADS 1024
+extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
+    const unsigned short* src, int wpad, int words, int rows, PopcX* dst,
+    const unsigned short* t_src, int t_wpad, int t_words, PopcX* t_dst) {
+    __shared__ float amax;
+    wait_previous();  // x from decode_prep, or h from gate_up
+    start_next();
+    int row = blockIdx.y;
+    if (row >= rows) row -= rows, src = t_src, wpad = t_wpad, words = t_words, dst = t_dst;
+    const int pieces = popc_pieces(words), ks = popc_steps(words), chunks = words / 16;
+    if ((int)blockIdx.x >= pieces) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int k0 = blockIdx.x * POPC_STEPS, step = k0 + warp;
+    const int pos = 8 * (lane & 3) + 4 * (lane >> 4) + ((lane >> 2) & 3);
+    src += (i64)row * wpad * 32;
+    dst += (i64)row * pieces + blockIdx.x;
+    if (threadIdx.x == 0) amax = 0.f;
+    float v[8];
+    float m = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {  // word h = i % 2 of lane t = i / 2 of this warp's k-step
+        const int w = step < ks ? step_word(step, chunks, i >> 1) + (i & 1) : words;
+        v[i] = w < words ? h2f(src[32 * w + pos]) : 0.f;
+        m = fmaxf(m, fabsf(v[i]));
+    }
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+    __syncthreads();
+    if (lane == 0) atomicMax((int*)&amax, __float_as_int(m));  // m >= 0: ints order as floats
+    __syncthreads();
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    int s = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int q = __float2int_rn(v[i] * inv);
+        s += q;
+        u32 mine = 0;
+        #pragma unroll
+        for (int k = 0; k < 16; ++k) {
+            const u32 b = __ballot_sync(0xffffffffu, (q >> k) & 1);
+            if (lane == k) mine = b;
+        }
+        // plane `lane` of word (t, h): lane (lane % 8, t) of the k-step, register 2h + lane / 8
+        if (lane < 16 && warp < POPC_STEPS)
+            ((u32*)&dst->a[warp][4 * (lane & 7) + (i >> 1)])[2 * (i & 1) + (lane >> 3)] = mine;
+    }
+    #pragma unroll
+    for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+    if (lane == 0) dst->ksum[warp] = s;
+    if (threadIdx.x == 0) dst->sx = amax / 32767.f;
+}
+
+// c_S of the staged rows' tables at width B <= 4, fp64 (exact sums of fp16 levels): coef[r][S],
+// S a plane subset (bit p: plane p, which holds label bit B - 1 - p). All threads; no barrier.
+__device__ void popc_coef(const Stage& st, int B, double (*coef)[16]) {
+    for (int e = threadIdx.x; e < ROWS * 16; e += blockDim.x) {
+        const int r = e >> 4, S = e & 15;
+        double c = 0.0;
+        if (S < (1 << B))
+            for (int U = S;; U = (U - 1) & S) {  // every subset U of S
+                int label = 0;
+                for (int p = 0; p < B; ++p)
+                    if (U >> p & 1) label |= 1 << (B - 1 - p);
+                c += (__popc(S ^ U) & 1 ? -1.0 : 1.0) * (double)h2f(st.tbl[r][label]);
+                if (U == 0) break;
+            }
+        coef[r][S] = c;
+    }
+}
+
+__device__ __forceinline__ void mma_popc(int (&d)[4], const uint4& a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+template <int B, int S>
+__device__ __forceinline__ u32 subset_and(const u32 (&w)[B]) {
+    u32 v = 0xffffffffu;
+    #pragma unroll
+    for (int p = 0; p < B; ++p)
+        if (S >> p & 1) v &= w[p];
+    return v;
+}
+
+// acc[S] += (AND_S of the lane's row) . (x's planes) over one k-step, for every subset S != {}
+template <int B, int S = 1>
+__device__ __forceinline__ void popc_step(int (&acc)[16][4], const uint4& a, const u32 (&lo)[B],
+                                          const u32 (&hi)[B]) {
+    if constexpr (S < (1 << B)) {
+        mma_popc(acc[S], a, subset_and<B, S>(lo), subset_and<B, S>(hi));
+        popc_step<B, S + 1>(acc, a, lo, hi);
+    }
+}
+
+// A warp's share of k-steps [k0, k1) (k0 even) for 8 rows: lane (g, t) reads row g's planes
+// (rp: its 8 plane pointers); px: the piece that starts at k-step `base`. Work units are full chunks, then single 8-word k-steps; the warp
+// takes units part, part + parts, ... of the piece.
+template <int B>
+__device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base, int part,
+                          int parts, const PopcX* px, int (&acc)[16][4]) {
+    const int lane = threadIdx.x & 31, t = lane & 3, chunks = words / 16;
+    const int u_end = min(chunks, k1 / 2);
+    // words w .. w + 3 of plane p (w % 4 == 0: one side of a split). The row pointers are read
+    // from shared memory at each use: held in registers they pushed the accumulators to local memory.
+    auto row_of = [&](int p, int w) {
+        const volatile RowPtr& r = rp[p];
+        return (w < r.split ? r.p0 : r.p1) + w;
+    };
+    auto quad = [&](int p, int w) { return __ldg((const uint4*)row_of(p, w)); };
+    uint4 q[B], n[B];
+    int u = k0 / 2 + part;
+    if (POPC_PREFETCH && u < u_end) {
+        #pragma unroll
+        for (int p = 0; p < B; ++p) q[p] = quad(p, 16 * u + 4 * t);
+    }
+    for (; u < u_end; u += parts) {
+        #pragma unroll
+        for (int p = 0; p < B; ++p) {
+            if (!POPC_PREFETCH) q[p] = quad(p, 16 * u + 4 * t);
+            else if (u + parts < u_end) n[p] = quad(p, 16 * (u + parts) + 4 * t);
+        }
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            u32 lo[B], hi[B];
+            #pragma unroll
+            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+            popc_step<B>(acc, __ldg(&px->a[2 * u + s - base][lane]), lo, hi);
+        }
+        if (POPC_PREFETCH) {
+            #pragma unroll
+            for (int p = 0; p < B; ++p) q[p] = n[p];
+        }
+    }
+    // 8-word k-steps past the full chunks (the piece's part of them), 8-byte loads
+    const int first = max(k0, 2 * chunks);
+    for (int ks = first + part; ks < k1; ks += parts) {
+        const int w = step_word(ks, chunks, t);
+        u32 lo[B], hi[B];
+        #pragma unroll
+        for (int p = 0; p < B; ++p) {
+            const uint2 v = w < words ? __ldg((const uint2*)row_of(p, w)) : make_uint2(0u, 0u);
+            lo[p] = v.x, hi[p] = v.y;
+        }
+        popc_step<B>(acc, __ldg(&px->a[ks - base][lane]), lo, hi);
+    }
+}
+
+// The integer sums of k-steps [i0, i1) of a piece into the lane's fp64 partials f[0] (row 2t of
+// its 8-row group), f[1] (row 2t + 1): acc[S] holds (x plane g, row 2t), (g, 2t + 1), (g + 8, 2t),
+// (g + 8, 2t + 1). The empty subset's term goes in once a row: lanes g = 0 of the `first` warp.
+template <int B>
+__device__ __forceinline__ void popc_fold(int (&acc)[16][4], const double (*coef)[16],
+                                          const PopcX* px, int i0, int i1, bool first,
+                                          double (&f)[2]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
+    int q = 0;
+    if (first && g == 0)
+        for (int i = i0; i < i1; ++i) q += __ldg(&px->ksum[i]);
+    const double sum = q;
+    double f0 = coef[2 * t][0] * sum, f1 = coef[2 * t + 1][0] * sum;
+    #pragma unroll
+    for (int S = 1; S < (1 << B); ++S) {
+        f0 += coef[2 * t][S] * (double)(wg * acc[S][0] + w8 * acc[S][2]);
+        f1 += coef[2 * t + 1][S] * (double)(wg * acc[S][1] + w8 * acc[S][3]);
+    }
+    const double sx = __ldg(&px->sx);
+    f[0] += sx * f0;
+    f[1] += sx * f1;
+}
+
+// Run-time width -> template: one piece of one 8-row group.
+__device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const double (*coef)[16],
+                                           int words, int k0, int k1, int base, int part,
+                                           int parts, const PopcX* px, double (&f)[2]) {
+    int acc[16][4] = {};
+    switch (B) {
+#define POPC_CASE(W)                                                                              \
+    case W:                                                                                       \
+        popc_rows<W>(rp, words, k0, k1, base, part, parts, px, acc);                              \
+        popc_fold<W>(acc, coef, px, k0 - base, k1 - base, part == 0, f);                          \
+        break;
+        POPC_CASE(1) POPC_CASE(2) POPC_CASE(3) POPC_CASE(4)
+#undef POPC_CASE
+    }
+}
+
+// The lanes' partials of 8-row group `grp` (rows 8 grp .. + 7 of the CTA) summed over lanes and
+// over the `parts` warps that split its columns: rows[r] for the CTA's rows. Barrier at the end.
+__device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32], float* rows,
+                              int nrows) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int d = 4; d < 32; d <<= 1) {
+        f[0] += __shfl_xor_sync(0xffffffffu, f[0], d);
+        f[1] += __shfl_xor_sync(0xffffffffu, f[1], d);
+    }
+    if (lane < 4) {
+        red[part][8 * grp + 2 * lane] = (float)f[0];
+        red[part][8 * grp + 2 * lane + 1] = (float)f[1];
+    }
+    __syncthreads();
+    const int parts = WARPS * 8 / nrows;  // warps per 8-row group
+    if (threadIdx.x < nrows) {
+        float v = 0.f;
+        for (int p = 0; p < parts; ++p) v += red[p][threadIdx.x];
+        rows[threadIdx.x] = v;
+    }
+    __syncthreads();
+}
+
+// gate_up for one-token slots: the CTA's 16 rows of gate and up (4 warps: 8-row group warp % 2,
+// column half warp / 2), then h as `gate_up` stores it. px: x's pieces (popc_planes), a row per
+// token. Blocks wider than 4 bits take `mma_block` (the lookup) on the fragment-order x.
+__device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
+                             unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
+                             i64 bits_nbytes, int rpt, const PopcX* px) {
+    __shared__ Stage st[2];
+    __shared__ double coef[2][ROWS][16];
+    __shared__ float red[WARPS * RED_TILES * 4 * 32];
+    __shared__ float rows[2][ROWS];
+    wait_previous();  // slots from decode_prep, x's pieces from popc_planes
+    start_next();
+    const Tile c = tile_of(s, ROWS, slot, tile);
+    if (c.T <= 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
+    const int token = __ldg(s.token + c.lo);
+    if (nrows > 0) {
+        const int bg = __ldg(s.block_ids + 3 * e), bu = __ldg(s.block_ids + 3 * e + 1);
+        const int wg = __ldg(g.width + bg), wu = __ldg(g.width + bu);
+        bool flat = stage(g, bg, wg, bits_nbytes, words_in, rpt, c.row0, nrows, st[0], threadIdx.x, blockDim.x);
+        flat &= stage(g, bu, wu, bits_nbytes, words_in, rpt, c.row0, nrows, st[1], threadIdx.x, blockDim.x);
+        flat = __syncthreads_and(flat);
+        if (wg <= 4) popc_coef(st[0], wg, coef[0]);
+        if (wu <= 4) popc_coef(st[1], wu, coef[1]);
+        __syncthreads();
+        const int grp = warp & 1, part = warp >> 1, ks = popc_steps(words_in);
+        const PopcX* x = px + (i64)token * popc_pieces(words_in);
+        #pragma unroll 1
+        for (int m = 0; m < 2; ++m) {
+            const int B = m ? wu : wg;
+            if (B <= 4) {
+                double f[2] = {};
+                for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
+                    popc_piece(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8, coef[m] + 8 * grp,
+                               words_in, k0, min(ks, k0 + POPC_STEPS), k0, part, 2, x + i, f);
+                popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
+            } else {  // the lookup: token 0 of n-tile 0 is fragment register w of lanes 4i
+                int xrow[1] = {lane >> 2 == 0 ? token : -1};
+                float acc[1][4], sum[2][1];
+                mma_block<1>(st[m], B, flat, words_in, wpad_in, xf, xrow, 1, warp, WARPS, acc);
+                reduce_units<1>(acc, red, WARPS, sum);
+                if ((lane & 3) == 0 && (warp & 1) == 0) rows[m][(lane >> 2) + 8 * (warp >> 1)] = sum[0][0];
+                __syncthreads();
+            }
+        }
+    }
+    if (threadIdx.x < ROWS)
+        store_h(hp, c.lo, c.row0 + threadIdx.x, I, wpad_out, nrows > 0 ? rows[0][threadIdx.x] : 0.f,
+                nrows > 0 ? rows[1][threadIdx.x] : 0.f);
+}
+
+// down for one-token slots: `units` m-tiles of 16 rows (8-row groups over the warps, which
+// split the columns when there are fewer groups than warps), columns split kn ways (this CTA:
+// kz). hpx: h's pieces (popc_planes), a row per pair.
+__device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, const uint4* hp,
+                          float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
+                          int units, const PopcX* hpx) {
+    __shared__ Stage st[2];
+    __shared__ double coef[2][ROWS][16];
+    __shared__ float red[WARPS * RED_TILES * 4 * 32];
+    __shared__ float rows[2 * ROWS];
+    const Tile c = tile_of(s, ROWS * units, slot, tile);
+    if (c.T <= 0 || c.row0 >= H) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = __ldg(s.expert + c.slot);
+    const int bd = __ldg(s.block_ids + 3 * e + 2), wd = __ldg(g.width + bd);
+    bool flat = true;
+    for (int u = 0; u < units; ++u) {
+        const int row0 = c.row0 + ROWS * u;
+        if (row0 < H)
+            flat &= stage(g, bd, wd, bits_nbytes, words_in, rpt, row0, min(ROWS, H - row0), st[u],
+                          threadIdx.x, blockDim.x);
+    }
+    flat = __syncthreads_and(flat);
+    const int nrows = ROWS * units;
+    if (wd <= 4) {
+        for (int u = 0; u < units; ++u)
+            if (c.row0 + ROWS * u < H) popc_coef(st[u], wd, coef[u]);
+        __syncthreads();
+        const int groups = 2 * units, parts = WARPS / groups;
+        const int grp = warp % groups, part = warp / groups, unit = grp >> 1;
+        const RowPtr* rp = st[unit].ptr + (8 * (grp & 1) + (lane >> 2)) * 8;
+        const int ks = popc_steps(words_in);
+        const int per = ((ks + kn - 1) / kn + 1) & ~1;  // even: a slice starts on a full chunk
+        const int lo = min(ks, kz * per), hi = min(ks, lo + per);
+        const PopcX* x = hpx + (i64)c.lo * popc_pieces(words_in);
+        wait_previous();  // h's pieces come from popc_planes
+        double f[2] = {};
+        if (c.row0 + ROWS * unit < H)
+            for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
+                const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
+                popc_piece(wd, rp, coef[unit] + 8 * (grp & 1), words_in, k0, k1, i * POPC_STEPS,
+                           part, parts, x + i, f);
+                k0 = k1;
+            }
+        popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows, nrows);
+    } else {  // the lookup, as `down` does it for n-tile 0
+        const int parts = WARPS / units, unit = warp / parts;
+        int xrow[1] = {lane >> 2 == 0 ? c.lo : -1};
+        wait_previous();
+        float acc[1][4] = {}, sum[2][1];
+        if (c.row0 + ROWS * unit < H)
+            mma_block<1>(st[unit], wd, flat, words_in, wpad_in, hp, xrow, 1,
+                         kz * parts + warp % parts, kn * parts, acc);
+        reduce_units<1>(acc, red, parts, sum);
+        if ((lane & 3) == 0 && (warp & 1) == 0)
+            for (int u = 0; u < units; ++u) rows[ROWS * u + (lane >> 2) + 8 * (warp >> 1)] = sum[u][0];
+        __syncthreads();
+    }
+    if (threadIdx.x < nrows && c.row0 + threadIdx.x < H)
+        atomicAdd(out + (i64)__ldg(s.token + c.lo) * H + c.row0 + threadIdx.x,
+                  __ldg(s.weight + c.lo) * rows[threadIdx.x]);
+}
 
 // ---- prefill: decode once into shared memory, multiply with every token -----------------------
 //
@@ -1114,33 +1507,37 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
         if (at >= t_tiles * t_split) return;                                                     \
         slot = 0, tile = at % t_tiles, kz = at / t_tiles, kn = t_split;                          \
     }
-#define ENTRY(NT, BOUNDS)                                                                         \
-    extern "C" __global__ void BOUNDS gate_up_n##NT(                                              \
+#define ENTRY_AS(NAME, BOUNDS, GATE_UP, DOWN)                                                     \
+    extern "C" __global__ void BOUNDS gate_up_##NAME(                                             \
         PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
         int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, int n_routed, SHARED_SLOT_ARGS,    \
         unsigned short* t_hp, int t_I, int t_wpad_out, i64 t_bits_nbytes, int t_rpt,            \
-        int t_tiles, int t_split) {                                                              \
+        int t_tiles, int t_split, const PopcX* px) {                                             \
         WHICH_GROUP                                                                              \
         (void)kz, (void)kn; /* gate_up is never k-split: t_split = 1 */                          \
-        gate_up<NT>(PAGED, t ? SHARED_SLOTS : SLOTS, slot, tile, xf, t ? t_hp : hp, t ? t_I : I,  \
-                    words_in, wpad_in, t ? t_wpad_out : wpad_out,                                \
-                    t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt);                           \
+        GATE_UP(PAGED, t ? SHARED_SLOTS : SLOTS, slot, tile, xf, t ? t_hp : hp, t ? t_I : I,     \
+                words_in, wpad_in, t ? t_wpad_out : wpad_out,                                    \
+                t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, px);                           \
     }                                                                                            \
-    extern "C" __global__ void BOUNDS down_n##NT(                                                 \
+    extern "C" __global__ void BOUNDS down_##NAME(                                                \
         PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,    \
         i64 bits_nbytes, int rpt, int units, int n_routed, SHARED_SLOT_ARGS, const uint4* t_hp, \
         int t_words_in, int t_wpad_in, i64 t_bits_nbytes, int t_rpt, int t_units, int t_tiles,  \
-        int t_split) {                                                                           \
+        int t_split, const PopcX* hpx, const PopcX* t_hpx) {                                     \
         WHICH_GROUP                                                                              \
-        down<NT>(PAGED, t ? SHARED_SLOTS : SLOTS, slot, tile, kz, kn, t ? t_hp : hp, out, H,      \
-                 t ? t_words_in : words_in, t ? t_wpad_in : wpad_in,                             \
-                 t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, t ? t_units : units);         \
+        DOWN(PAGED, t ? SHARED_SLOTS : SLOTS, slot, tile, kz, kn, t ? t_hp : hp, out, H,         \
+             t ? t_words_in : words_in, t ? t_wpad_in : wpad_in,                                 \
+             t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, t ? t_units : units,              \
+             t ? t_hpx : hpx);                                                                   \
     }
+#define ENTRY(NT, BOUNDS) ENTRY_AS(n##NT, BOUNDS, gate_up<NT>, down<NT>)
 
 ENTRY(1, __launch_bounds__(32 * WARPS))
 ENTRY(2, __launch_bounds__(32 * WARPS, 5))
 ENTRY(4, __launch_bounds__(32 * WARPS, 5))
 ENTRY(8, __launch_bounds__(32 * WARPS, 4))
+// one-token calls (the binary tensor-core kernels)
+ENTRY_AS(p1, __launch_bounds__(32 * WARPS, POPC_CTAS), gate_up_popc, down_popc)
 
 extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) gate_up_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in, int wpad_in,
@@ -1294,12 +1691,6 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
 // expert's gate when there is one), of x's fragment-order copy and of the output's zeroing. The
 // last block to finish (a counter it resets) picks each token's top-k in the recipe's order,
 // writes index / weights / the shared gate, and groups the pairs (`group_pairs`).
-
-__device__ __forceinline__ float h2f(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
 
 __device__ __forceinline__ float hsum2(u32 a, u32 b) {  // a.lo b.lo + a.hi b.hi, fp32
     return h2f(a & 0xffff) * h2f(b & 0xffff) + h2f(a >> 16) * h2f(b >> 16);

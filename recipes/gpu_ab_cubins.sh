@@ -5,6 +5,7 @@
 # Usage (device tool, with DIR carried):
 #   bash recipes/gpu_ab_cubins.sh DIR [shapes] [widths] [tokens] [rounds]
 #   e.g. bash recipes/gpu_ab_cubins.sh .carry/cubins mixtral,qwen3-moe,qwen-moe 3,4 1,4,16 3
+# TESTS: the pytest -k selection of GPU tests (default: the decode ones).
 set -uo pipefail
 dir=$1 shapes=${2:-mixtral,qwen3-moe,qwen-moe} widths=${3:-3,4} tokens=${4:-1,4,16} rounds=${5:-3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -13,6 +14,6 @@ cubins=$(ls "$dir"/*.cubin | paste -sd, -)
 for c in ${cubins//,/ }; do
     echo "== $c"
     PWCTL_CUBIN=$c python3 -m pytest -q -m gpu tests/test_kernels.py -p no:cacheprovider \
-        -k "match_reference or graph_replay or routed_decode" 2>&1 | grep -v "Writing model" | tail -3
+        -k "${TESTS:-match_reference or graph_replay or routed_decode or one_token}" 2>&1 | grep -v "Writing model" | tail -3
 done
 python3 recipes/perf_kernel_ab.py "$cubins" "$shapes" "$widths" "$tokens" "$rounds"

@@ -26,7 +26,7 @@ from pwctl.bench.kernels import (
 from pwctl.bitplanes import pack_planes
 from pwctl.pack import Pack
 from pwctl.recipe import MoESpec
-from pwctl.runtime import kernels
+from pwctl.runtime import kernels, popc
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.expert_store import ExpertStore
 from pwctl.runtime.fused_moe import (
@@ -40,6 +40,7 @@ from pwctl.runtime.fused_moe import (
 )
 from pwctl.runtime.page_table import PageTable
 from pwctl.runtime.pager import CpuBackend, Pager
+from pwctl.runtime.popc import popc_matvec, quantize, step_words, subset_coefficients
 from pwctl.runtime.router import route
 
 
@@ -225,6 +226,59 @@ def test_label_decode_twin_matches_format(B):
             assert w >> 16 == table[lab[C + 8 * j + 4]], (C, j)
 
 
+# --- the one-token kernels' arithmetic (cuda/moe.cu gate_up_p1 / down_p1; pwctl/runtime/popc.py)
+
+
+@pytest.mark.parametrize("B", range(1, 5))
+def test_subset_coefficients_rebuild_every_table_entry(B):
+    gen = torch.Generator().manual_seed(B)
+    table = torch.randn(5, 1 << B, generator=gen).half()
+    c = subset_coefficients(table, B)
+    for label in range(1 << B):
+        planes = sum(1 << p for p in range(B) if label >> (B - 1 - p) & 1)  # plane p: bit B-1-p
+        total = sum(c[:, S] for S in range(1 << B) if S & planes == S)
+        torch.testing.assert_close(total, table[:, label].double(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("words", [4, 8, 12, 16, 24, 44, 64, 176, 448])
+def test_step_words_cover_each_word_once(words):
+    steps = step_words(words)
+    flat = [w for ws in steps for w in ws]
+    assert sorted(flat) == list(range(words))
+    assert len(steps) == popc.steps(words)
+    assert all(len(ws) <= 8 for ws in steps)
+
+
+def test_quantize_spans_sixteen_bits_and_keeps_zero():
+    x = torch.tensor([0.5, -2.0, 1e-4, 0.0])
+    q, sx = quantize(x)
+    assert int(q.abs().max()) == 32767 and int(q[3]) == 0
+    assert (q.float() * sx - x).abs().max() <= sx / 2 + 1e-9
+    assert quantize(torch.zeros(3))[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("B", range(1, 5))
+@pytest.mark.parametrize("cols", [128, 1408, 9216])  # 1 piece with a partial k-step; 2 pieces
+def test_popc_twin_matches_lookup(B, cols):
+    """The kernels' arithmetic (subset coefficients, 16-bit x per piece, exact integer dot
+    products) against the table lookup in fp64, with outlier channels in x."""
+    gen = torch.Generator().manual_seed(B * cols)
+    rows = 24
+    table = torch.sort(torch.randn(rows, 1 << B, generator=gen) * 0.02, 1).values.half()
+    labels = torch.randint(0, 1 << B, (rows, cols), generator=gen)
+    x = torch.randn(cols, generator=gen)
+    x[torch.randperm(cols, generator=gen)[:8]] *= 50
+    x = x.half()
+    want = table.double().gather(1, labels) @ x.double()
+    got = popc_matvec(labels, table, B, x)
+    assert float((got - want).norm() / want.norm()) < 1e-3
+    # the k-split of down: slices of k-steps (starting on a full chunk) add up to the whole
+    n = len(step_words(-(-cols // 32)))
+    mid = n // 4 * 2
+    halves = sum(popc_matvec(labels, table, B, x, k) for k in ((0, mid), (mid, n)))
+    assert float((halves - want).norm() / want.norm()) < 1e-3
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_torch_path_matches_expert_store(packs, arch):
     """Planes paged by the pager (mixed widths) and read back through the DeviceTable give the
@@ -312,6 +366,38 @@ def test_kernels_match_reference(shape):
                 case = f"{shape} width {width} tokens {T} {kind}"
                 assert err < 1e-3, f"{case}: relative error {err:.2e}"
     print(shape, "max relative error", max(worst.values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_token_kernels_match_reference_and_lookup(shape):
+    """One-token calls take the binary tensor-core kernels (gate_up_p1 / down_p1) on every real
+    shape: against the reference and the lookup kernels, at every width, mixed widths, and with
+    outlier channels in x (x is 16-bit fixed point there)."""
+    layer = synthetic_layer(SHAPES[shape], seed=3)
+    t = layer.table
+    rng = np.random.default_rng(3)
+    for width in ["1", "2", "3", "4", "5", "mixed"]:
+        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
+        if width != "mixed" and not t.min_bits <= w <= t.max_bits:
+            continue
+        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        for outlier in (1.0, 100.0):
+            x, weights, index, scale = random_routing(layer.spec, 1, seed=int(outlier))
+            x[0, :: max(1, x.shape[1] // 8)] *= outlier
+            want = layer.moe(0, x, weights, index, scale, reference=True)
+            got = {}
+            for on in (True, False):
+                layer.moe.popc_decode = on
+                _poison(layer.moe)
+                got[on] = layer.moe(0, x, weights, index, scale)
+            layer.moe.popc_decode = True
+            torch.cuda.synchronize()
+            assert all(plan.popc for plan in layer.moe._launches.values())
+            for on, y in got.items():
+                err = float((y - want).norm() / want.norm())
+                case = f"{shape} width {width} outlier {outlier} popc {on}"
+                assert err < 1e-3, f"{case}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pwctl.recipe import MoESpec
-from pwctl.runtime import kernels
+from pwctl.runtime import kernels, popc
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.router import route
 
@@ -341,6 +341,7 @@ class DecodeLaunch:
     down_grid: tuple[int, int, int]
     down_routed: tuple
     down_shared: tuple
+    popc: bool  # the one-token kernels (gate_up_p1, down_p1) can read these rows
 
 
 class FusedMoE:
@@ -367,8 +368,12 @@ class FusedMoE:
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
+        self._popc: dict[tuple, torch.Tensor] = {}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
+        # one-token decode calls on binary tensor cores (cuda/moe.cu gate_up_p1 / down_p1) where
+        # rows allow; False: the lookup kernels, as for more tokens
+        self.popc_decode = True
 
     def __call__(
         self,
@@ -506,22 +511,53 @@ class FusedMoE:
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
-        nt = kernels.n_tiles(xf.shape[0])
+        one = xf.shape[0] == 1 and self.popc_decode and plan.popc
+        kind = "p1" if one else f"n{kernels.n_tiles(xf.shape[0])}"
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
+        px, hpx = (np.uint64(0),), (np.uint64(0),) * 2  # the lookup kernels take no pieces
+        if one:  # x's, then each pair's h's, 16-bit planes: once a call (cuda/moe.cu popc_planes)
+            gu = self.proj[(layer, False, "gate")]
+            dn = [self.proj[(layer, t, "down")] for t, _ in groups]
+            xp = self._pieces("x", xf.shape[0], gu.words, xf.device)
+            hps = [
+                self._pieces(t, h.shape[0], d.words, xf.device)
+                for (t, _), h, d in zip(groups, hp, dn, strict=True)
+            ]
+            self._planes([(xf, gu, xp)])
+            px, hpx = (ptr(xp),), (ptr(hps[0]), ptr(hps[-1]))
+        gate_up = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
         kernels.launch(
-            f"gate_up_n{nt}",
-            plan.gate_up_grid,
-            (32 * kernels.WARPS,),
-            common + (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared,
+            f"gate_up_{kind}", plan.gate_up_grid, (32 * kernels.WARPS,), common + gate_up + px,
             early=True,
-        )
+        )  # fmt: skip
+        if one:
+            self._planes(list(zip(hp, dn, hps, strict=True)))
         kernels.launch(
-            f"down_n{nt}",
+            f"down_{kind}",
             plan.down_grid,
             (32 * kernels.WARPS,),
-            common + (ptr(hp[0]), ptr(out)) + plan.down_routed + second + plan.down_shared,
+            common + (ptr(hp[0]), ptr(out)) + plan.down_routed + second + plan.down_shared + hpx,
             early=True,  # stages while gate_up finishes; waits before it reads h
         )
+
+    def _pieces(self, what, rows: int, words: int, device: torch.device) -> torch.Tensor:
+        """A reused buffer of `rows` rows of x pieces (cuda/moe.cu PopcX) for the one-token
+        kernels: "x" (the tokens), or a group's h (False: routed, True: shared expert)."""
+        key = (what, rows, words)
+        if key not in self._popc:
+            n = rows * popc.pieces(words) * popc.PIECE_BYTES
+            self._popc[key] = torch.empty(n, dtype=torch.uint8, device=device)
+        return self._popc[key]
+
+    def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> None:
+        """popc_planes over one or two groups of fragment-order fp16 rows: (the rows, their
+        projection, the pieces they become)."""
+        (s0, p0, d0), (s1, p1, d1) = jobs[0], jobs[-1]
+        i32, ptr = np.int32, kernels.ptr
+        args = (ptr(s0), i32(p0.wpad), i32(p0.words), i32(s0.shape[0]), ptr(d0))
+        args += (ptr(s1), i32(p1.wpad), i32(p1.words), ptr(d1))
+        grid = (max(popc.pieces(p.words) for _, p, _ in jobs), sum(s.shape[0] for s, _, _ in jobs))
+        kernels.launch("popc_planes", grid, (kernels.POPC_THREADS,), args, early=True)
 
     def _decode_launch(self, layer: int, n_routed: int, with_shared: bool) -> DecodeLaunch:
         """Grids and shape arguments of a decode call's two launches (cuda/moe.cu ENTRY): fixed
@@ -551,6 +587,7 @@ class FusedMoE:
             down_routed=down + (i32(units[0]), i32(n_routed)),
             down_shared=(i32(dn[-1].words), i32(dn[-1].wpad), i64(dn[-1].bits_nbytes))
             + (i32(dn[-1].rows_per_table), i32(units[-1]), i32(ctas[-1]), i32(split_t)),
+            popc=all(p.words % 4 == 0 for p in gu + dn),  # 16-byte plane loads
         )
 
     def _prefill(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
