@@ -560,13 +560,18 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 // piece (the two's-complement planes of a lane's two x bit planes cancel against other lanes' by
 // up to 2^15 / |x|, too much for fp32). pwctl/runtime/popc.py is the CPU twin.
 #define POPC_STEPS 32
-// CTAs an SM, and whether a warp loads its next chunk while it works on this one (16 registers at
-// 4 bits). Measured on the H200: docs/PERF.md, session 10.
+// CTAs an SM; whether a warp loads its next chunk while it works on this one (16 registers at 4
+// bits); chunks a warp prefetches into L2 ahead of its loads. The defaults ran fastest on the H200
+// (4 CTAs and no prefetch against 3 CTAs and a chunk ahead: 1.2x; L2 2 or 4 ahead: 3-10% slower;
+// docs/PERF.md, session 10).
 #ifndef POPC_CTAS
-#define POPC_CTAS 3
+#define POPC_CTAS 4
 #endif
 #ifndef POPC_PREFETCH
-#define POPC_PREFETCH 1
+#define POPC_PREFETCH 0
+#endif
+#ifndef POPC_L2_AHEAD
+#define POPC_L2_AHEAD 0
 #endif
 
 __device__ __forceinline__ int step_word(int ks, int chunks, int t) {
@@ -646,18 +651,17 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     if (threadIdx.x == 0) dst->sx = amax / 32767.f;
 }
 
-// c_S of the staged rows' tables at width B <= 4, fp64 (exact sums of fp16 levels): coef[r][S],
-// S a plane subset (bit p: plane p, which holds label bit B - 1 - p). All threads; no barrier.
-__device__ void popc_coef(const Stage& st, int B, double (*coef)[16]) {
+// c_S of the staged rows' tables at width B <= 4: coef[r][S], S a plane subset (bit p: plane p,
+// which holds label bit B - 1 - p, so a subset's label is its bits reversed). Sums of at most 16
+// fp16 levels in fp32. All threads; no barrier.
+__device__ void popc_coef(const Stage& st, int B, float (*coef)[16]) {
     for (int e = threadIdx.x; e < ROWS * 16; e += blockDim.x) {
         const int r = e >> 4, S = e & 15;
-        double c = 0.0;
+        float c = 0.f;
         if (S < (1 << B))
             for (int U = S;; U = (U - 1) & S) {  // every subset U of S
-                int label = 0;
-                for (int p = 0; p < B; ++p)
-                    if (U >> p & 1) label |= 1 << (B - 1 - p);
-                c += (__popc(S ^ U) & 1 ? -1.0 : 1.0) * (double)h2f(st.tbl[r][label]);
+                const float v = h2f(st.tbl[r][__brev(U) >> (32 - B)]);
+                c += __popc(S ^ U) & 1 ? -v : v;
                 if (U == 0) break;
             }
         coef[r][S] = c;
@@ -716,6 +720,10 @@ __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base,
         for (int p = 0; p < B; ++p) {
             if (!POPC_PREFETCH) q[p] = quad(p, 16 * u + 4 * t);
             else if (u + parts < u_end) n[p] = quad(p, 16 * (u + parts) + 4 * t);
+            // into L2 ahead of the registers: a warp has one chunk in flight (registers), the
+            // memory's latency wants more
+            if (POPC_L2_AHEAD && u + POPC_L2_AHEAD * parts < u_end)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(row_of(p, 16 * (u + POPC_L2_AHEAD * parts) + 4 * t)));
         }
         #pragma unroll
         for (int s = 0; s < 2; ++s) {
@@ -747,7 +755,7 @@ __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base,
 // its 8-row group), f[1] (row 2t + 1): acc[S] holds (x plane g, row 2t), (g, 2t + 1), (g + 8, 2t),
 // (g + 8, 2t + 1). The empty subset's term goes in once a row: lanes g = 0 of the `first` warp.
 template <int B>
-__device__ __forceinline__ void popc_fold(int (&acc)[16][4], const double (*coef)[16],
+__device__ __forceinline__ void popc_fold(int (&acc)[16][4], const float (*coef)[16],
                                           const PopcX* px, int i0, int i1, bool first,
                                           double (&f)[2]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -768,7 +776,7 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][4], const double (*coef
 }
 
 // Run-time width -> template: one piece of one 8-row group.
-__device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const double (*coef)[16],
+__device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const float (*coef)[16],
                                            int words, int k0, int k1, int base, int part,
                                            int parts, const PopcX* px, double (&f)[2]) {
     int acc[16][4] = {};
@@ -807,14 +815,13 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
     __syncthreads();
 }
 
-// gate_up for one-token slots: the CTA's 16 rows of gate and up (4 warps: 8-row group warp % 2,
-// column half warp / 2), then h as `gate_up` stores it. px: x's pieces (popc_planes), a row per
+// gate_up for one-token slots: the CTA's 16 rows of gate and up, then h as `gate_up` stores it. px: x's pieces (popc_planes), a row per
 // token. Blocks wider than 4 bits take `mma_block` (the lookup) on the fragment-order x.
 __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
                              i64 bits_nbytes, int rpt, const PopcX* px) {
     __shared__ Stage st[2];
-    __shared__ double coef[2][ROWS][16];
+    __shared__ float coef[2][ROWS][16];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
     __shared__ float rows[2][ROWS];
     wait_previous();  // slots from decode_prep, x's pieces from popc_planes
@@ -833,8 +840,11 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
         if (wg <= 4) popc_coef(st[0], wg, coef[0]);
         if (wu <= 4) popc_coef(st[1], wu, coef[1]);
         __syncthreads();
-        const int grp = warp & 1, part = warp >> 1, ks = popc_steps(words_in);
+        const int ks = popc_steps(words_in);
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
+        // gate, then up, each on all 4 warps (8-row group warp % 2, column half warp / 2); side by
+        // side on 2 warps each was 10% slower (docs/PERF.md, session 10)
+        const int grp = warp & 1, part = warp >> 1;
         #pragma unroll 1
         for (int m = 0; m < 2; ++m) {
             const int B = m ? wu : wg;
@@ -866,7 +876,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
                           float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
                           int units, const PopcX* hpx) {
     __shared__ Stage st[2];
-    __shared__ double coef[2][ROWS][16];
+    __shared__ float coef[2][ROWS][16];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
     __shared__ float rows[2 * ROWS];
     const Tile c = tile_of(s, ROWS * units, slot, tile);

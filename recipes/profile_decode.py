@@ -1,8 +1,9 @@
 """Where a decode layer's time goes: GPU time per kernel (torch.profiler over eager calls) against
 the CUDA-graph replay time of the whole layer and an eager call's time (host work included: the
 engine decodes eagerly), per shape and token count (4 bits). Graph minus kernels is what gaps
-between dependent kernels cost; eager minus graph is the host's share. Usage (GPU machine):
-  python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1,4,16"""
+between dependent kernels cost; eager minus graph is the host's share. `popc`: one-token calls on
+the binary tensor-core kernels too (FusedMoE.popc_decode). Usage (GPU machine):
+  python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1,4,16 [popc]"""
 
 from __future__ import annotations
 
@@ -30,12 +31,16 @@ def kernel_times(call, reps: int = 20) -> dict[str, float]:
 
 def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
+    paths = [False, True] if sys.argv[3:] == ["popc"] else [False]
     for name, T, call in decode_calls(shapes, tokens):
-        graph_us, eager_us = _graph_time(call) * 1e6, _event_time(call) * 1e6
-        times = kernel_times(call)
-        parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
-        head = f"{name:10s} T{T:3d} eager {eager_us:6.1f} us  graph {graph_us:6.1f} us"
-        print(f"{head}  kernels {sum(times.values()):6.1f} us: {parts}", flush=True)
+        for popc in paths if T == 1 else [False]:
+            call.func.popc_decode = popc
+            label = f"{name}/popc" if popc else name
+            graph_us, eager_us = _graph_time(call) * 1e6, _event_time(call) * 1e6
+            times = kernel_times(call)
+            parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
+            head = f"{label:16s} T{T:3d} eager {eager_us:6.1f} us  graph {graph_us:6.1f} us"
+            print(f"{head}  kernels {sum(times.values()):6.1f} us: {parts}", flush=True)
 
 
 if __name__ == "__main__":

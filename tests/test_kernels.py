@@ -371,9 +371,9 @@ def test_kernels_match_reference(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_token_kernels_match_reference_and_lookup(shape):
-    """One-token calls take the binary tensor-core kernels (gate_up_p1 / down_p1) on every real
-    shape: against the reference and the lookup kernels, at every width, mixed widths, and with
-    outlier channels in x (x is 16-bit fixed point there)."""
+    """One-token calls on the binary tensor-core kernels (gate_up_p1 / down_p1, opt-in) and on
+    the lookup ones, every real shape: against the reference at every width, mixed widths, and
+    with outlier channels in x (x is 16-bit fixed point there)."""
     layer = synthetic_layer(SHAPES[shape], seed=3)
     t = layer.table
     rng = np.random.default_rng(3)
@@ -391,7 +391,6 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
                 layer.moe.popc_decode = on
                 _poison(layer.moe)
                 got[on] = layer.moe(0, x, weights, index, scale)
-            layer.moe.popc_decode = True
             torch.cuda.synchronize()
             assert all(plan.popc for plan in layer.moe._launches.values())
             for on, y in got.items():

@@ -233,7 +233,7 @@ class KernelRow:
     shape: str
     width: str
     tokens: int
-    path: str  # decode (graph-replayed kernels), lookup (1 token: the mma.sync kernels), prefill
+    path: str  # decode (graph-replayed kernels), popc (1 token: the binary tensor cores), prefill
     time_us: float
     bytes_read: int
     gb_s: float
@@ -304,27 +304,26 @@ def active_bytes(layer: SyntheticLayer, index: torch.Tensor) -> tuple[int, int]:
 
 def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: float, seed: int):
     """One row per path that takes T tokens: decode (CUDA-graph replay: launch overhead out) up to
-    8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows). At one token
-    decode runs the binary tensor-core kernels where the rows allow, and `lookup` the mma.sync
-    kernels that take every other decode call (FusedMoE.popc_decode = False)."""
+    8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows), and at one token
+    `popc`: the binary tensor-core kernels, opt-in (FusedMoE.popc_decode), where rows allow."""
     x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
     planes, fp16 = active_bytes(layer, index)
     tg = _event_time(GroupedFp16(layer, x, weights, index), 10)
     floor = fp16 / copy_bw
     rows = []
-    for path in ("decode", "lookup", "prefill"):
+    for path in ("decode", "popc", "prefill"):
         if (path == "decode" and T > DECODE_MAX_TOKENS) or (path == "prefill" and T < 4):
             continue
-        if path == "lookup" and T != 1:  # one token: also the lookup kernels the popc ones replace
+        if path == "popc" and T != 1:  # the opt-in one-token kernels (FusedMoE.popc_decode)
             continue
 
         def call(path=path):
-            layer.moe.popc_decode = path != "lookup"
-            kind = "decode" if path == "lookup" else path
+            layer.moe.popc_decode = path == "popc"
+            kind = "decode" if path == "popc" else path
             return layer.moe(0, x, weights, index, scale, path=kind)
 
         t = _event_time(call, 5) if path == "prefill" else _graph_time(call)
-        layer.moe.popc_decode = True
+        layer.moe.popc_decode = False
         rows.append(
             KernelRow(
                 name, width, T, path, t * 1e6, planes, planes / t / 1e9,

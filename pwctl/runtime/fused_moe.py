@@ -372,8 +372,9 @@ class FusedMoE:
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
         # one-token decode calls on binary tensor cores (cuda/moe.cu gate_up_p1 / down_p1) where
-        # rows allow; False: the lookup kernels, as for more tokens
-        self.popc_decode = True
+        # rows allow. Off: correct, but still slower than the lookup kernels on the H200 (Mixtral
+        # 149 against 137 us a layer; docs/KERNELS.md, session 10)
+        self.popc_decode = False
 
     def __call__(
         self,
