@@ -560,19 +560,6 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 // piece (the two's-complement planes of a lane's two x bit planes cancel against other lanes' by
 // up to 2^15 / |x|, too much for fp32). pwctl/runtime/popc.py is the CPU twin.
 #define POPC_STEPS 32
-// CTAs an SM; whether a warp loads its next chunk while it works on this one (16 registers at 4
-// bits); chunks a warp prefetches into L2 ahead of its loads. The defaults ran fastest on the H200
-// (4 CTAs and no prefetch against 3 CTAs and a chunk ahead: 1.2x; L2 2 or 4 ahead: 3-10% slower;
-// docs/PERF.md, session 10).
-#ifndef POPC_CTAS
-#define POPC_CTAS 4
-#endif
-#ifndef POPC_PREFETCH
-#define POPC_PREFETCH 0
-#endif
-#ifndef POPC_L2_AHEAD
-#define POPC_L2_AHEAD 0
-#endif
 
 __device__ __forceinline__ int step_word(int ks, int chunks, int t) {
     return ks < 2 * chunks ? 16 * (ks >> 1) + 4 * t + 2 * (ks & 1)
@@ -655,6 +642,9 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
 // which holds label bit B - 1 - p, so a subset's label is its bits reversed). Sums of at most 16
 // fp16 levels in fp32. All threads; no barrier.
 __device__ void popc_coef(const Stage& st, int B, float (*coef)[16]) {
+#ifdef PWCTL_POPC_NO_COEF  // timing probe, never built by pwctl: no coefficients (wrong results)
+    return;
+#endif
     for (int e = threadIdx.x; e < ROWS * 16; e += blockDim.x) {
         const int r = e >> 4, S = e & 15;
         float c = 0.f;
@@ -695,13 +685,16 @@ __device__ __forceinline__ void popc_step(int (&acc)[16][4], const uint4& a, con
 }
 
 // A warp's share of k-steps [k0, k1) (k0 even) for 8 rows: lane (g, t) reads row g's planes
-// (rp: its 8 plane pointers); px: the piece that starts at k-step `base`. Work units are full chunks, then single 8-word k-steps; the warp
-// takes units part, part + parts, ... of the piece.
+// (rp: its 8 plane pointers); px: the piece that starts at k-step `base`. Work units are full
+// chunks, then single 8-word k-steps; the warp takes units part, part + parts, ... of the piece.
 template <int B>
 __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base, int part,
                           int parts, const PopcX* px, int (&acc)[16][4]) {
     const int lane = threadIdx.x & 31, t = lane & 3, chunks = words / 16;
     const int u_end = min(chunks, k1 / 2);
+#ifdef PWCTL_POPC_NO_STREAM  // timing probe, never built by pwctl: no plane loads, no mma
+    return;
+#endif
     // words w .. w + 3 of plane p (w % 4 == 0: one side of a split). The row pointers are read
     // from shared memory at each use: held in registers they pushed the accumulators to local memory.
     auto row_of = [&](int p, int w) {
@@ -709,32 +702,19 @@ __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base,
         return (w < r.split ? r.p0 : r.p1) + w;
     };
     auto quad = [&](int p, int w) { return __ldg((const uint4*)row_of(p, w)); };
-    uint4 q[B], n[B];
-    int u = k0 / 2 + part;
-    if (POPC_PREFETCH && u < u_end) {
+    // Loads at the top of each chunk: a chunk in flight a warp. Measured slower on the H200
+    // (docs/PERF.md, session 10): the next chunk in registers too (3 CTAs an SM), L2 prefetches
+    // 2 or 4 chunks ahead, a 4-stage cp.async ring in shared memory.
+    for (int u = k0 / 2 + part; u < u_end; u += parts) {
+        uint4 q[B];
         #pragma unroll
         for (int p = 0; p < B; ++p) q[p] = quad(p, 16 * u + 4 * t);
-    }
-    for (; u < u_end; u += parts) {
-        #pragma unroll
-        for (int p = 0; p < B; ++p) {
-            if (!POPC_PREFETCH) q[p] = quad(p, 16 * u + 4 * t);
-            else if (u + parts < u_end) n[p] = quad(p, 16 * (u + parts) + 4 * t);
-            // into L2 ahead of the registers: a warp has one chunk in flight (registers), the
-            // memory's latency wants more
-            if (POPC_L2_AHEAD && u + POPC_L2_AHEAD * parts < u_end)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(row_of(p, 16 * (u + POPC_L2_AHEAD * parts) + 4 * t)));
-        }
         #pragma unroll
         for (int s = 0; s < 2; ++s) {
             u32 lo[B], hi[B];
             #pragma unroll
             for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
             popc_step<B>(acc, __ldg(&px->a[2 * u + s - base][lane]), lo, hi);
-        }
-        if (POPC_PREFETCH) {
-            #pragma unroll
-            for (int p = 0; p < B; ++p) q[p] = n[p];
         }
     }
     // 8-word k-steps past the full chunks (the piece's part of them), 8-byte loads
@@ -1547,7 +1527,7 @@ ENTRY(2, __launch_bounds__(32 * WARPS, 5))
 ENTRY(4, __launch_bounds__(32 * WARPS, 5))
 ENTRY(8, __launch_bounds__(32 * WARPS, 4))
 // one-token calls (the binary tensor-core kernels)
-ENTRY_AS(p1, __launch_bounds__(32 * WARPS, POPC_CTAS), gate_up_popc, down_popc)
+ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), gate_up_popc, down_popc)  // 128 registers
 
 extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) gate_up_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in, int wpad_in,
