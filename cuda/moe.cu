@@ -541,8 +541,8 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 // ---- one-token decode on binary tensor cores ---------------------------------------------------
 //
 // With one token a slot, mma.m16n8k16 spends 7 of its 8 columns on nothing and the lookup's
-// integer work bounds the kernels (docs/KERNELS.md). These kernels (`gate_up_p1`, `down_p1`; the
-// launcher takes them for one-token calls) do no lookup. A row's table T at width B is written in
+// integer work bounds the kernels (docs/KERNELS.md). These kernels (`gate_up_p1`, `down_p1`, for
+// one-token calls when FusedMoE.popc_decode is set; still slower, docs/KERNELS.md) do no lookup. A row's table T at width B is written in
 // the multilinear basis of its label bits: T[label] = sum over plane subsets S of c_S * prod_{p in
 // S} bit_p (c_S: Moebius sums of T), so
 //     y[r] = sum_S c_S[r] * (AND of r's planes in S) . x,
@@ -571,7 +571,7 @@ __device__ __forceinline__ int popc_steps(int words) {
     return 2 * (words / 16) + (words % 16 + 7) / 8;
 }
 
-struct PopcX {  // one piece of one row of x (fused_moe.POPC_PIECE_BYTES)
+struct PopcX {  // one piece of one row of x (popc.PIECE_BYTES)
     uint4 a[POPC_STEPS][32];  // [k-step][lane]: planes g, g + 8 at the step's two words
     int ksum[POPC_STEPS];     // sum of q over each k-step (the empty subset's term)
     float sx;                 // the piece's scale: x = sx * q

@@ -51,22 +51,27 @@ def step_words(words: int) -> list[list[int]]:
     first, two k-steps each (lane t holds words 16c + 4t + 2s, + 1 in step 2c + s), then 8-word
     k-steps (lane t: words 8j + 2t, + 1); words past the row are dropped."""
     chunks = words // 16
-    steps = []
+    out = []
     for c in range(chunks):
         for s in range(2):
-            steps.append([16 * c + 4 * t + 2 * s + h for t in range(4) for h in range(2)])
+            out.append([16 * c + 4 * t + 2 * s + h for t in range(4) for h in range(2)])
     for base in range(16 * chunks, words, 8):
-        steps.append([w for w in range(base, base + 8) if w < words])
-    return steps
+        out.append([w for w in range(base, base + 8) if w < words])
+    return out
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """fp32 x -> (int64 q, scale) as `popc_x` does it: q = rn(x * (32767 / max|x|)) in fp32."""
-    amax = x.abs().max().float()
-    if amax == 0:
-        return torch.zeros_like(x, dtype=torch.int64), 0.0
-    inv = torch.tensor(Q_MAX, dtype=torch.float32) / amax
-    return torch.round(x.float() * inv).to(torch.int64), float(amax / Q_MAX)
+    """fp32 x -> (int64 q, scale sx = max|x| / 32767) as `popc_planes` does it."""
+    amax = float(x.abs().max())
+    return quantize_with(x, amax / Q_MAX), amax / Q_MAX
+
+
+def quantize_with(x: torch.Tensor, sx: float) -> torch.Tensor:
+    """q = rn(x * (32767 / max|x|)) in fp32 for a piece whose scale is sx (0: all zeros)."""
+    if sx == 0:
+        return torch.zeros_like(x, dtype=torch.int64)
+    inv = torch.tensor(Q_MAX, dtype=torch.float32) / torch.tensor(sx * Q_MAX, dtype=torch.float32)
+    return torch.round(x.float() * inv).to(torch.int64)
 
 
 def popc_matvec(
@@ -74,22 +79,27 @@ def popc_matvec(
     table: torch.Tensor,
     bits: int,
     x: torch.Tensor,
-    steps: tuple[int, int] | None = None,
+    span: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """y = W x for W[r, j] = table[r, labels[r, j]] (x: fp16 values, [cols]), over the k-steps
-    [lo, hi) of `steps` (all by default), as the kernels compute it: pieces of PIECE_STEPS steps,
-    each quantized with its own scale, exact integer subset dot products, fp64 sums."""
+    """y = W x for W[r, j] = table[r, labels[r, j]] (x: fp16 values, [cols]) over the k-steps
+    [lo, hi) of `span` (all by default: down's k-split takes slices), as the kernels compute it.
+    Piece i holds k-steps [32 i, 32 i + 32) and is quantized with its own scale (`popc_planes`),
+    whatever part of it a slice uses; exact integer subset dot products; fp64 sums."""
     rows, cols = labels.shape
-    words = -(-cols // 32)
-    all_steps = step_words(words)
-    lo, hi = steps if steps is not None else (0, len(all_steps))
+    words = step_words(-(-cols // 32))
+    lo, hi = span if span is not None else (0, len(words))
     coef = subset_coefficients(table, bits)
     planes = [(labels >> (bits - 1 - p)) & 1 for p in range(bits)]
+
+    def columns(k0: int, k1: int) -> torch.Tensor:
+        spans = [torch.arange(32 * w, min(32 * w + 32, cols)) for ws in words[k0:k1] for w in ws]
+        return torch.cat(spans)
+
     y = torch.zeros(rows, dtype=torch.float64)
-    for k0 in range(lo, hi, PIECE_STEPS):
-        piece = [w for ws in all_steps[k0 : min(hi, k0 + PIECE_STEPS)] for w in ws]
-        col = torch.cat([torch.arange(32 * w, min(32 * w + 32, cols)) for w in piece])
-        q, sx = quantize(x.float()[col])
+    for base in range(lo - lo % PIECE_STEPS, hi, PIECE_STEPS):
+        _, sx = quantize(x.float()[columns(base, base + PIECE_STEPS)])
+        col = columns(max(lo, base), min(hi, base + PIECE_STEPS))
+        q = quantize_with(x.float()[col], sx)
         acc = coef[:, 0] * q.sum().double()
         for S in range(1, 1 << bits):
             mask = torch.ones(rows, col.numel(), dtype=torch.int64)
