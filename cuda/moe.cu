@@ -584,9 +584,12 @@ __device__ __forceinline__ int popc_pieces(int words) {
 
 // One piece (blockIdx.x) of one row (blockIdx.y) of fragment-order fp16 rows into PopcX: column
 // 32w + j of word w is src[32w + 8(j % 4) + 4(j / 16) + (j / 4) % 4] (see the file's head). Rows
-// past `rows` are the second group's (the shared expert's h). 1024 threads: warp i takes the
-// piece's words 8i .. 8i + 7 (k-step i), one column a lane, all loads in flight at once.
+// past `rows` are the second group's (the shared expert's h). 1024 threads: warp i loads the
+// piece's words 8i .. 8i + 7 (k-step i), one column a lane, all loads in flight at once, for the
+// piece's scale; then it turns word blockIdx.z of them into planes (POPC_SPLIT CTAs share a piece:
+// the 16 ballots a word of one CTA ran 16 us on one SM, Nsight Compute, session 10).
 #define POPC_THREADS 1024
+#define POPC_SPLIT 8  // kernels.POPC_SPLIT: a k-step's 8 words
 extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     const unsigned short* src, int wpad, int words, int rows, PopcX* dst,
     const unsigned short* t_src, int t_wpad, int t_words, PopcX* t_dst) {
@@ -597,19 +600,20 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     if (row >= rows) row -= rows, src = t_src, wpad = t_wpad, words = t_words, dst = t_dst;
     const int pieces = popc_pieces(words), ks = popc_steps(words), chunks = words / 16;
     if ((int)blockIdx.x >= pieces) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, z = blockIdx.z;
     const int k0 = blockIdx.x * POPC_STEPS, step = k0 + warp;
     const int pos = 8 * (lane & 3) + 4 * (lane >> 4) + ((lane >> 2) & 3);
     src += (i64)row * wpad * 32;
     dst += (i64)row * pieces + blockIdx.x;
     if (threadIdx.x == 0) amax = 0.f;
-    float v[8];
+    float v[8], mine_v = 0.f;
     float m = 0.f;
     #pragma unroll
     for (int i = 0; i < 8; ++i) {  // word h = i % 2 of lane t = i / 2 of this warp's k-step
         const int w = step < ks ? step_word(step, chunks, i >> 1) + (i & 1) : words;
         v[i] = w < words ? h2f(src[32 * w + pos]) : 0.f;
         m = fmaxf(m, fabsf(v[i]));
+        if (i == z) mine_v = v[i];
     }
     #pragma unroll
     for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
@@ -617,44 +621,24 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     if (lane == 0) atomicMax((int*)&amax, __float_as_int(m));  // m >= 0: ints order as floats
     __syncthreads();
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    int s = 0;
+    const int q = __float2int_rn(mine_v * inv);
+    u32 mine = 0;
     #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int q = __float2int_rn(v[i] * inv);
-        s += q;
-        u32 mine = 0;
-        #pragma unroll
-        for (int k = 0; k < 16; ++k) {
-            const u32 b = __ballot_sync(0xffffffffu, (q >> k) & 1);
-            if (lane == k) mine = b;
-        }
-        // plane `lane` of word (t, h): lane (lane % 8, t) of the k-step, register 2h + lane / 8
-        if (lane < 16 && warp < POPC_STEPS)
-            ((u32*)&dst->a[warp][4 * (lane & 7) + (i >> 1)])[2 * (i & 1) + (lane >> 3)] = mine;
+    for (int k = 0; k < 16; ++k) {
+        const u32 b = __ballot_sync(0xffffffffu, (q >> k) & 1);
+        if (lane == k) mine = b;
     }
-    #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
-    if (lane == 0) dst->ksum[warp] = s;
-    if (threadIdx.x == 0) dst->sx = amax / 32767.f;
-}
-
-// c_S of the staged rows' tables at width B <= 4: coef[r][S], S a plane subset (bit p: plane p,
-// which holds label bit B - 1 - p, so a subset's label is its bits reversed). Sums of at most 16
-// fp16 levels in fp32. All threads; no barrier.
-__device__ void popc_coef(const Stage& st, int B, float (*coef)[16]) {
-#ifdef PWCTL_POPC_NO_COEF  // timing probe, never built by pwctl: no coefficients (wrong results)
-    return;
-#endif
-    for (int e = threadIdx.x; e < ROWS * 16; e += blockDim.x) {
-        const int r = e >> 4, S = e & 15;
-        float c = 0.f;
-        if (S < (1 << B))
-            for (int U = S;; U = (U - 1) & S) {  // every subset U of S
-                const float v = h2f(st.tbl[r][__brev(U) >> (32 - B)]);
-                c += __popc(S ^ U) & 1 ? -v : v;
-                if (U == 0) break;
-            }
-        coef[r][S] = c;
+    // plane `lane` of word (t, h) = z: lane (lane % 8, t) of the k-step, register 2h + lane / 8
+    if (lane < 16)
+        ((u32*)&dst->a[warp][4 * (lane & 7) + (z >> 1)])[2 * (z & 1) + (lane >> 3)] = mine;
+    if (z == 0) {  // the k-step's sum of q and the piece's scale, once
+        int s = 0;
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) s += __float2int_rn(v[i] * inv);
+        #pragma unroll
+        for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+        if (lane == 0) dst->ksum[warp] = s;
+        if (threadIdx.x == 0) dst->sx = amax / 32767.f;
     }
 }
 
@@ -731,11 +715,33 @@ __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base,
     }
 }
 
-// The integer sums of k-steps [i0, i1) of a piece into the lane's fp64 partials f[0] (row 2t of
-// its 8-row group), f[1] (row 2t + 1): acc[S] holds (x plane g, row 2t), (g, 2t + 1), (g + 8, 2t),
-// (g + 8, 2t + 1). The empty subset's term goes in once a row: lanes g = 0 of the `first` warp.
+// c_S of one row's table at width B: S a plane subset (bit p: plane p, which holds label bit
+// B - 1 - p, so a subset's label is its bits reversed), the Moebius transform in registers, fp32.
+// Computed where the fold needs them, after the streaming: in a CTA's prologue they cost 13 us of
+// a Mixtral layer's gate_up (docs/PERF.md, session 10).
+__host__ __device__ constexpr int reversed(int v, int bits) {
+    int r = 0;
+    for (int i = 0; i < bits; ++i) r |= ((v >> i) & 1) << (bits - 1 - i);
+    return r;
+}
+
 template <int B>
-__device__ __forceinline__ void popc_fold(int (&acc)[16][4], const float (*coef)[16],
+__device__ __forceinline__ void row_coef(const unsigned short* tbl, float (&c)[1 << B]) {
+    #pragma unroll
+    for (int S = 0; S < (1 << B); ++S) c[S] = h2f(tbl[reversed(S, B)]);
+    #pragma unroll
+    for (int p = 0; p < B; ++p)
+        #pragma unroll
+        for (int S = 0; S < (1 << B); ++S)
+            if (S >> p & 1) c[S] -= c[S ^ (1 << p)];
+}
+
+// The integer sums of k-steps [i0, i1) of a piece into the lane's fp64 partials f[0] (row 2t of
+// its 8-row group, whose tables are tbl), f[1] (row 2t + 1): acc[S] holds (x plane g, row 2t),
+// (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1). The empty subset's term goes in once a row: lanes
+// g = 0 of the `first` warp.
+template <int B>
+__device__ __forceinline__ void popc_fold(int (&acc)[16][4], const unsigned short (*tbl)[MAX_TABLE],
                                           const PopcX* px, int i0, int i1, bool first,
                                           double (&f)[2]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -743,20 +749,21 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][4], const float (*coef)
     int q = 0;
     if (first && g == 0)
         for (int i = i0; i < i1; ++i) q += __ldg(&px->ksum[i]);
-    const double sum = q;
-    double f0 = coef[2 * t][0] * sum, f1 = coef[2 * t + 1][0] * sum;
-    #pragma unroll
-    for (int S = 1; S < (1 << B); ++S) {
-        f0 += coef[2 * t][S] * (double)(wg * acc[S][0] + w8 * acc[S][2]);
-        f1 += coef[2 * t + 1][S] * (double)(wg * acc[S][1] + w8 * acc[S][3]);
-    }
     const double sx = __ldg(&px->sx);
-    f[0] += sx * f0;
-    f[1] += sx * f1;
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {  // one row's coefficients in registers at a time
+        float c[1 << B];
+        row_coef<B>(tbl[2 * t + r], c);
+        double v = (double)c[0] * q;
+        #pragma unroll
+        for (int S = 1; S < (1 << B); ++S)
+            v += (double)c[S] * (double)(wg * acc[S][r] + w8 * acc[S][2 + r]);
+        f[r] += sx * v;
+    }
 }
 
 // Run-time width -> template: one piece of one 8-row group.
-__device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const float (*coef)[16],
+__device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const unsigned short (*tbl)[MAX_TABLE],
                                            int words, int k0, int k1, int base, int part,
                                            int parts, const PopcX* px, double (&f)[2]) {
     int acc[16][4] = {};
@@ -764,7 +771,7 @@ __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const float 
 #define POPC_CASE(W)                                                                              \
     case W:                                                                                       \
         popc_rows<W>(rp, words, k0, k1, base, part, parts, px, acc);                              \
-        popc_fold<W>(acc, coef, px, k0 - base, k1 - base, part == 0, f);                          \
+        popc_fold<W>(acc, tbl, px, k0 - base, k1 - base, part == 0, f);                           \
         break;
         POPC_CASE(1) POPC_CASE(2) POPC_CASE(3) POPC_CASE(4)
 #undef POPC_CASE
@@ -801,7 +808,6 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
                              i64 bits_nbytes, int rpt, const PopcX* px) {
     __shared__ Stage st[2];
-    __shared__ float coef[2][ROWS][16];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
     __shared__ float rows[2][ROWS];
     wait_previous();  // slots from decode_prep, x's pieces from popc_planes
@@ -817,9 +823,6 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
         bool flat = stage(g, bg, wg, bits_nbytes, words_in, rpt, c.row0, nrows, st[0], threadIdx.x, blockDim.x);
         flat &= stage(g, bu, wu, bits_nbytes, words_in, rpt, c.row0, nrows, st[1], threadIdx.x, blockDim.x);
         flat = __syncthreads_and(flat);
-        if (wg <= 4) popc_coef(st[0], wg, coef[0]);
-        if (wu <= 4) popc_coef(st[1], wu, coef[1]);
-        __syncthreads();
         const int ks = popc_steps(words_in);
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
         // gate, then up, each on all 4 warps (8-row group warp % 2, column half warp / 2); side by
@@ -831,7 +834,7 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
             if (B <= 4) {
                 double f[2] = {};
                 for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                    popc_piece(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8, coef[m] + 8 * grp,
+                    popc_piece(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8, st[m].tbl + 8 * grp,
                                words_in, k0, min(ks, k0 + POPC_STEPS), k0, part, 2, x + i, f);
                 popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
             } else {  // the lookup: token 0 of n-tile 0 is fragment register w of lanes 4i
@@ -856,7 +859,6 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
                           float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
                           int units, const PopcX* hpx) {
     __shared__ Stage st[2];
-    __shared__ float coef[2][ROWS][16];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
     __shared__ float rows[2 * ROWS];
     const Tile c = tile_of(s, ROWS * units, slot, tile);
@@ -874,9 +876,6 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     flat = __syncthreads_and(flat);
     const int nrows = ROWS * units;
     if (wd <= 4) {
-        for (int u = 0; u < units; ++u)
-            if (c.row0 + ROWS * u < H) popc_coef(st[u], wd, coef[u]);
-        __syncthreads();
         const int groups = 2 * units, parts = WARPS / groups;
         const int grp = warp % groups, part = warp / groups, unit = grp >> 1;
         const RowPtr* rp = st[unit].ptr + (8 * (grp & 1) + (lane >> 2)) * 8;
@@ -889,7 +888,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         if (c.row0 + ROWS * unit < H)
             for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
                 const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
-                popc_piece(wd, rp, coef[unit] + 8 * (grp & 1), words_in, k0, k1, i * POPC_STEPS,
+                popc_piece(wd, rp, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1, i * POPC_STEPS,
                            part, parts, x + i, f);
                 k0 = k1;
             }

@@ -372,8 +372,9 @@ class FusedMoE:
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
         # one-token decode calls on binary tensor cores (cuda/moe.cu gate_up_p1 / down_p1) where
-        # rows allow. Off: correct, but still slower than the lookup kernels on the H200 (Mixtral
-        # 149 against 137 us a layer; docs/KERNELS.md, session 10)
+        # rows allow. Off until the full NVRTC GPU check has run on them: on the H200 a Mixtral
+        # layer takes 120 us against the lookup's 137, a Qwen3-MoE layer 34 against 29
+        # (nvcc build; docs/KERNELS.md, session 10)
         self.popc_decode = False
 
     def __call__(
@@ -558,6 +559,7 @@ class FusedMoE:
         args = (ptr(s0), i32(p0.wpad), i32(p0.words), i32(s0.shape[0]), ptr(d0))
         args += (ptr(s1), i32(p1.wpad), i32(p1.words), ptr(d1))
         grid = (max(popc.pieces(p.words) for _, p, _ in jobs), sum(s.shape[0] for s, _, _ in jobs))
+        grid += (kernels.POPC_SPLIT,)
         kernels.launch("popc_planes", grid, (kernels.POPC_THREADS,), args, early=True)
 
     def _decode_launch(self, layer: int, n_routed: int, with_shared: bool) -> DecodeLaunch:
