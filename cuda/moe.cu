@@ -802,8 +802,9 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
     __syncthreads();
 }
 
-// gate_up for one-token slots: the CTA's 16 rows of gate and up, then h as `gate_up` stores it. px: x's pieces (popc_planes), a row per
-// token. Blocks wider than 4 bits take `mma_block` (the lookup) on the fragment-order x.
+// gate_up for one-token slots: the CTA's 16 rows of gate and up, then h as `gate_up` stores it.
+// px: x's pieces (popc_planes), a row per token. Blocks wider than 4 bits take `mma_block` (the
+// lookup) on the fragment-order x.
 __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
                              i64 bits_nbytes, int rpt, const PopcX* px) {

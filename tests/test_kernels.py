@@ -279,6 +279,40 @@ def test_popc_twin_matches_lookup(B, cols):
     assert float((halves - want).norm() / want.norm()) < 1e-3
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
+    """The launcher's choice, on the CPU with launches recorded: one token with popc_decode set
+    takes popc_planes (x), gate_up_p1, popc_planes (h of both groups), down_p1, with grids that
+    cover every piece, row and word of a k-step; two tokens, or the flag off, the lookup kernels."""
+    launched = []
+    record = lambda name, grid, *args, **kw: launched.append((name, grid))  # noqa: E731
+    monkeypatch.setattr(kernels, "launch", record)
+    monkeypatch.setattr(kernels, "sm_count", lambda: 132)  # the H200's (no device here)
+    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
+    layer = synthetic_layer(spec, device="cpu", seed=0)
+    moe = layer.moe
+    gu = moe.proj[(0, False, "gate")]
+
+    def decode(T: int, popc: bool) -> list[tuple[str, tuple]]:
+        launched.clear()
+        moe.popc_decode = popc
+        x, weights, index, scale = random_routing(spec, T, device="cpu", seed=T)
+        pairs = group(index, weights, spec.num_experts)
+        one = group(index[:, :1] * 0, weights[:, :1], 1) if shared else None
+        moe._decode(0, fragment_order(x, gu.wpad), pairs, torch.zeros_like(x), one)
+        return list(launched)
+
+    names = [n for n, _ in decode(1, True)]
+    assert names == ["popc_planes", "gate_up_p1", "popc_planes", "down_p1"]
+    planes = [g for n, g in decode(1, True) if n == "popc_planes"]
+    assert planes[0] == (popc.pieces(gu.words), 1, kernels.POPC_SPLIT)  # x: 4096 columns
+    dn = moe.proj[(0, False, "down")]
+    rows_h = spec.top_k + (1 if shared else 0)  # routed pairs, then the shared expert's
+    assert planes[1] == (popc.pieces(dn.words), rows_h, kernels.POPC_SPLIT)
+    assert [n for n, _ in decode(1, False)] == ["gate_up_n1", "down_n1"]
+    assert [n for n, _ in decode(2, True)] == ["gate_up_n1", "down_n1"]
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_torch_path_matches_expert_store(packs, arch):
     """Planes paged by the pager (mixed widths) and read back through the DeviceTable give the
