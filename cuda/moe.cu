@@ -548,8 +548,9 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 //     y[r] = sum_S c_S[r] * (AND of r's planes in S) . x,
 // and with x in 16-bit two's-complement fixed point q = round(x / sx), each (AND_S) . q is an exact
 // integer that mma.m16n8k256 .and.popc adds up: A = q's 16 bit planes (rows) over 256 columns,
-// B = AND_S of 8 weight rows (columns). Per 32 weights a lane: 2^B - B - 1 LOP3 and (2^B - 1) / 8
-// of an mma, against ~100 integer operations for the lookup at 4 bits.
+// B = AND_S of 8 weight rows (columns). A warp issues 2^B - 1 mma a k-step (8 rows x 256
+// columns); a lane 2^B - B - 1 LOP3 per 32 of its weights, against ~100 integer operations for
+// the lookup at 4 bits.
 //
 // Columns go in k-steps of 256: first full 16-word chunks (two k-steps; lane t holds words
 // 16c + 4t .. + 3 of its row, one 16-byte load a plane), then 8-word k-steps (lane t: words
