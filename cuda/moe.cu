@@ -441,6 +441,35 @@ __device__ void reduce_units(const float (&acc)[NT][4], float* red, int parts, f
 
 struct PopcX;  // x's pieces for the one-token kernels (below); the lookup kernels ignore them
 
+// Stage rows [row0, row0 + nrows) of expert e's gate (st[0]) and up (st[1]) blocks, their widths
+// out in wg, wu; ends with a barrier. Returns whether every staged row is flat (`stage`).
+__device__ __forceinline__ bool stage_gate_up(const Paged& g, const Slots& s, int e,
+                                              i64 bits_nbytes, int words, int rpt, int row0,
+                                              int nrows, Stage (&st)[2], int& wg, int& wu) {
+    const int bg = __ldg(s.block_ids + 3 * e), bu = __ldg(s.block_ids + 3 * e + 1);
+    wg = __ldg(g.width + bg), wu = __ldg(g.width + bu);
+    bool flat = stage(g, bg, wg, bits_nbytes, words, rpt, row0, nrows, st[0], threadIdx.x, blockDim.x);
+    flat &= stage(g, bu, wu, bits_nbytes, words, rpt, row0, nrows, st[1], threadIdx.x, blockDim.x);
+    return __syncthreads_and(flat);
+}
+
+// Stage the `units` 16-row tiles from row0 of expert e's down block (a tile past H is neither
+// staged nor streamed), its width out in wd; ends with a barrier. Returns `stage`'s flatness.
+__device__ __forceinline__ bool stage_down(const Paged& g, const Slots& s, int e, i64 bits_nbytes,
+                                           int words, int rpt, int row0, int units, int H,
+                                           Stage (&st)[2], int& wd) {
+    const int bd = __ldg(s.block_ids + 3 * e + 2);
+    wd = __ldg(g.width + bd);
+    bool flat = true;
+    for (int u = 0; u < units; ++u) {
+        const int r0 = row0 + ROWS * u;
+        if (r0 < H)
+            flat &= stage(g, bd, wd, bits_nbytes, words, rpt, r0, min(ROWS, H - r0), st[u],
+                          threadIdx.x, blockDim.x);
+    }
+    return __syncthreads_and(flat);
+}
+
 // h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection.
 template <int NT>
 __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, unsigned short* hp,
@@ -462,11 +491,8 @@ __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, u
             const int j = c.base + 8 * nt + (lane >> 2);
             xrow[nt] = j < c.T ? __ldg(s.token + c.lo + j) : -1;
         }
-        const int bg = __ldg(s.block_ids + 3 * e), bu = __ldg(s.block_ids + 3 * e + 1);
-        const int wg = __ldg(g.width + bg), wu = __ldg(g.width + bu);
-        bool flat = stage(g, bg, wg, bits_nbytes, words_in, rpt, c.row0, nrows, st[0], threadIdx.x, blockDim.x);
-        flat &= stage(g, bu, wu, bits_nbytes, words_in, rpt, c.row0, nrows, st[1], threadIdx.x, blockDim.x);
-        flat = __syncthreads_and(flat);
+        int wg, wu;
+        const bool flat = stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu);
         // gate, then up, each on all 4 warps (running them side by side on 2 warps each was
         // 10-20% slower on Mixtral and no faster on Qwen3-MoE: docs/PERF.md); one copy of the
         // loops for both blocks (two inlined copies spilled the second's accumulators)
@@ -508,15 +534,8 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
         const int j = c.base + 8 * nt + (lane >> 2);
         xrow[nt] = j < c.T ? c.lo + j : -1;
     }
-    const int bd = __ldg(s.block_ids + 3 * e + 2), wd = __ldg(g.width + bd);
-    bool flat = true;
-    for (int u = 0; u < units; ++u) {
-        const int row0 = c.row0 + ROWS * u;  // a second tile past H is neither staged nor streamed
-        if (row0 < H)
-            flat &= stage(g, bd, wd, bits_nbytes, words_in, rpt, row0, min(ROWS, H - row0), st[u],
-                          threadIdx.x, blockDim.x);
-    }
-    flat = __syncthreads_and(flat);
+    int wd;
+    const bool flat = stage_down(g, s, e, bits_nbytes, words_in, rpt, c.row0, units, H, st, wd);
     // everything above read what was final before gate_up started (slots, descriptors); h is not
     wait_previous();
     float acc[NT][4] = {}, sum[2][NT];  // acc stays zero for a tile past H
@@ -542,8 +561,8 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 //
 // With one token a slot, mma.m16n8k16 spends 7 of its 8 columns on nothing and the lookup's
 // integer work bounds the kernels (docs/KERNELS.md). These kernels (`gate_up_p1`, `down_p1`, for
-// one-token calls when FusedMoE.popc_decode is set; still slower, docs/KERNELS.md) do no lookup. A row's table T at width B is written in
-// the multilinear basis of its label bits: T[label] = sum over plane subsets S of c_S * prod_{p in
+// one-token calls when FusedMoE.popc_decode is set) do no lookup. A row's table T at width B is
+// written in the multilinear basis of its label bits: T[label] = sum over plane subsets S of c_S * prod_{p in
 // S} bit_p (c_S: Moebius sums of T), so
 //     y[r] = sum_S c_S[r] * (AND of r's planes in S) . x,
 // and with x in 16-bit two's-complement fixed point q = round(x / sx), each (AND_S) . q is an exact
@@ -583,12 +602,11 @@ __device__ __forceinline__ int popc_pieces(int words) {
     return (popc_steps(words) + POPC_STEPS - 1) / POPC_STEPS;
 }
 
-// One piece (blockIdx.x) of one row (blockIdx.y) of fragment-order fp16 rows into PopcX: column
-// 32w + j of word w is src[32w + 8(j % 4) + 4(j / 16) + (j / 4) % 4] (see the file's head). Rows
+// One piece (blockIdx.x) of one row (blockIdx.y) of fragment-order fp16 rows into PopcX. Rows
 // past `rows` are the second group's (the shared expert's h). 1024 threads: warp i loads the
 // piece's words 8i .. 8i + 7 (k-step i), one column a lane, all loads in flight at once, for the
-// piece's scale; then it turns word blockIdx.z of them into planes (POPC_SPLIT CTAs share a piece:
-// the 16 ballots a word of one CTA ran 16 us on one SM, Nsight Compute, session 10).
+// piece's scale; then it turns word blockIdx.z of them into planes. POPC_SPLIT CTAs share a
+// piece: one CTA doing all 8 words' ballots took 16 us on one SM (Nsight Compute, session 10).
 #define POPC_THREADS 1024
 #define POPC_SPLIT 8  // kernels.POPC_SPLIT: a k-step's 8 words
 extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
@@ -603,6 +621,8 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     if ((int)blockIdx.x >= pieces) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, z = blockIdx.z;
     const int k0 = blockIdx.x * POPC_STEPS, step = k0 + warp;
+    // column `lane` of a word in fragment order: store_h's position, written as it ran on the
+    // GPU (sharing store_h's expression changes either kernel's code)
     const int pos = 8 * (lane & 3) + 4 * (lane >> 4) + ((lane >> 2) & 3);
     src += (i64)row * wpad * 32;
     dst += (i64)row * pieces + blockIdx.x;
@@ -820,11 +840,8 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
     const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
     const int token = __ldg(s.token + c.lo);
     if (nrows > 0) {
-        const int bg = __ldg(s.block_ids + 3 * e), bu = __ldg(s.block_ids + 3 * e + 1);
-        const int wg = __ldg(g.width + bg), wu = __ldg(g.width + bu);
-        bool flat = stage(g, bg, wg, bits_nbytes, words_in, rpt, c.row0, nrows, st[0], threadIdx.x, blockDim.x);
-        flat &= stage(g, bu, wu, bits_nbytes, words_in, rpt, c.row0, nrows, st[1], threadIdx.x, blockDim.x);
-        flat = __syncthreads_and(flat);
+        int wg, wu;
+        const bool flat = stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu);
         const int ks = popc_steps(words_in);
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
         // gate, then up, each on all 4 warps (8-row group warp % 2, column half warp / 2); side by
@@ -867,15 +884,8 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     if (c.T <= 0 || c.row0 >= H) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot);
-    const int bd = __ldg(s.block_ids + 3 * e + 2), wd = __ldg(g.width + bd);
-    bool flat = true;
-    for (int u = 0; u < units; ++u) {
-        const int row0 = c.row0 + ROWS * u;
-        if (row0 < H)
-            flat &= stage(g, bd, wd, bits_nbytes, words_in, rpt, row0, min(ROWS, H - row0), st[u],
-                          threadIdx.x, blockDim.x);
-    }
-    flat = __syncthreads_and(flat);
+    int wd;
+    const bool flat = stage_down(g, s, e, bits_nbytes, words_in, rpt, c.row0, units, H, st, wd);
     const int nrows = ROWS * units;
     if (wd <= 4) {
         const int groups = 2 * units, parts = WARPS / groups;
