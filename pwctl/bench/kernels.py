@@ -310,7 +310,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     planes, fp16 = active_bytes(layer, index)
     tg = _event_time(GroupedFp16(layer, x, weights, index), 10)
     floor = fp16 / copy_bw
-    rows = []
+    rows, popc = [], layer.moe.popc_decode
     for path in ("decode", "popc", "prefill"):
         if (path == "decode" and T > DECODE_MAX_TOKENS) or (path == "prefill" and T < 4):
             continue
@@ -323,7 +323,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
             return layer.moe(0, x, weights, index, scale, path=kind)
 
         t = _event_time(call, 5) if path == "prefill" else _graph_time(call)
-        layer.moe.popc_decode = False
+        layer.moe.popc_decode = popc  # as the caller had it
         rows.append(
             KernelRow(
                 name, width, T, path, t * 1e6, planes, planes / t / 1e9,

@@ -60,10 +60,15 @@ def step_words(words: int) -> list[list[int]]:
     return out
 
 
+def scale_of(x: torch.Tensor) -> float:
+    """A piece's scale sx = max|x| / 32767 (0 for an all-zero piece)."""
+    return float(x.abs().max()) / Q_MAX
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """fp32 x -> (int64 q, scale sx = max|x| / 32767) as `popc_planes` does it."""
-    amax = float(x.abs().max())
-    return quantize_with(x, amax / Q_MAX), amax / Q_MAX
+    """fp32 x -> (int64 q, scale sx) as `popc_planes` does it."""
+    sx = scale_of(x)
+    return quantize_with(x, sx), sx
 
 
 def quantize_with(x: torch.Tensor, sx: float) -> torch.Tensor:
@@ -97,7 +102,7 @@ def popc_matvec(
 
     y = torch.zeros(rows, dtype=torch.float64)
     for base in range(lo - lo % PIECE_STEPS, hi, PIECE_STEPS):
-        _, sx = quantize(x.float()[columns(base, base + PIECE_STEPS)])
+        sx = scale_of(x.float()[columns(base, base + PIECE_STEPS)])
         col = columns(max(lo, base), min(hi, base + PIECE_STEPS))
         q = quantize_with(x.float()[col], sx)
         acc = coef[:, 0] * q.sum().double()
