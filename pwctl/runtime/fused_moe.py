@@ -328,6 +328,9 @@ def token_tiles(x: torch.Tensor, wpad: int, token: torch.Tensor, plan: TilePlan)
     return xt
 
 
+_NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
+
+
 @dataclass(frozen=True)
 class DecodeLaunch:
     """The shape side of a decode call's two launches: grids, and the scalar arguments around
@@ -516,7 +519,7 @@ class FusedMoE:
         one = xf.shape[0] == 1 and self.popc_decode and plan.popc
         kind = "p1" if one else f"n{kernels.n_tiles(xf.shape[0])}"
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        px, hpx = (np.uint64(0),), (np.uint64(0),) * 2  # the lookup kernels take no pieces
+        px, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
         if one:  # x's, then each pair's h's, 16-bit planes: once a call (cuda/moe.cu popc_planes)
             gu = self.proj[(layer, False, "gate")]
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
