@@ -602,39 +602,30 @@ __device__ __forceinline__ int popc_pieces(int words) {
     return (popc_steps(words) + POPC_STEPS - 1) / POPC_STEPS;
 }
 
-// One piece (blockIdx.x) of one row (blockIdx.y) of fragment-order fp16 rows into PopcX. Rows
-// past `rows` are the second group's (the shared expert's h). 1024 threads: warp i loads the
-// piece's words 8i .. 8i + 7 (k-step i), one column a lane, all loads in flight at once, for the
-// piece's scale; then it turns word blockIdx.z of them into planes. POPC_SPLIT CTAs share a
-// piece: one CTA doing all 8 words' ballots took 16 us on one SM (Nsight Compute, session 10).
-#define POPC_THREADS 1024
-#define POPC_SPLIT 8  // kernels.POPC_SPLIT: a k-step's 8 words
-extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
-    const unsigned short* src, int wpad, int words, int rows, PopcX* dst,
-    const unsigned short* t_src, int t_wpad, int t_words, PopcX* t_dst) {
+// Piece `pc` of one row into PopcX, word z of each k-step's 8 (POPC_SPLIT CTAs share a piece: one
+// CTA doing all 8 words' ballots took 16 us on one SM, Nsight Compute, session 10). `at(w)`: the
+// row's value at column 32 w + lane (w < words). Warp i takes the piece's k-steps i, i + warps,
+// ... (SPW at most: SPW x warps >= the piece's k-steps), every load in flight at once, for the
+// piece's scale; then it turns word z of each of its k-steps into planes. Steps past the row are
+// neither built nor read. A warp's instructions are the cost (each waits ~10 cycles on the last
+// with a few warps an SM: Nsight Compute, session 11), so no warp takes more steps than it must.
+template <int SPW, class At>
+__device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst) {
     __shared__ float amax;
-    wait_previous();  // x from decode_prep, or h from gate_up
-    start_next();
-    int row = blockIdx.y;
-    if (row >= rows) row -= rows, src = t_src, wpad = t_wpad, words = t_words, dst = t_dst;
-    const int pieces = popc_pieces(words), ks = popc_steps(words), chunks = words / 16;
-    if ((int)blockIdx.x >= pieces) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, z = blockIdx.z;
-    const int k0 = blockIdx.x * POPC_STEPS, step = k0 + warp;
-    // column `lane` of a word in fragment order: store_h's position, written as it ran on the
-    // GPU (sharing store_h's expression changes either kernel's code)
-    const int pos = 8 * (lane & 3) + 4 * (lane >> 4) + ((lane >> 2) & 3);
-    src += (i64)row * wpad * 32;
-    dst += (i64)row * pieces + blockIdx.x;
+    const int ks = popc_steps(words), chunks = words / 16, k0 = pc * POPC_STEPS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (threadIdx.x == 0) amax = 0.f;
-    float v[8], mine_v = 0.f;
-    float m = 0.f;
+    float v[SPW][8], m = 0.f;
     #pragma unroll
-    for (int i = 0; i < 8; ++i) {  // word h = i % 2 of lane t = i / 2 of this warp's k-step
-        const int w = step < ks ? step_word(step, chunks, i >> 1) + (i & 1) : words;
-        v[i] = w < words ? h2f(src[32 * w + pos]) : 0.f;
-        m = fmaxf(m, fabsf(v[i]));
-        if (i == z) mine_v = v[i];
+    for (int j = 0; j < SPW; ++j) {
+        const int i = warp + j * warps, step = k0 + i;
+        if (i >= POPC_STEPS || step >= ks) break;  // warp-uniform; nobody reads past the row
+        #pragma unroll
+        for (int h = 0; h < 8; ++h) {  // word h % 2 of lane t = h / 2 of the k-step
+            const int w = step_word(step, chunks, h >> 1) + (h & 1);
+            v[j][h] = w < words ? at(w) : 0.f;
+            m = fmaxf(m, fabsf(v[j][h]));
+        }
     }
     #pragma unroll
     for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
@@ -642,25 +633,70 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     if (lane == 0) atomicMax((int*)&amax, __float_as_int(m));  // m >= 0: ints order as floats
     __syncthreads();
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    const int q = __float2int_rn(mine_v * inv);
-    u32 mine = 0;
     #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-        const u32 b = __ballot_sync(0xffffffffu, (q >> k) & 1);
-        if (lane == k) mine = b;
-    }
-    // plane `lane` of word (t, h) = z: lane (lane % 8, t) of the k-step, register 2h + lane / 8
-    if (lane < 16)
-        ((u32*)&dst->a[warp][4 * (lane & 7) + (z >> 1)])[2 * (z & 1) + (lane >> 3)] = mine;
-    if (z == 0) {  // the k-step's sum of q and the piece's scale, once
-        int s = 0;
+    for (int j = 0; j < SPW; ++j) {
+        const int i = warp + j * warps;
+        if (i >= POPC_STEPS || k0 + i >= ks) break;
+        float mine_v = 0.f;
         #pragma unroll
-        for (int i = 0; i < 8; ++i) s += __float2int_rn(v[i] * inv);
+        for (int h = 0; h < 8; ++h)
+            if (h == z) mine_v = v[j][h];
+        const int q = __float2int_rn(mine_v * inv);
+        u32 mine = 0;
         #pragma unroll
-        for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
-        if (lane == 0) dst->ksum[warp] = s;
-        if (threadIdx.x == 0) dst->sx = amax / 32767.f;
+        for (int k = 0; k < 16; ++k) {
+            const u32 b = __ballot_sync(0xffffffffu, (q >> k) & 1);
+            if (lane == k) mine = b;
+        }
+        // plane `lane` of word (t, h) = z: lane (lane % 8, t) of the k-step, register 2h + lane / 8
+        if (lane < 16)
+            ((u32*)&dst->a[i][4 * (lane & 7) + (z >> 1)])[2 * (z & 1) + (lane >> 3)] = mine;
+        if (z == 0) {  // the k-step's sum of q, once
+            int s = 0;
+            #pragma unroll
+            for (int h = 0; h < 8; ++h) s += __float2int_rn(v[j][h] * inv);
+            #pragma unroll
+            for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+            if (lane == 0) dst->ksum[i] = s;
+        }
     }
+    if (z == 0 && threadIdx.x == 0) dst->sx = amax / 32767.f;  // the piece's scale
+}
+
+// Each pair's h (fragment-order fp16 rows, from gate_up) into its pieces: piece blockIdx.x of row
+// blockIdx.y, word blockIdx.z of each k-step; rows past `rows` are the second group's (the shared
+// expert's h). A warp a k-step of the longest piece (the launcher sizes the block). x's pieces are
+// built in the launch that prepares the call (`x_piece`).
+#define POPC_THREADS 1024
+#define POPC_SPLIT 8  // kernels.POPC_SPLIT: a k-step's 8 words
+extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
+    const unsigned short* src, int wpad, int words, int rows, PopcX* dst,
+    const unsigned short* t_src, int t_wpad, int t_words, PopcX* t_dst) {
+    wait_previous();  // h from gate_up
+    start_next();
+    int row = blockIdx.y;
+    if (row >= rows) row -= rows, src = t_src, wpad = t_wpad, words = t_words, dst = t_dst;
+    const int pieces = popc_pieces(words);
+    if ((int)blockIdx.x >= pieces) return;
+    // column `lane` of a word in fragment order: store_h's position, written as it ran on the
+    // GPU (sharing store_h's expression changes either kernel's code)
+    const int lane = threadIdx.x & 31;
+    const int pos = 8 * (lane & 3) + 4 * (lane >> 4) + ((lane >> 2) & 3);
+    src += (i64)row * wpad * 32;
+    popc_piece_of<1>([&](int w) { return h2f(src[32 * w + pos]); }, words, blockIdx.x, blockIdx.z,
+                     dst + (i64)row * pieces + blockIdx.x);
+}
+
+// Block b of a prep launch's x-piece blocks (256 threads): piece, token and word z as
+// `popc_planes`'s grid numbers them, from row-major fp16 x [T, H] (words: the gate rows').
+#define PREP_THREADS 256
+__device__ void x_piece(const unsigned short* x, int T, int H, int words, PopcX* px, int b) {
+    const int z = b % POPC_SPLIT, row = b / POPC_SPLIT % T, pc = b / POPC_SPLIT / T;
+    const int lane = threadIdx.x & 31, pieces = popc_pieces(words);
+    const unsigned short* xr = x + (i64)row * H;
+    popc_piece_of<POPC_STEPS * 32 / PREP_THREADS>(
+        [&](int w) { return 32 * w + lane < H ? h2f(xr[32 * w + lane]) : 0.f; }, words, pc, z,
+        px + (i64)row * pieces + pc);
 }
 
 __device__ __forceinline__ void mma_popc(int (&d)[4], const uint4& a, u32 b0, u32 b1) {
@@ -1671,13 +1707,16 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
                                        int experts, int slots, int* token, float* weight,
                                        int* s_expert, int* s_lo, int* s_hi,
                                        const unsigned short* x, int T, int H, int wpad,
-                                       unsigned short* xf, float* out, int out_n) {
+                                       unsigned short* xf, float* out, int out_n, int words,
+                                       PopcX* px, int px_blocks) {
     start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
+    const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
+    if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
     if (blockIdx.x == 0) {
         group_pairs(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
         return;
     }
-    const int stride = (gridDim.x - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
+    const int stride = (blocks - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
     lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
 }
 
@@ -1786,18 +1825,23 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
                                       i64* index, float* weights, float* shared_scale, int slots,
                                       int* token, float* weight, int* s_expert, int* s_lo,
                                       int* s_hi, int wpad, unsigned short* xf, float* out,
-                                      int out_n) {
+                                      int out_n, int words, PopcX* px, int px_blocks) {
     start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
     const int rows = experts + (shared_gate_w != nullptr);
     const int warps = blockDim.x / 32, warp = blockIdx.x * warps + threadIdx.x / 32;
-    for (int d = warp; d < T * rows; d += gridDim.x * warps) {
-        const int t = d / rows, e = d % rows;
-        const unsigned short* w = e < experts ? gate_w + (i64)e * H : shared_gate_w;
-        const float s = row_dot(x + (i64)t * H, w, H);
-        if ((threadIdx.x & 31) == 0) logits[d] = h2f(f2h(s));
+    const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
+    if ((int)blockIdx.x >= blocks) {
+        x_piece(x, T, H, words, px, blockIdx.x - blocks);
+    } else {
+        for (int d = warp; d < T * rows; d += blocks * warps) {
+            const int t = d / rows, e = d % rows;
+            const unsigned short* w = e < experts ? gate_w + (i64)e * H : shared_gate_w;
+            const float s = row_dot(x + (i64)t * H, w, H);
+            if ((threadIdx.x & 31) == 0) logits[d] = h2f(f2h(s));
+        }
+        const int stride = blocks * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
+        lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
     }
-    const int stride = gridDim.x * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
-    lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
     // the last block to get here routes: every other block's logits are written by then
     __shared__ bool last;
     __threadfence();

@@ -26,14 +26,17 @@ from pwctl.bench.kernels import (
 from pwctl.bitplanes import pack_planes
 from pwctl.pack import Pack
 from pwctl.recipe import MoESpec
-from pwctl.runtime import kernels, popc
+from pwctl.runtime import fused_moe, kernels, popc
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.expert_store import ExpertStore
 from pwctl.runtime.fused_moe import (
     FusedMoE,
     Pairs,
+    XPieces,
     fragment_order,
     group,
+    prepare_decode,
+    prepare_routed,
     tile_plan,
     wgmma_order,
     wgmma_tiles,
@@ -282,35 +285,41 @@ def test_popc_twin_matches_lookup(B, cols):
 @pytest.mark.parametrize("shared", [False, True])
 def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     """The launcher's choice, on the CPU with launches recorded: one token with popc_decode set
-    takes popc_planes (x), gate_up_p1, popc_planes (h of both groups), down_p1, with grids that
-    cover every piece, row and word of a k-step; two tokens, or the flag off, the lookup kernels."""
+    gives x's pieces to the prep launch (8 more blocks a piece) and takes gate_up_p1,
+    popc_planes (h of both groups: a warp a k-step of the longest piece), down_p1; two tokens,
+    or the flag off, no pieces and the lookup kernels."""
     launched = []
-    record = lambda name, grid, *args, **kw: launched.append((name, grid))  # noqa: E731
+    record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch", record)
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)  # the H200's (no device here)
     spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
     layer = synthetic_layer(spec, device="cpu", seed=0)
     moe = layer.moe
-    gu = moe.proj[(0, False, "gate")]
+    gu, dn = moe.proj[(0, False, "gate")], moe.proj[(0, False, "down")]
 
-    def decode(T: int, popc: bool) -> list[tuple[str, tuple]]:
+    def decode(T: int, popc_on: bool) -> list[tuple[str, tuple, tuple]]:
         launched.clear()
-        moe.popc_decode = popc
+        moe.popc_decode = popc_on
         x, weights, index, scale = random_routing(spec, T, device="cpu", seed=T)
+        px = moe._x_pieces(0, T, x.device)
+        out = torch.zeros_like(x)
+        prepare_decode(x, index, weights, spec.num_experts, gu.wpad, out, pieces=px)
         pairs = group(index, weights, spec.num_experts)
         one = group(index[:, :1] * 0, weights[:, :1], 1) if shared else None
-        moe._decode(0, fragment_order(x, gu.wpad), pairs, torch.zeros_like(x), one)
+        moe._decode(0, fragment_order(x, gu.wpad), pairs, out, one, px)
         return list(launched)
 
-    names = [n for n, _ in decode(1, True)]
-    assert names == ["popc_planes", "gate_up_p1", "popc_planes", "down_p1"]
-    planes = [g for n, g in decode(1, True) if n == "popc_planes"]
-    assert planes[0] == (popc.pieces(gu.words), 1, kernels.POPC_SPLIT)  # x: 4096 columns
-    dn = moe.proj[(0, False, "down")]
+    plain = decode(1, False)
+    names = [n for n, _, _ in plain]
+    assert names == ["decode_prep", "gate_up_n1", "down_n1"]
+    one = decode(1, True)
+    assert [n for n, _, _ in one] == ["decode_prep", "gate_up_p1", "popc_planes", "down_p1"]
+    x_blocks = popc.pieces(gu.words) * kernels.POPC_SPLIT  # 768 columns: one piece
+    assert one[0][1] == (plain[0][1][0] + x_blocks,)
     rows_h = spec.top_k + (1 if shared else 0)  # routed pairs, then the shared expert's
-    assert planes[1] == (popc.pieces(dn.words), rows_h, kernels.POPC_SPLIT)
-    assert [n for n, _ in decode(1, False)] == ["gate_up_n1", "down_n1"]
-    assert [n for n, _ in decode(2, True)] == ["gate_up_n1", "down_n1"]
+    steps = max(popc.steps(moe.proj[(0, g, "down")].words) for g in {False, shared})
+    assert one[2][1:] == ((popc.pieces(dn.words), rows_h, kernels.POPC_SPLIT), (32 * steps,))
+    assert [n for n, _, _ in decode(2, True)] == ["decode_prep", "gate_up_n1", "down_n1"]
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -426,7 +435,7 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
                 _poison(layer.moe)
                 got[on] = layer.moe(0, x, weights, index, scale)
             torch.cuda.synchronize()
-            assert all(plan.popc for plan in layer.moe._launches.values())
+            assert all(layer.moe._popc_rows.values())
             for on, y in got.items():
                 err = float((y - want).norm() / want.norm())
                 case = f"{shape} width {width} outlier {outlier} popc {on}"
@@ -480,6 +489,66 @@ def test_decode_prep_matches_torch(T, k, E):
     assert torch.equal(got.expert[live], want.expert[live])
     assert torch.equal(xf, fragment_order(x, 8))
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def read_pieces(buf: torch.Tensor, words: int, row: int) -> tuple[np.ndarray, list, list]:
+    """Row `row`'s PopcX pieces (cuda/moe.cu) back to q a column, each k-step's ksum and each
+    piece's scale: plane k of word z of k-step i is bit c (column c of the word) of register
+    2 (z % 2) + k / 8 of lane 4 (k % 8) + z / 2; plane 15 weighs -2^15."""
+    n, size, head = popc.pieces(words), popc.PIECE_BYTES, popc.PIECE_STEPS * 32 * 16
+    raw = buf.cpu().numpy().view(np.uint8)[row * n * size : (row + 1) * n * size]
+    q, ksums, scales = np.zeros(32 * words, np.int64), [], []
+    weight = np.array([1 << k for k in range(15)] + [-(1 << 15)], np.int64)
+    for i, ws in enumerate(popc.step_words(words)):
+        pc, j = divmod(i, popc.PIECE_STEPS)
+        rec = raw[pc * size : (pc + 1) * size]
+        a = rec[:head].view(np.uint32).reshape(popc.PIECE_STEPS, 32, 4)
+        for z, w in enumerate(ws):
+            for k in range(16):
+                u = int(a[j, 4 * (k % 8) + z // 2, 2 * (z % 2) + k // 8])
+                bits = (u >> np.arange(32)) & 1
+                q[32 * w : 32 * w + 32] += bits * weight[k]
+        ksums.append(int(rec[head : head + 4 * popc.PIECE_STEPS].view(np.int32)[j]))
+        if j == 0:
+            scales.append(float(rec[head + 4 * popc.PIECE_STEPS :][:4].view(np.float32)[0]))
+    return q, ksums, scales
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1408, 4096, 9216])  # partial k-steps; one piece; two pieces
+def test_prep_launches_build_x_pieces_as_the_twin(H):
+    """x's pieces for the one-token kernels, built by decode_prep and by route_prep from
+    row-major x: every token's 16-bit planes, k-step sums and piece scales as the CPU twin
+    quantizes x (popc.quantize), bit for bit."""
+    T, E, k, words = 3, 8, 2, H // 32
+    spec = MoESpec(E, k, 64, H, "softmax_topk", True, 1.0, 0, False, "silu")
+    gen = torch.Generator(device="cuda").manual_seed(H)
+    x = torch.randn(T, H, generator=gen, device="cuda").half()
+    x[1, ::97] *= 100  # outliers: a piece's scale is its own
+    gw = (torch.randn(E, H, generator=gen, device="cuda") * 0.05).half()
+    weights, index = route(F.linear(x, gw), spec)
+    wpad = -(-words // 8) * 8
+    done = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for how in ("decode", "routed"):
+        poisoned = torch.full((T * popc.pieces(words) * popc.PIECE_BYTES,), 0xAB, device="cuda")
+        px = XPieces(poisoned.to(torch.uint8), words)
+        out = torch.empty(T, H, device="cuda")
+        if how == "decode":
+            prepare_decode(x, index, weights, E, wpad, out, pieces=px)
+        else:
+            prepare_routed(x, gw, None, spec, wpad, out, done, pieces=px)
+        for t in range(T):
+            q, ksums, scales = read_pieces(px.buf, words, t)
+            xs = x[t].float().cpu()
+            for pc, sx in enumerate(scales):
+                steps = popc.step_words(words)[pc * popc.PIECE_STEPS :][: popc.PIECE_STEPS]
+                cols = torch.tensor([32 * w + c for ws in steps for w in ws for c in range(32)])
+                want_q, want_sx = popc.quantize(xs[cols])
+                assert sx == pytest.approx(want_sx, rel=1e-6), (how, t, pc)
+                assert np.array_equal(q[cols.numpy()], want_q.numpy()), (how, t, pc)
+            for i, ws in enumerate(popc.step_words(words)):
+                cols = [32 * w + c for w in ws for c in range(32)]
+                assert ksums[i] == int(q[cols].sum()), (how, t, i)
 
 
 ROUTER_CASES = [  # experts, top-k, order, norm, scaling, shared gate, hidden, tokens
@@ -729,3 +798,21 @@ def test_balanced_split_evens_the_shared_experts_iterations():
     assert kernels.balanced_split(24, 2, 176, 4, 1) == 1  # shorter rows: never below 1
     assert kernels.balanced_split(4096, 4, 44, 4, 1) == 64  # 512 iterations, 2 a warp
     assert kernels.balanced_split(40, 4, 8, 4, 1) == 1  # 5 iterations: one a warp at least
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_one_token_kernels_by_default_where_a_token_reads_enough(monkeypatch, shared):
+    """popc_decode None (the default) takes the one-token kernels for a layer whose token reads
+    at least POPC_MIN_WEIGHTS expert weights (top-k routed experts' and the shared one's), and
+    never for two tokens; True and False force them on and off."""
+    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
+    reads = 2 * 3 * 768 * 4096 + (3 * 768 * 256 if shared else 0)  # hidden 768
+    for bar, on in ((reads, True), (reads + 1, False)):
+        monkeypatch.setattr(fused_moe, "POPC_MIN_WEIGHTS", bar)
+        moe = synthetic_layer(spec, device="cpu", seed=0).moe
+        assert moe._weights_a_token(0) == reads
+        assert (moe._x_pieces(0, 1, torch.device("cpu")) is not None) == on
+        assert moe._x_pieces(0, 2, torch.device("cpu")) is None
+        for forced in (True, False):
+            moe.popc_decode = forced
+            assert (moe._x_pieces(0, 1, torch.device("cpu")) is not None) == forced

@@ -233,7 +233,7 @@ class KernelRow:
     shape: str
     width: str
     tokens: int
-    path: str  # decode (graph-replayed kernels), popc (1 token: the binary tensor cores), prefill
+    path: str  # decode (graph-replayed, the launcher's kernels), popc / lookup (1 token), prefill
     time_us: float
     bytes_read: int
     gb_s: float
@@ -304,22 +304,24 @@ def active_bytes(layer: SyntheticLayer, index: torch.Tensor) -> tuple[int, int]:
 
 def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: float, seed: int):
     """One row per path that takes T tokens: decode (CUDA-graph replay: launch overhead out) up to
-    8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows), and at one token
-    `popc`: the binary tensor-core kernels, opt-in (FusedMoE.popc_decode), where rows allow."""
+    8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows). At one token
+    `decode` is the launcher's choice (FusedMoE.popc_decode None) and both one-token kernels get
+    a row of their own: `popc` (binary tensor cores) where rows allow, and `lookup`."""
     x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
     planes, fp16 = active_bytes(layer, index)
     tg = _event_time(GroupedFp16(layer, x, weights, index), 10)
     floor = fp16 / copy_bw
     rows, popc = [], layer.moe.popc_decode
-    for path in ("decode", "popc", "prefill"):
+    forced = {"decode": None, "popc": True, "lookup": False}
+    for path in ("decode", "popc", "lookup", "prefill"):
         if (path == "decode" and T > DECODE_MAX_TOKENS) or (path == "prefill" and T < 4):
             continue
-        if path == "popc" and T != 1:  # the opt-in one-token kernels (FusedMoE.popc_decode)
+        if path in ("popc", "lookup") and T != 1:  # the one-token kernels
             continue
 
         def call(path=path):
-            layer.moe.popc_decode = path == "popc"
-            kind = "decode" if path == "popc" else path
+            layer.moe.popc_decode = forced.get(path)
+            kind = "prefill" if path == "prefill" else "decode"
             return layer.moe(0, x, weights, index, scale, path=kind)
 
         t = _event_time(call, 5) if path == "prefill" else _graph_time(call)

@@ -101,6 +101,23 @@ def decode_buffers(
     return pairs, torch.empty(T, wpad, 32, dtype=torch.float16, device=device)
 
 
+@dataclass(frozen=True)
+class XPieces:
+    """Where a prep launch writes x's pieces for the one-token kernels (cuda/moe.cu `x_piece`):
+    a buffer of popc.pieces(words) pieces a token, words = the gate rows' words."""
+
+    buf: torch.Tensor
+    words: int
+
+    def prep_args(self, T: int) -> tuple[tuple, int]:
+        """The prep kernels' trailing arguments, and the blocks that build the pieces."""
+        blocks = popc.pieces(self.words) * T * kernels.POPC_SPLIT
+        return (np.int32(self.words), kernels.ptr(self.buf), np.int32(blocks)), blocks
+
+
+_NO_X_PIECES = ((np.int32(0), np.uint64(0), np.int32(0)), 0)
+
+
 def prepare_decode(
     x: torch.Tensor,
     index: torch.Tensor,
@@ -109,24 +126,27 @@ def prepare_decode(
     wpad: int,
     out: torch.Tensor,
     buffers: tuple[Pairs, torch.Tensor] | None = None,
+    pieces: XPieces | None = None,
 ) -> tuple[Pairs, torch.Tensor]:
     """One launch for what a decode call needs before its kernels: `group`'s pairs and slots (no
-    host sync), x in fragment order (`fragment_order(x, wpad)`), and `out` (float32) zeroed.
-    Into `buffers` (`decode_buffers`) when given, else into new ones."""
+    host sync), x in fragment order (`fragment_order(x, wpad)`), `out` (float32) zeroed and,
+    when given, x's `pieces`. Into `buffers` (`decode_buffers`) when given, else into new ones."""
     T, k = index.shape
     n, slots = T * k, min(num_experts, T * k)
     pairs, xf = buffers or decode_buffers(T, k, num_experts, wpad, index.device)
     idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
     xh = x.half().contiguous()
     blocks = 1 + min(64, -(-max(xf.numel(), out.numel()) // 1024))  # block 0 groups
+    px, px_blocks = pieces.prep_args(T) if pieces else _NO_X_PIECES
     p, i = kernels.ptr, np.int32
     kernels.launch(
         "decode_prep",
-        (blocks,),
-        (256,),
+        (blocks + px_blocks,),
+        (kernels.PREP_THREADS,),
         (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
-        + (p(xh), i(T), i(x.shape[1]), i(wpad), p(xf), p(out), i(out.numel())),
+        + (p(xh), i(T), i(x.shape[1]), i(wpad), p(xf), p(out), i(out.numel()))
+        + px,
         shared_mem=4 * num_experts,
     )
     return pairs, xf
@@ -186,11 +206,12 @@ def prepare_routed(
     done: torch.Tensor,
     buffers: tuple[Pairs, torch.Tensor] | None = None,
     routing: Routing | None = None,
+    pieces: XPieces | None = None,
 ) -> tuple[Pairs, torch.Tensor, Routing]:
     """`prepare_decode` with the router folded into its launch: logits (x @ gate_weight.T, fp16
     values), each token's top-k in the recipe's order, the shared expert's gate, then the pairs,
-    x in fragment order and `out` zeroed. x, gate weights: fp16 (`can_route`). `done`: an int32
-    counter, zero between launches (the kernel's last block resets it)."""
+    x in fragment order, `out` zeroed and x's `pieces`. x, gate weights: fp16 (`can_route`).
+    `done`: an int32 counter, zero between launches (the kernel's last block resets it)."""
     T, H = x.shape
     E, k = spec.num_experts, spec.top_k
     slots, shared = min(E, T * k), shared_gate_weight is not None
@@ -200,17 +221,19 @@ def prepare_routed(
     sgw = shared_gate_weight.reshape(-1).contiguous() if shared else None
     units = max(xf.numel(), out.numel())
     blocks = min(2 * kernels.sm_count(), max(-(-T * (E + shared) // 8), -(-units // 1024)))
+    px, px_blocks = pieces.prep_args(T) if pieces else _NO_X_PIECES
     p, i = kernels.ptr, np.int32
     kernels.launch(
         "route_prep",
-        (blocks,),
-        (256,),
+        (blocks + px_blocks,),
+        (kernels.PREP_THREADS,),
         (p(x), i(T), i(H), p(gw), i(E), np.uint64(sgw.data_ptr() if shared else 0), i(k))
         + (i(ROUTE_ORDERS[spec.order]), i(spec.norm_topk_prob), np.float32(spec.routed_scaling))
         + (p(routing.logits), p(done), p(routing.index), p(routing.weights))
         + (np.uint64(routing.scale.data_ptr() if shared else 0), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
-        + (i(wpad), p(xf), p(out), i(out.numel())),
+        + (i(wpad), p(xf), p(out), i(out.numel()))
+        + px,
         shared_mem=4 * E,
     )
     return pairs, xf, routing
@@ -328,6 +351,11 @@ def token_tiles(x: torch.Tensor, wpad: int, token: torch.Tensor, plan: TilePlan)
     return xt
 
 
+# The one-token kernels save ~15% of a layer's streaming and cost ~6 us more a call (x's pieces
+# in the prep launch, popc_planes for h): on the H200 they win on Mixtral (~352M expert weights
+# a token), lose on Qwen1.5-MoE (69M) and Qwen3-MoE (38M). docs/PERF.md, session 11.
+POPC_MIN_WEIGHTS = 128 << 20
+
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 
 
@@ -344,7 +372,6 @@ class DecodeLaunch:
     down_grid: tuple[int, int, int]
     down_routed: tuple
     down_shared: tuple
-    popc: bool  # the one-token kernels (gate_up_p1, down_p1) can read these rows
 
 
 class FusedMoE:
@@ -372,13 +399,20 @@ class FusedMoE:
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
         self._popc: dict[tuple, torch.Tensor] = {}
+        # layers whose rows the one-token kernels can read (16-byte plane loads: words % 4 == 0)
+        self._popc_rows = {
+            layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
+            for layer in self.block_ids
+        }
+        self._popc_pays = {
+            layer: self._weights_a_token(layer) >= POPC_MIN_WEIGHTS for layer in self.block_ids
+        }
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
-        # one-token decode calls on binary tensor cores (cuda/moe.cu gate_up_p1 / down_p1) where
-        # rows allow. Off until the full NVRTC GPU check has run on them: on the H200 a Mixtral
-        # layer takes 120 us against the lookup's 137, a Qwen3-MoE layer 34 against 29
-        # (nvcc build; docs/KERNELS.md, session 10)
-        self.popc_decode = False
+        # one-token decode calls on binary tensor cores (cuda/moe.cu gate_up_p1 / down_p1), where
+        # rows allow: True, False, or None (default): on the layers that read at least
+        # POPC_MIN_WEIGHTS expert weights a token (`_popc_pays`)
+        self.popc_decode: bool | None = None
 
     def __call__(
         self,
@@ -401,9 +435,10 @@ class FusedMoE:
             out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
             wpad = self.proj[(layer, False, "gate")].wpad
             buffers = self._buffers(T, index.shape[1], wpad, x.device)
-            pairs, xf = prepare_decode(x, index, weights, E, wpad, out, buffers)
+            px = self._x_pieces(layer, T, x.device)
+            pairs, xf = prepare_decode(x, index, weights, E, wpad, out, buffers, px)
             shared = all_tokens(T, shared_scale, E, x.device) if self.spec.has_shared else None
-            self._decode(layer, xf, pairs, out, shared)
+            self._decode(layer, xf, pairs, out, shared, px)
             return out
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
         pairs = group(index, weights, E)
@@ -435,9 +470,10 @@ class FusedMoE:
         routing = self._routing[(T, shared)]
         buffers = self._buffers(T, self.spec.top_k, wpad, x.device)
         args = (x, gate_weight, shared_gate_weight, self.spec, wpad, out, self._done)
-        pairs, xf, routing = prepare_routed(*args, buffers, routing)
+        px = self._x_pieces(layer, T, x.device)
+        pairs, xf, routing = prepare_routed(*args, buffers, routing, px)
         shared = all_tokens(T, routing.scale, E, x.device) if self.spec.has_shared else None
-        self._decode(layer, xf, pairs, out, shared)
+        self._decode(layer, xf, pairs, out, shared, px)
         return out, routing
 
     def _routed_torch(
@@ -502,12 +538,19 @@ class FusedMoE:
         return self._hp[key]
 
     def _decode(
-        self, layer: int, xf: torch.Tensor, pairs: Pairs, out: torch.Tensor, shared: Pairs | None
+        self,
+        layer: int,
+        xf: torch.Tensor,
+        pairs: Pairs,
+        out: torch.Tensor,
+        shared: Pairs | None,
+        px: XPieces | None = None,
     ):
         """<= 64 tokens, x already in fragment order (`prepare_decode`): one token pass, no host
         sync (graph-capturable). Each kernel covers the routed slots and, when there is one, the
         shared expert's slot in one launch (cuda/moe.cu ENTRY): the shared expert streams beside
-        the routed ones, its CTAs numbered through grid rows after the routed slots'."""
+        the routed ones, its CTAs numbered through grid rows after the routed slots'. With x's
+        pieces (`_x_pieces`, built by the prep launch) the one-token kernels run instead."""
         key = (layer, pairs.expert.numel(), shared is not None)
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key)
@@ -516,23 +559,20 @@ class FusedMoE:
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
-        one = xf.shape[0] == 1 and self.popc_decode and plan.popc
+        one = px is not None
         kind = "p1" if one else f"n{kernels.n_tiles(xf.shape[0])}"
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        px, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
-        if one:  # x's, then each pair's h's, 16-bit planes: once a call (cuda/moe.cu popc_planes)
-            gu = self.proj[(layer, False, "gate")]
+        xpx, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
+        if one:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
-            xp = self._pieces("x", xf.shape[0], gu.words, xf.device)
             hps = [
                 self._pieces(t, h.shape[0], d.words, xf.device)
                 for (t, _), h, d in zip(groups, hp, dn, strict=True)
             ]
-            self._planes([(xf, gu, xp)])
-            px, hpx = (ptr(xp),), (ptr(hps[0]), ptr(hps[-1]))
+            xpx, hpx = (ptr(px.buf),), (ptr(hps[0]), ptr(hps[-1]))
         gate_up = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
         kernels.launch(
-            f"gate_up_{kind}", plan.gate_up_grid, (32 * kernels.WARPS,), common + gate_up + px,
+            f"gate_up_{kind}", plan.gate_up_grid, (32 * kernels.WARPS,), common + gate_up + xpx,
             early=True,
         )  # fmt: skip
         if one:
@@ -545,6 +585,22 @@ class FusedMoE:
             early=True,  # stages while gate_up finishes; waits before it reads h
         )
 
+    def _weights_a_token(self, layer: int) -> int:
+        """Expert weights one token reads in `layer`: top-k routed experts and the shared one."""
+        count = {False: self.spec.top_k, True: 1}
+        return sum(
+            count[g] * p.rows * p.cols for (lay, g, _), p in self.proj.items() if lay == layer
+        )
+
+    def _x_pieces(self, layer: int, T: int, device: torch.device) -> XPieces | None:
+        """x's pieces when this call takes the one-token kernels (else None): one token, rows
+        they can read, and popc_decode set or (None) the layer large enough."""
+        on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
+        if T != 1 or not on or not self._popc_rows[layer]:
+            return None
+        words = self.proj[(layer, False, "gate")].words
+        return XPieces(self._pieces("x", T, words, device), words)
+
     def _pieces(self, what, rows: int, words: int, device: torch.device) -> torch.Tensor:
         """A reused buffer of `rows` rows of x pieces (cuda/moe.cu PopcX) for the one-token
         kernels: "x" (the tokens), or a group's h (False: routed, True: shared expert)."""
@@ -556,14 +612,15 @@ class FusedMoE:
 
     def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> None:
         """popc_planes over one or two groups of fragment-order fp16 rows: (the rows, their
-        projection, the pieces they become)."""
+        projection, the pieces they become). A warp a k-step of the longest piece."""
         (s0, p0, d0), (s1, p1, d1) = jobs[0], jobs[-1]
         i32, ptr = np.int32, kernels.ptr
         args = (ptr(s0), i32(p0.wpad), i32(p0.words), i32(s0.shape[0]), ptr(d0))
         args += (ptr(s1), i32(p1.wpad), i32(p1.words), ptr(d1))
         grid = (max(popc.pieces(p.words) for _, p, _ in jobs), sum(s.shape[0] for s, _, _ in jobs))
         grid += (kernels.POPC_SPLIT,)
-        kernels.launch("popc_planes", grid, (kernels.POPC_THREADS,), args, early=True)
+        steps = min(popc.PIECE_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
+        kernels.launch("popc_planes", grid, (32 * steps,), args, early=True)
 
     def _decode_launch(self, layer: int, n_routed: int, with_shared: bool) -> DecodeLaunch:
         """Grids and shape arguments of a decode call's two launches (cuda/moe.cu ENTRY): fixed
@@ -593,7 +650,6 @@ class FusedMoE:
             down_routed=down + (i32(units[0]), i32(n_routed)),
             down_shared=(i32(dn[-1].words), i32(dn[-1].wpad), i64(dn[-1].bits_nbytes))
             + (i32(dn[-1].rows_per_table), i32(units[-1]), i32(ctas[-1]), i32(split_t)),
-            popc=all(p.words % 4 == 0 for p in gu + dn),  # 16-byte plane loads
         )
 
     def _prefill(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):

@@ -19,7 +19,7 @@ from pwctl.errors import PwctlError
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
 WARPS = 4  # warps per decode CTA (cuda/moe.cu): they split a block's columns
 ROWS = 16  # block rows of one mma m-tile: a gate_up CTA's rows (of gate and of up)
-POPC_THREADS = 1024  # a popc_planes CTA: a warp per k-step of a piece
+PREP_THREADS = 256  # decode_prep / route_prep blocks (cuda/moe.cu PREP_THREADS)
 POPC_SPLIT = 8  # popc_planes CTAs a piece: one for each word of a k-step
 DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu ENTRY)
 PREFILL_TOKENS = 128  # tokens of one slot per prefill pass (cuda/moe.cu PF_TOKENS)
