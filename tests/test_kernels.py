@@ -597,22 +597,25 @@ def test_route_prep_matches_torch_router(E, k, order, norm, scaling, shared, H, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["qwen-moe", "qwen3-moe"])
-def test_routed_decode_matches_reference(shape):
+@pytest.mark.parametrize("T", [4, 1])
+def test_routed_decode_matches_reference(shape, T):
     """`FusedMoE.routed` (router folded into the decode launch) against the torch path on the
-    routing it chose, eager and replayed from a CUDA graph on new tokens."""
+    routing it chose, eager and replayed from a CUDA graph on new tokens. One token: on the
+    binary tensor-core kernels, x's pieces built by route_prep."""
     layer = synthetic_layer(SHAPES[shape], seed=3)
     layer.set_widths(np.full(layer.table.n_blocks, 3))
     spec, gen = layer.spec, torch.Generator(device="cuda").manual_seed(0)
     gw = (torch.randn(spec.num_experts, spec.hidden, generator=gen, device="cuda") * 0.05).half()
     sgw = torch.randn(1, spec.hidden, generator=gen, device="cuda").half() * 0.05
     sgw = sgw if spec.has_shared else None
-    x = torch.randn(4, spec.hidden, generator=gen, device="cuda").half()
+    x = torch.randn(T, spec.hidden, generator=gen, device="cuda").half()
+    layer.moe.popc_decode = T == 1
 
     def check(out: torch.Tensor, case: str) -> None:
-        r = layer.moe._routing[(4, sgw is not None)]
+        r = layer.moe._routing[(T, sgw is not None)]
         want = layer.moe(0, x, r.weights, r.index, r.scale, reference=True)
         err = float((out - want).norm() / want.norm())
-        assert err < 1e-3, f"{shape} {case}: relative error {err:.2e}"
+        assert err < 1e-3, f"{shape} T {T} {case}: relative error {err:.2e}"
 
     _poison(layer.moe)
     check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager")
@@ -625,7 +628,7 @@ def test_routed_decode_matches_reference(shape):
     with torch.cuda.graph(graph):
         out, _ = layer.moe.routed(0, x, gw, sgw)
     for seed in (1, 2):
-        x.copy_(torch.randn(4, spec.hidden, generator=gen, device="cuda").half())
+        x.copy_(torch.randn(T, spec.hidden, generator=gen, device="cuda").half())
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
