@@ -400,7 +400,7 @@ class FusedMoE:
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
         self._popc: dict[tuple, torch.Tensor] = {}
         # layers whose rows the one-token kernels can read (16-byte plane loads: words % 4 == 0)
-        self._popc_rows = {
+        self.popc_rows: dict[int, bool] = {
             layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
             for layer in self.block_ids
         }
@@ -596,7 +596,7 @@ class FusedMoE:
         """x's pieces when this call takes the one-token kernels (else None): one token, rows
         they can read, and popc_decode set or (None) the layer large enough."""
         on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
-        if T != 1 or not on or not self._popc_rows[layer]:
+        if T != 1 or not on or not self.popc_rows[layer]:
             return None
         words = self.proj[(layer, False, "gate")].words
         return XPieces(self._pieces("x", T, words, device), words)
