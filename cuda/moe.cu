@@ -868,7 +868,7 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
     __shared__ Stage st[2];
     __shared__ float red[WARPS * RED_TILES * 4 * 32];
     __shared__ float rows[2][ROWS];
-    wait_previous();  // slots from decode_prep, x's pieces from popc_planes
+    wait_previous();  // the slots and x's pieces come from the prep launch
     start_next();
     const Tile c = tile_of(s, ROWS, slot, tile);
     if (c.T <= 0) return;

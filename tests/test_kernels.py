@@ -531,7 +531,7 @@ def test_prep_launches_build_x_pieces_as_the_twin(H):
     done = torch.zeros(1, dtype=torch.int32, device="cuda")
     for how in ("decode", "routed"):
         poisoned = torch.full((T * popc.pieces(words) * popc.PIECE_BYTES,), 0xAB, device="cuda")
-        px = XPieces(poisoned.to(torch.uint8), words)
+        px = XPieces.over(poisoned.to(torch.uint8), words, T)
         out = torch.empty(T, H, device="cuda")
         if how == "decode":
             prepare_decode(x, index, weights, E, wpad, out, pieces=px)

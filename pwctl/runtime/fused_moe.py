@@ -103,19 +103,22 @@ def decode_buffers(
 
 @dataclass(frozen=True)
 class XPieces:
-    """Where a prep launch writes x's pieces for the one-token kernels (cuda/moe.cu `x_piece`):
-    a buffer of popc.pieces(words) pieces a token, words = the gate rows' words."""
+    """Where a prep launch writes T tokens' x pieces for the one-token kernels (cuda/moe.cu
+    `x_piece`): a buffer of popc.pieces(words) pieces a token, words = the gate rows' words.
+    Made once and reused: the prep kernels' arguments are fixed with it."""
 
-    buf: torch.Tensor
-    words: int
+    buf: torch.Tensor | None  # None: no pieces (`_NO_X_PIECES`)
+    args: tuple  # the prep kernels' trailing arguments: words, the buffer, `blocks`
+    blocks: int  # prep blocks that build the pieces (POPC_SPLIT a piece and token)
 
-    def prep_args(self, T: int) -> tuple[tuple, int]:
-        """The prep kernels' trailing arguments, and the blocks that build the pieces."""
-        blocks = popc.pieces(self.words) * T * kernels.POPC_SPLIT
-        return (np.int32(self.words), kernels.ptr(self.buf), np.int32(blocks)), blocks
+    @classmethod
+    def over(cls, buf: torch.Tensor, words: int, T: int) -> XPieces:
+        """Pieces of T tokens of `words` words into `buf`."""
+        blocks = popc.pieces(words) * T * kernels.POPC_SPLIT
+        return cls(buf, (np.int32(words), kernels.ptr(buf), np.int32(blocks)), blocks)
 
 
-_NO_X_PIECES = ((np.int32(0), np.uint64(0), np.int32(0)), 0)
+_NO_X_PIECES = XPieces(None, (np.int32(0), np.uint64(0), np.int32(0)), 0)
 
 
 def prepare_decode(
@@ -137,16 +140,16 @@ def prepare_decode(
     idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
     xh = x.half().contiguous()
     blocks = 1 + min(64, -(-max(xf.numel(), out.numel()) // 1024))  # block 0 groups
-    px, px_blocks = pieces.prep_args(T) if pieces else _NO_X_PIECES
+    px = pieces or _NO_X_PIECES
     p, i = kernels.ptr, np.int32
     kernels.launch(
         "decode_prep",
-        (blocks + px_blocks,),
+        (blocks + px.blocks,),
         (kernels.PREP_THREADS,),
         (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (p(xh), i(T), i(x.shape[1]), i(wpad), p(xf), p(out), i(out.numel()))
-        + px,
+        + px.args,
         shared_mem=4 * num_experts,
     )
     return pairs, xf
@@ -221,11 +224,11 @@ def prepare_routed(
     sgw = shared_gate_weight.reshape(-1).contiguous() if shared else None
     units = max(xf.numel(), out.numel())
     blocks = min(2 * kernels.sm_count(), max(-(-T * (E + shared) // 8), -(-units // 1024)))
-    px, px_blocks = pieces.prep_args(T) if pieces else _NO_X_PIECES
+    px = pieces or _NO_X_PIECES
     p, i = kernels.ptr, np.int32
     kernels.launch(
         "route_prep",
-        (blocks + px_blocks,),
+        (blocks + px.blocks,),
         (kernels.PREP_THREADS,),
         (p(x), i(T), i(H), p(gw), i(E), np.uint64(sgw.data_ptr() if shared else 0), i(k))
         + (i(ROUTE_ORDERS[spec.order]), i(spec.norm_topk_prob), np.float32(spec.routed_scaling))
@@ -233,7 +236,7 @@ def prepare_routed(
         + (np.uint64(routing.scale.data_ptr() if shared else 0), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (i(wpad), p(xf), p(out), i(out.numel()))
-        + px,
+        + px.args,
         shared_mem=4 * E,
     )
     return pairs, xf, routing
@@ -399,6 +402,7 @@ class FusedMoE:
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
         self._popc: dict[tuple, torch.Tensor] = {}
+        self._x_pieces_made: dict[tuple[int, int], XPieces] = {}
         # layers whose rows the one-token kernels can read (16-byte plane loads: words % 4 == 0)
         self.popc_rows: dict[int, bool] = {
             layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
@@ -599,9 +603,14 @@ class FusedMoE:
         if T != 1 or not on or not self.popc_rows[layer]:
             return None
         words = self.proj[(layer, False, "gate")].words
-        return XPieces(self._pieces("x", T, words, device), words)
+        if (T, words) not in self._x_pieces_made:
+            buf = self._pieces("x", T, words, device)
+            self._x_pieces_made[(T, words)] = XPieces.over(buf, words, T)
+        return self._x_pieces_made[(T, words)]
 
-    def _pieces(self, what, rows: int, words: int, device: torch.device) -> torch.Tensor:
+    def _pieces(
+        self, what: str | bool, rows: int, words: int, device: torch.device
+    ) -> torch.Tensor:
         """A reused buffer of `rows` rows of x pieces (cuda/moe.cu PopcX) for the one-token
         kernels: "x" (the tokens), or a group's h (False: routed, True: shared expert)."""
         key = (what, rows, words)
