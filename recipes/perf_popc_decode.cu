@@ -131,3 +131,190 @@ extern "C" __global__ void probe(const uint4* a, const uint2* b, int4* d) {
     mma_popc(acc, a[threadIdx.x], bb.x, bb.y);
     d[threadIdx.x] = make_int4(acc[0], acc[1], acc[2], acc[3]);
 }
+
+// ---- the same GEMV with every plane word a CTA needs copied into shared memory up front ----------
+// (cp.async.bulk, Hopper's bulk copy engine; one mbarrier per column half). A CTA takes 16 rows:
+// warp w reads 8-row group w % 2 over column half w / 2 of its k-split. Nothing streams through
+// registers: every byte the CTA reads is in flight from its first microseconds.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void bar_init(unsigned bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_expect(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bar_wait(unsigned bar, unsigned phase) {
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                     " selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+template <int B>
+__device__ void popc_tma(const uint4* __restrict__ planes, int R, int words,
+                         const uint4* __restrict__ xa, const float* __restrict__ coef,
+                         const float* __restrict__ sx, const float* __restrict__ sumxi,
+                         float* __restrict__ y) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bars[2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int grp = warp & 1, part = warp >> 1, r0 = blockIdx.x * 16;
+    const int quads = words / 4, chunks = words / 16;
+    const int per = (chunks + gridDim.y - 1) / gridDim.y;
+    const int c0 = blockIdx.y * per, c1 = min(chunks, c0 + per);
+    const int h0 = (c1 - c0 + 1) / 2;  // chunks of half 0; half 1 has the rest
+    const int stride = (h0 * 64 + 127) / 128 * 128 + 64;  // bytes a (half, plane, row): banks differ by row
+    const long long pstride = (long long)R * quads;
+    if (threadIdx.x == 0) {
+        bar_init(smem_addr(&bars[0]), 1);
+        bar_init(smem_addr(&bars[1]), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {
+        if (lane == 0) {
+            bar_expect(smem_addr(&bars[0]), 16 * B * h0 * 64);
+            bar_expect(smem_addr(&bars[1]), 16 * B * (c1 - c0 - h0) * 64);
+        }
+        __syncwarp();
+        for (int e = lane; e < 2 * B * 16; e += 32) {
+            const int h = e / (B * 16), p = e / 16 % B, r = e % 16;
+            const int n = h ? c1 - c0 - h0 : h0;
+            if (n > 0)
+                bulk_copy(smem_addr(smem + e * stride),
+                          planes + p * pstride + (long long)(r0 + r) * quads + 4 * (c0 + h * h0),
+                          n * 64, smem_addr(&bars[h]));
+        }
+    }
+    const int a0 = part ? c0 + h0 : c0, a1 = part ? c1 : c0 + h0;
+    int acc[1 << B][4] = {};
+    if (a1 > a0) bar_wait(smem_addr(&bars[part]), 0);
+    const unsigned char* mine = smem + (part * B * 16 + 8 * grp + g) * stride + 16 * t;
+    for (int c = a0; c < a1; ++c) {
+        uint4 q[B];
+        #pragma unroll
+        for (int p = 0; p < B; ++p) q[p] = *(const uint4*)(mine + p * 16 * stride + 64 * (c - a0));
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            unsigned lo[B], hi[B];
+            #pragma unroll
+            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+            const uint4 a = __ldg(xa + ((long long)c * 32 + lane) * 2 + s);
+            subset_mma<B, 1>(acc, a, lo, hi);
+        }
+    }
+    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
+    const int row = r0 + 8 * grp + 2 * t;
+    const float* cr = coef + (long long)row * 16;
+    double f0 = 0.0, f1 = 0.0;
+    #pragma unroll
+    for (int S = 1; S < (1 << B); ++S) {
+        f0 += (double)cr[S] * (double)(wg * acc[S][0] + w8 * acc[S][2]);
+        f1 += (double)cr[16 + S] * (double)(wg * acc[S][1] + w8 * acc[S][3]);
+    }
+    #pragma unroll
+    for (int m = 4; m < 32; m <<= 1) {
+        f0 += __shfl_xor_sync(0xffffffffu, f0, m);
+        f1 += __shfl_xor_sync(0xffffffffu, f1, m);
+    }
+    if (g == 0) {
+        const float e = blockIdx.y == 0 && part == 0 ? sumxi[0] : 0.f;  // the empty subset, once
+        atomicAdd(y + row, sx[0] * (float)(f0 + cr[0] * (double)e));
+        atomicAdd(y + row + 1, sx[0] * (float)(f1 + cr[16] * (double)e));
+    }
+}
+
+#define TMA(B, CTAS)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                      \
+    popc_tma##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef,       \
+                const float* sx, const float* sumxi, float* y) {                                 \
+        popc_tma<B>(planes, R, words, xa, coef, sx, sumxi, y);                                   \
+    }
+TMA(3, 4)
+TMA(4, 4)
+
+// The same, but a copy per (plane, 8-row group): 8 rows of a plane are contiguous (no k-split,
+// so each copy is 8 x words x 4 bytes). Warp w reads group w % 2 over column half w / 2.
+template <int B>
+__device__ void popc_tma_rows(const uint4* __restrict__ planes, int R, int words,
+                              const uint4* __restrict__ xa, const float* __restrict__ coef,
+                              const float* __restrict__ sx, const float* __restrict__ sumxi,
+                              float* __restrict__ y) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bars[2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int grp = warp & 1, part = warp >> 1, r0 = blockIdx.x * 16;
+    const int quads = words / 4, chunks = words / 16, bytes = 8 * words * 4;
+    const long long pstride = (long long)R * quads;
+    if (threadIdx.x == 0) {
+        bar_init(smem_addr(&bars[0]), 1);
+        bar_init(smem_addr(&bars[1]), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {
+        if (lane < 2) bar_expect(smem_addr(&bars[lane]), B * bytes);
+        __syncwarp();
+        if (lane < 2 * B) {  // lane: group lane % 2, plane lane / 2
+            const int h = lane & 1, p = lane >> 1;
+            bulk_copy(smem_addr(smem + (h * B + p) * bytes),
+                      planes + p * pstride + (long long)(r0 + 8 * h) * quads, bytes,
+                      smem_addr(&bars[h]));
+        }
+    }
+    const int a0 = part ? chunks / 2 : 0, a1 = part ? chunks : chunks / 2;
+    int acc[1 << B][4] = {};
+    bar_wait(smem_addr(&bars[grp]), 0);
+    const unsigned char* mine = smem + grp * B * bytes + g * words * 4 + 16 * t;
+    for (int c = a0; c < a1; ++c) {
+        uint4 q[B];
+        #pragma unroll
+        for (int p = 0; p < B; ++p) q[p] = *(const uint4*)(mine + p * bytes + 64 * c);
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            unsigned lo[B], hi[B];
+            #pragma unroll
+            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+            const uint4 a = __ldg(xa + ((long long)c * 32 + lane) * 2 + s);
+            subset_mma<B, 1>(acc, a, lo, hi);
+        }
+    }
+    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
+    const int row = r0 + 8 * grp + 2 * t;
+    const float* cr = coef + (long long)row * 16;
+    double f0 = 0.0, f1 = 0.0;
+    #pragma unroll
+    for (int S = 1; S < (1 << B); ++S) {
+        f0 += (double)cr[S] * (double)(wg * acc[S][0] + w8 * acc[S][2]);
+        f1 += (double)cr[16 + S] * (double)(wg * acc[S][1] + w8 * acc[S][3]);
+    }
+    #pragma unroll
+    for (int m = 4; m < 32; m <<= 1) {
+        f0 += __shfl_xor_sync(0xffffffffu, f0, m);
+        f1 += __shfl_xor_sync(0xffffffffu, f1, m);
+    }
+    if (g == 0) {
+        const float e = part == 0 ? sumxi[0] : 0.f;  // the empty subset, once
+        atomicAdd(y + row, sx[0] * (float)(f0 + cr[0] * (double)e));
+        atomicAdd(y + row + 1, sx[0] * (float)(f1 + cr[16] * (double)e));
+    }
+}
+
+#define TMA_ROWS(B, CTAS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                      \
+    popc_tma_rows##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef,  \
+                     const float* sx, const float* sumxi, float* y) {                            \
+        popc_tma_rows<B>(planes, R, words, xa, coef, sx, sumxi, y);                              \
+    }
+TMA_ROWS(3, 4)
+TMA_ROWS(4, 4)

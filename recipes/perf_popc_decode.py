@@ -5,11 +5,15 @@ Planes here are one flat array (no pages), tables are random sorted fp16 levels 
 N(0, 1) with 8 outlier channels x50. Prints the fragment-layout check, each shape's error against
 W x in fp64 (exact: against W (sx xi), the fixed-point x the kernel sees), and its time against
 copy bandwidth and cuBLAS's FP16 GEMV of the same W, all measured in this run.
-Usage (GPU machine): python3 recipes/perf_popc_decode.py"""
+At one token it also times two variants that copy a CTA's plane words into shared memory with
+Hopper's bulk copies (cp.async.bulk) before any mma: `tma`, a copy per (row, plane, column half),
+and `tma_rows`, a copy per (plane, 8-row group), the whole row (docs/PERF.md, session 12).
+Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick]   (quick: one token only)"""
 
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import cupy as cp
@@ -118,6 +122,7 @@ def run_shape(
     splits: int,
     persist: bool,
     copy_bw: float,
+    tma: str = "",
 ) -> list[str]:
     rng = np.random.default_rng(rows + cols + bits)
     words = cols // 32
@@ -135,15 +140,24 @@ def run_shape(
     xa = cp.asarray(np.stack([x_fragments(v) for v in xi]))
     sxd, sumd = cp.asarray(sx, dtype=cp.float32), cp.asarray(xi.sum(1), dtype=cp.float32)
     y = cp.zeros((tokens, rows), dtype=cp.float32)
-    kernel = mod.get_function(f"popc_gemv{bits}_{tokens}")
-    grid = (-(-rows // 32), splits)
+    kernel = mod.get_function(f"popc_{tma}{bits}" if tma else f"popc_gemv{bits}_{tokens}")
+    grid = (-(-rows // (16 if tma else 32)), splits)
+    smem = 0
+    if tma == "tma_rows":  # [group][plane][8 rows][words]
+        smem = bits * 16 * words * 4
+    elif tma:  # popc_tma's layout: [half][plane][16 rows] at a stride that spreads rows over banks
+        per = -(-(words // 16) // splits)
+        smem = 2 * bits * 16 * ((-(-per // 2) * 64 + 127) // 128 * 128 + 64)
+    if smem:
+        kernel.max_dynamic_shared_size_bytes = smem
     if persist:  # as many CTAs as fit at once (launch bounds in the .cu), the warps loop
         sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
         fit = {1: 4, 2: 3 if bits == 3 else 2}[tokens]
         grid = (min(grid[0], -(-sms * fit // splits)), splits)
 
     def launch(i: int) -> None:
-        kernel(grid, (128,), (planes[i], cp.int32(rows), cp.int32(words), xa, coef, sxd, sumd, y))
+        args = (planes[i], cp.int32(rows), cp.int32(words), xa, coef, sxd, sumd, y)
+        kernel(grid, (128,), args, shared_mem=smem)
 
     launch(0)
     # reference on the GPU in fp64: labels from the planes, then the table
@@ -193,10 +207,13 @@ def run_shape(
         f"{err:.1e}",
         f"{err_exact:.1e}",
     )
+    if tma:
+        cells = (f"{name} ({tma}, {smem >> 10} KB)",) + cells[1:]
     return [str(c) for c in cells]
 
 
 def main() -> None:
+    quick = sys.argv[1:] == ["quick"]  # one token, no persistent CTAs
     mod = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(), options=("-std=c++17",))
     print("fragment layout as assumed:", probe_layout(mod))
     copy_bw = copy_bandwidth()
@@ -208,11 +225,15 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, rows, cols, splits in SHAPES:
         for bits in (3, 4):
-            for tokens in (1, 2):
-                for k, persist in itertools.product(splits, (False, True)):
+            for tokens in (1,) if quick else (1, 2):
+                for k, persist in itertools.product(splits, (False,) if quick else (False, True)):
                     cells = run_shape(mod, name, rows, cols, bits, tokens, k, persist, copy_bw)
                     print("| " + " | ".join(cells) + " |", flush=True)
                     cp.get_default_memory_pool().free_all_blocks()
+            for k, kind in ((1, "tma"), (1, "tma_rows")):  # one token, bulk copies to shared memory
+                cells = run_shape(mod, name, rows, cols, bits, 1, k, False, copy_bw, tma=kind)
+                print("| " + " | ".join(cells) + " |", flush=True)
+                cp.get_default_memory_pool().free_all_blocks()
 
 
 if __name__ == "__main__":
