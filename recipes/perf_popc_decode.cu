@@ -37,8 +37,10 @@ __device__ __forceinline__ void subset_mma(int (&acc)[1 << B][4], const uint4& a
 // sx, sumxi: per token. A warp takes 8 rows and the chunks [c0, c1) (blockIdx.y of gridDim.y
 // k-splits); lane (g, t) loads words 16c + 4t .. + 3 of row g: one 16-byte load a plane. y: [T][R],
 // zeroed, the k-splits' sums added atomically. Warps loop over row groups (grid smaller than R / 32:
-// persistent CTAs).
-template <int B, int T>
+// persistent CTAs). MODE 1 (`popc_loads*`, a probe): the loads, no mma (the words are only
+// XORed into one accumulator); MODE 2 (`popc_mma*`): the mma on words made from the lane and
+// chunk, no plane loads; MODE 3 (`popc_one*`): one chunk in flight a warp, not two.
+template <int B, int T, int MODE = 0>
 __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int R, int words,
                           const uint4* __restrict__ xa, const float* __restrict__ coef,
                           const float* __restrict__ sx, const float* __restrict__ sumxi,
@@ -46,13 +48,17 @@ __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int quads = words / 4, chunks = words / 16;
     const int per = (chunks + gridDim.y - 1) / gridDim.y;
-    const int c0 = blockIdx.y * per, c1 = min(chunks, c0 + per);
+    const int c0 = blockIdx.y * per;
+    int c1 = min(chunks, c0 + per);
     const uint4* base = planes + (long long)(r0 + g) * quads + t;
     const long long pstride = (long long)R * quads;
     int acc[T][1 << B][4] = {};
     auto load = [&](uint4 (&q)[B], int c) {
         #pragma unroll
-        for (int p = 0; p < B; ++p) q[p] = c < c1 ? __ldg(base + p * pstride + 4 * c) : make_uint4(0, 0, 0, 0);
+        for (int p = 0; p < B; ++p) {
+            if (MODE == 2) q[p] = make_uint4(c * 0x9e3779b9u ^ p, lane * 0x85ebca6bu, c + lane, p - c);
+            else q[p] = c < c1 ? __ldg(base + p * pstride + 4 * c) : make_uint4(0, 0, 0, 0);
+        }
     };
     auto run = [&](const uint4 (&q)[B], int c) {
         u32 lo[B], hi[B];
@@ -63,11 +69,23 @@ __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int 
             #pragma unroll
             for (int k = 0; k < T; ++k) {
                 const uint4 a = __ldg(xa + (((long long)k * chunks + c) * 32 + lane) * 2 + s);
-                subset_mma<B, 1>(acc[k], a, lo, hi);
+                if (MODE == 1) {
+                    #pragma unroll
+                    for (int p = 0; p < B; ++p) acc[k][1][0] ^= lo[p] ^ hi[p] ^ a.x;
+                } else {
+                    subset_mma<B, 1>(acc[k], a, lo, hi);
+                }
             }
         }
     };
     uint4 q[B], n[B];
+    if (MODE == 3) {  // a chunk in flight a warp, loaded at the top of each (as gate_up_p1 does)
+        for (int c = c0; c < c1; ++c) {
+            load(q, c);
+            run(q, c);
+        }
+        c1 = c0;  // skips the loop below
+    }
     load(q, c0);
     for (int c = c0; c < c1; c += 2) {  // two chunks an iteration: no register copies
         load(n, c + 1);
@@ -102,14 +120,14 @@ __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int 
     }
 }
 
-template <int B, int T>
+template <int B, int T, int MODE = 0>
 __device__ void popc_gemv(const uint4* __restrict__ planes, int R, int words,
                           const uint4* __restrict__ xa, const float* __restrict__ coef,
                           const float* __restrict__ sx, const float* __restrict__ sumxi,
                           float* __restrict__ y) {
     const int warps = gridDim.x * (blockDim.x >> 5);
     for (int rg = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); rg * 8 < R; rg += warps)
-        popc_rows<B, T>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
+        popc_rows<B, T, MODE>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
 }
 
 #define GEMV(B, T, CTAS)                                                                         \
@@ -120,6 +138,15 @@ __device__ void popc_gemv(const uint4* __restrict__ planes, int R, int words,
     }
 GEMV(3, 1, 4)
 GEMV(4, 1, 4)
+#define PROBE(NAME, B, MODE)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128, 4)                                          \
+    NAME##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef,            \
+            const float* sx, const float* sumxi, float* y) {                                      \
+        popc_gemv<B, 1, MODE>(planes, R, words, xa, coef, sx, sumxi, y);                          \
+    }
+PROBE(popc_loads, 4, 1)
+PROBE(popc_mma, 4, 2)
+PROBE(popc_one, 4, 3)
 GEMV(3, 2, 3)
 GEMV(4, 2, 2)
 

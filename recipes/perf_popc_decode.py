@@ -8,7 +8,8 @@ copy bandwidth and cuBLAS's FP16 GEMV of the same W, all measured in this run.
 At one token it also times two variants that copy a CTA's plane words into shared memory with
 Hopper's bulk copies (cp.async.bulk) before any mma: `tma`, a copy per (row, plane, column half),
 and `tma_rows`, a copy per (plane, 8-row group), the whole row (docs/PERF.md, session 12).
-Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick]   (quick: one token only)"""
+Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick | probes]
+(quick: one token only; probes: `probes` below)"""
 
 from __future__ import annotations
 
@@ -123,6 +124,8 @@ def run_shape(
     persist: bool,
     copy_bw: float,
     tma: str = "",
+    probe: str = "",
+    pad_smem: int = 0,
 ) -> list[str]:
     rng = np.random.default_rng(rows + cols + bits)
     words = cols // 32
@@ -140,7 +143,9 @@ def run_shape(
     xa = cp.asarray(np.stack([x_fragments(v) for v in xi]))
     sxd, sumd = cp.asarray(sx, dtype=cp.float32), cp.asarray(xi.sum(1), dtype=cp.float32)
     y = cp.zeros((tokens, rows), dtype=cp.float32)
-    kernel = mod.get_function(f"popc_{tma}{bits}" if tma else f"popc_gemv{bits}_{tokens}")
+    kernel = mod.get_function(
+        f"{probe}{bits}" if probe else f"popc_{tma}{bits}" if tma else f"popc_gemv{bits}_{tokens}"
+    )
     grid = (-(-rows // (16 if tma else 32)), splits)
     smem = 0
     if tma == "tma_rows":  # [group][plane][8 rows][words]
@@ -148,6 +153,7 @@ def run_shape(
     elif tma:  # popc_tma's layout: [half][plane][16 rows] at a stride that spreads rows over banks
         per = -(-(words // 16) // splits)
         smem = 2 * bits * 16 * ((-(-per // 2) * 64 + 127) // 128 * 128 + 64)
+    smem = max(smem, pad_smem)  # pad_smem: fewer CTAs an SM, whatever the registers allow
     if smem:
         kernel.max_dynamic_shared_size_bytes = smem
     if persist:  # as many CTAs as fit at once (launch bounds in the .cu), the warps loop
@@ -207,9 +213,22 @@ def run_shape(
         f"{err:.1e}",
         f"{err_exact:.1e}",
     )
-    if tma:
-        cells = (f"{name} ({tma}, {smem >> 10} KB)",) + cells[1:]
+    if tma or probe:
+        cells = (f"{name} ({tma or probe}, {smem >> 10} KB)",) + cells[1:]
     return [str(c) for c in cells]
+
+
+def probes(mod, copy_bw: float) -> None:
+    """What bounds the bare kernel: one chunk in flight a warp instead of two (`popc_one`), its
+    loads without the mma (`popc_loads`), the mma without the loads (`popc_mma`), each at the
+    occupancy its registers allow, and the loads at the GEMV's 4 CTAs an SM (shared memory padded
+    to 52 KB a CTA). Probes compute no result: their errors mean nothing."""
+    name, rows, cols, _ = SHAPES[0]
+    runs = (("", 0), ("popc_one", 0), ("popc_loads", 0), ("popc_loads", 52 << 10), ("popc_mma", 0))
+    for probe, pad in runs:
+        cells = run_shape(mod, name, rows, cols, 4, 1, 1, False, copy_bw, probe=probe, pad_smem=pad)
+        print("| " + " | ".join(cells) + " |", flush=True)
+        cp.get_default_memory_pool().free_all_blocks()
 
 
 def main() -> None:
@@ -223,6 +242,9 @@ def main() -> None:
         "cuBLAS FP16 us | x cuBLAS | rel err vs W x | vs W (sx xi) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    if sys.argv[1:] == ["probes"]:
+        probes(mod, copy_bw)
+        return
     for name, rows, cols, splits in SHAPES:
         for bits in (3, 4):
             for tokens in (1,) if quick else (1, 2):
