@@ -39,7 +39,8 @@ __device__ __forceinline__ void subset_mma(int (&acc)[1 << B][4], const uint4& a
 // zeroed, the k-splits' sums added atomically. Warps loop over row groups (grid smaller than R / 32:
 // persistent CTAs). MODE 1 (`popc_loads*`, a probe): the loads, no mma (the words are only
 // XORed into one accumulator); MODE 2 (`popc_mma*`): the mma on words made from the lane and
-// chunk, no plane loads; MODE 3 (`popc_one*`): one chunk in flight a warp, not two.
+// chunk, no plane loads; MODE 3 (`popc_one*`): one chunk in flight a warp, not two; MODE 4
+// (`popc_planes_only*`): the plane loads only, not even x's fragments.
 template <int B, int T, int MODE = 0>
 __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int R, int words,
                           const uint4* __restrict__ xa, const float* __restrict__ coef,
@@ -69,9 +70,9 @@ __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int 
             #pragma unroll
             for (int k = 0; k < T; ++k) {
                 const uint4 a = __ldg(xa + (((long long)k * chunks + c) * 32 + lane) * 2 + s);
-                if (MODE == 1) {
+                if (MODE == 1 || MODE == 4) {
                     #pragma unroll
-                    for (int p = 0; p < B; ++p) acc[k][1][0] ^= lo[p] ^ hi[p] ^ a.x;
+                    for (int p = 0; p < B; ++p) acc[k][1][0] ^= lo[p] ^ hi[p] ^ (MODE == 1 ? a.x : 0u);
                 } else {
                     subset_mma<B, 1>(acc[k], a, lo, hi);
                 }
@@ -147,6 +148,33 @@ GEMV(4, 1, 4)
 PROBE(popc_loads, 4, 1)
 PROBE(popc_mma, 4, 2)
 PROBE(popc_one, 4, 3)
+PROBE(popc_planes_only, 4, 4)
+
+// The plane loads only, as session 9's streaming kernel issues them: 16 rows a warp (rows g and
+// g + 8 of lane (g, t)), a chunk of both rows and every plane in flight (4 KB a warp).
+extern "C" __global__ void __launch_bounds__(128, 4) popc_loads16_4(
+    const uint4* planes, int R, int words, const uint4* xa, const float* coef, const float* sx,
+    const float* sumxi, float* y) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * 16;
+    if (r0 >= R) return;
+    const int quads = words / 4, chunks = words / 16;
+    const uint4* base = planes + (long long)(r0 + g) * quads + t;
+    const long long pstride = (long long)R * quads;
+    unsigned acc = 0;
+    for (int c = 0; c < chunks; ++c) {
+        uint4 v[4][2];
+        #pragma unroll
+        for (int p = 0; p < 4; ++p)
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) v[p][r] = __ldg(base + p * pstride + 8 * r * quads + 4 * c);
+        #pragma unroll
+        for (int p = 0; p < 4; ++p)
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) acc ^= v[p][r].x ^ v[p][r].y ^ v[p][r].z ^ v[p][r].w;
+    }
+    y[r0 + lane % 16] = (float)acc;
+}
 GEMV(3, 2, 3)
 GEMV(4, 2, 2)
 

@@ -146,7 +146,7 @@ def run_shape(
     kernel = mod.get_function(
         f"{probe}{bits}" if probe else f"popc_{tma}{bits}" if tma else f"popc_gemv{bits}_{tokens}"
     )
-    grid = (-(-rows // (16 if tma else 32)), splits)
+    grid = (-(-rows // (16 if tma else 64 if probe == "popc_loads16_" else 32)), splits)
     smem = 0
     if tma == "tma_rows":  # [group][plane][8 rows][words]
         smem = bits * 16 * words * 4
@@ -220,11 +220,20 @@ def run_shape(
 
 def probes(mod, copy_bw: float) -> None:
     """What bounds the bare kernel: one chunk in flight a warp instead of two (`popc_one`), its
-    loads without the mma (`popc_loads`), the mma without the loads (`popc_mma`), each at the
-    occupancy its registers allow, and the loads at the GEMV's 4 CTAs an SM (shared memory padded
-    to 52 KB a CTA). Probes compute no result: their errors mean nothing."""
+    loads without the mma (`popc_loads`; `popc_planes_only`: not even x's fragments), the same
+    plane loads 16 rows a warp (`popc_loads16_`), the mma without the loads (`popc_mma`), at the
+    occupancy their registers allow or at the GEMV's 4 CTAs an SM (shared memory padded to 52 KB a
+    CTA). Probes compute no result: their errors mean nothing."""
     name, rows, cols, _ = SHAPES[0]
-    runs = (("", 0), ("popc_one", 0), ("popc_loads", 0), ("popc_loads", 52 << 10), ("popc_mma", 0))
+    runs = (
+        ("", 0),
+        ("popc_one", 0),
+        ("popc_loads", 0),
+        ("popc_loads", 52 << 10),
+        ("popc_planes_only", 52 << 10),
+        ("popc_loads16_", 52 << 10),
+        ("popc_mma", 0),
+    )
     for probe, pad in runs:
         cells = run_shape(mod, name, rows, cols, 4, 1, 1, False, copy_bw, probe=probe, pad_smem=pad)
         print("| " + " | ".join(cells) + " |", flush=True)
