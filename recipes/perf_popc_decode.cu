@@ -41,7 +41,7 @@ __device__ __forceinline__ void subset_mma(int (&acc)[1 << B][4], const uint4& a
 // XORed into one accumulator); MODE 2 (`popc_mma*`): the mma on words made from the lane and
 // chunk, no plane loads; MODE 3 (`popc_one*`): one chunk in flight a warp, not two; MODE 4
 // (`popc_planes_only*`): the plane loads only, not even x's fragments.
-template <int B, int T, int MODE = 0>
+template <int B, int T, int MODE = 0, bool ROT = false>
 __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int R, int words,
                           const uint4* __restrict__ xa, const float* __restrict__ coef,
                           const float* __restrict__ sx, const float* __restrict__ sumxi,
@@ -54,14 +54,20 @@ __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int 
     const uint4* base = planes + (long long)(r0 + g) * quads + t;
     const long long pstride = (long long)R * quads;
     int acc[T][1 << B][4] = {};
-    auto load = [&](uint4 (&q)[B], int c) {
+    // ROT: warp (row group) i walks its chunks from chunk i % n on, so that at any moment the
+    // warps of the GPU read different offsets of their rows (otherwise all read offset 64 c)
+    const int n_c = max(1, c1 - c0), rot = ROT ? (r0 >> 3) % n_c : 0;
+    auto at = [&](int c) { return ROT ? c0 + (c - c0 + rot) % n_c : c; };
+    auto load = [&](uint4 (&q)[B], int c_) {
+        const int c = at(c_);
         #pragma unroll
         for (int p = 0; p < B; ++p) {
             if (MODE == 2) q[p] = make_uint4(c * 0x9e3779b9u ^ p, lane * 0x85ebca6bu, c + lane, p - c);
-            else q[p] = c < c1 ? __ldg(base + p * pstride + 4 * c) : make_uint4(0, 0, 0, 0);
+            else q[p] = c_ < c1 ? __ldg(base + p * pstride + 4 * c) : make_uint4(0, 0, 0, 0);
         }
     };
-    auto run = [&](const uint4 (&q)[B], int c) {
+    auto run = [&](const uint4 (&q)[B], int c_) {
+        const int c = at(c_);
         u32 lo[B], hi[B];
         #pragma unroll
         for (int s = 0; s < 2; ++s) {
@@ -121,14 +127,14 @@ __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int 
     }
 }
 
-template <int B, int T, int MODE = 0>
+template <int B, int T, int MODE = 0, bool ROT = false>
 __device__ void popc_gemv(const uint4* __restrict__ planes, int R, int words,
                           const uint4* __restrict__ xa, const float* __restrict__ coef,
                           const float* __restrict__ sx, const float* __restrict__ sumxi,
                           float* __restrict__ y) {
     const int warps = gridDim.x * (blockDim.x >> 5);
     for (int rg = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); rg * 8 < R; rg += warps)
-        popc_rows<B, T, MODE>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
+        popc_rows<B, T, MODE, ROT>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
 }
 
 #define GEMV(B, T, CTAS)                                                                         \
@@ -139,16 +145,18 @@ __device__ void popc_gemv(const uint4* __restrict__ planes, int R, int words,
     }
 GEMV(3, 1, 4)
 GEMV(4, 1, 4)
-#define PROBE(NAME, B, MODE)                                                                      \
+#define PROBE(NAME, B, MODE, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(128, 4)                                          \
     NAME##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef,            \
             const float* sx, const float* sumxi, float* y) {                                      \
-        popc_gemv<B, 1, MODE>(planes, R, words, xa, coef, sx, sumxi, y);                          \
+        popc_gemv<B, 1, MODE __VA_ARGS__>(planes, R, words, xa, coef, sx, sumxi, y);              \
     }
 PROBE(popc_loads, 4, 1)
 PROBE(popc_mma, 4, 2)
 PROBE(popc_one, 4, 3)
 PROBE(popc_planes_only, 4, 4)
+PROBE(popc_rot, 4, 0, , true)  // the GEMV, chunks walked from a per-warp offset (ROT)
+PROBE(popc_planes_rot, 4, 4, , true)
 
 // The plane loads only, as session 9's streaming kernel issues them: 16 rows a warp (rows g and
 // g + 8 of lane (g, t)), a chunk of both rows and every plane in flight (4 KB a warp).

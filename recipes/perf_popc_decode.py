@@ -223,7 +223,8 @@ def probes(mod, copy_bw: float) -> None:
     loads without the mma (`popc_loads`; `popc_planes_only`: not even x's fragments), the same
     plane loads 16 rows a warp (`popc_loads16_`), the mma without the loads (`popc_mma`), at the
     occupancy their registers allow or at the GEMV's 4 CTAs an SM (shared memory padded to 52 KB a
-    CTA). Probes compute no result: their errors mean nothing."""
+    CTA), and the GEMV and its plane loads with each warp starting at its own chunk (`*_rot`).
+    Probes compute no result: their errors mean nothing."""
     name, rows, cols, _ = SHAPES[0]
     runs = (
         ("", 0),
@@ -232,6 +233,8 @@ def probes(mod, copy_bw: float) -> None:
         ("popc_loads", 52 << 10),
         ("popc_planes_only", 52 << 10),
         ("popc_loads16_", 52 << 10),
+        ("popc_rot", 0),
+        ("popc_planes_rot", 52 << 10),
         ("popc_mma", 0),
     )
     for probe, pad in runs:
