@@ -157,6 +157,16 @@ PROBE(popc_one, 4, 3)
 PROBE(popc_planes_only, 4, 4)
 PROBE(popc_rot, 4, 0, , true)  // the GEMV, chunks walked from a per-warp offset (ROT)
 PROBE(popc_planes_rot, 4, 4, , true)
+// 3 bits at 5 and 6 CTAs an SM (the 4-bit build's registers allow 4): does occupancy lift it?
+#define GEMV_AT(B, CTAS)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128, CTAS)                                      \
+    popc_at##CTAS##_##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef, \
+                        const float* sx, const float* sumxi, float* y) {                         \
+        popc_gemv<B, 1>(planes, R, words, xa, coef, sx, sumxi, y);                               \
+    }
+GEMV_AT(3, 4)
+GEMV_AT(3, 5)
+GEMV_AT(3, 6)
 
 // The plane loads only, as session 9's streaming kernel issues them: 16 rows a warp (rows g and
 // g + 8 of lane (g, t)), a chunk of both rows and every plane in flight (4 KB a warp).

@@ -223,9 +223,14 @@ def probes(mod, copy_bw: float) -> None:
     loads without the mma (`popc_loads`; `popc_planes_only`: not even x's fragments), the same
     plane loads 16 rows a warp (`popc_loads16_`), the mma without the loads (`popc_mma`), at the
     occupancy their registers allow or at the GEMV's 4 CTAs an SM (shared memory padded to 52 KB a
-    CTA), and the GEMV and its plane loads with each warp starting at its own chunk (`*_rot`).
+    CTA), the GEMV and its plane loads with each warp starting at its own chunk (`*_rot`), and
+    the 3-bit GEMV held to 4, 5 and 6 CTAs an SM (`popc_at*`).
     Probes compute no result: their errors mean nothing."""
     name, rows, cols, _ = SHAPES[0]
+    # 3 bits at 4, 5, 6 CTAs an SM (shared memory padding holds the first two there)
+    for probe, pad in (("popc_at4_", 52 << 10), ("popc_at5_", 44 << 10), ("popc_at6_", 0)):
+        cells = run_shape(mod, name, rows, cols, 3, 1, 1, False, copy_bw, probe=probe, pad_smem=pad)
+        print("| " + " | ".join(cells) + " |", flush=True)
     runs = (
         ("", 0),
         ("popc_one", 0),
