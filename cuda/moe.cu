@@ -819,7 +819,8 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][4], const unsigned shor
     }
 }
 
-// Run-time width -> template: one piece of one 8-row group.
+// Run-time width -> template: one piece of one 8-row group (B <= MAXB).
+template <int MAXB>
 __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const unsigned short (*tbl)[MAX_TABLE],
                                            int words, int k0, int k1, int base, int part,
                                            int parts, const PopcX* px, double (&f)[2]) {
@@ -827,8 +828,10 @@ __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const unsign
     switch (B) {
 #define POPC_CASE(W)                                                                              \
     case W:                                                                                       \
-        popc_rows<W>(rp, words, k0, k1, base, part, parts, px, acc);                              \
-        popc_fold<W>(acc, tbl, px, k0 - base, k1 - base, part == 0, f);                           \
+        if constexpr (W <= MAXB) {                                                                \
+            popc_rows<W>(rp, words, k0, k1, base, part, parts, px, acc);                          \
+            popc_fold<W>(acc, tbl, px, k0 - base, k1 - base, part == 0, f);                       \
+        }                                                                                         \
         break;
         POPC_CASE(1) POPC_CASE(2) POPC_CASE(3) POPC_CASE(4)
 #undef POPC_CASE
@@ -860,8 +863,12 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
 }
 
 // gate_up for one-token slots: the CTA's 16 rows of gate and up, then h as `gate_up` stores it.
-// px: x's pieces (popc_planes), a row per token. Blocks wider than 4 bits take `mma_block` (the
-// lookup) on the fragment-order x.
+// px: x's pieces (popc_planes), a row per token. Blocks wider than MAXB bits take `mma_block` (the
+// lookup) on the fragment-order x. MAXB = 4: `gate_up_p1`; MAXB = 3: `gate_up_p1b3`, whose
+// accumulators take half the registers, so that 5 CTAs an SM fit instead of 4 (the launcher takes
+// it when no block of the layer is wider than 3 bits: more warps an SM are more loads in flight,
+// which is what bounds these kernels, docs/PERF.md session 12).
+template <int MAXB>
 __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
                              i64 bits_nbytes, int rpt, const PopcX* px) {
@@ -886,10 +893,10 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
         #pragma unroll 1
         for (int m = 0; m < 2; ++m) {
             const int B = m ? wu : wg;
-            if (B <= 4) {
+            if (B <= MAXB) {
                 double f[2] = {};
                 for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                    popc_piece(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8, st[m].tbl + 8 * grp,
+                    popc_piece<MAXB>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8, st[m].tbl + 8 * grp,
                                words_in, k0, min(ks, k0 + POPC_STEPS), k0, part, 2, x + i, f);
                 popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
             } else {  // the lookup: token 0 of n-tile 0 is fragment register w of lanes 4i
@@ -909,7 +916,8 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
 
 // down for one-token slots: `units` m-tiles of 16 rows (8-row groups over the warps, which
 // split the columns when there are fewer groups than warps), columns split kn ways (this CTA:
-// kz). hpx: h's pieces (popc_planes), a row per pair.
+// kz). hpx: h's pieces (popc_planes), a row per pair. Blocks wider than MAXB: the lookup.
+template <int MAXB>
 __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, const uint4* hp,
                           float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
                           int units, const PopcX* hpx) {
@@ -923,7 +931,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     int wd;
     const bool flat = stage_down(g, s, e, bits_nbytes, words_in, rpt, c.row0, units, H, st, wd);
     const int nrows = ROWS * units;
-    if (wd <= 4) {
+    if (wd <= MAXB) {
         const int groups = 2 * units, parts = WARPS / groups;
         const int grp = warp % groups, part = warp / groups, unit = grp >> 1;
         const RowPtr* rp = st[unit].ptr + (8 * (grp & 1) + (lane >> 2)) * 8;
@@ -936,7 +944,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         if (c.row0 + ROWS * unit < H)
             for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
                 const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
-                popc_piece(wd, rp, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1, i * POPC_STEPS,
+                popc_piece<MAXB>(wd, rp, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1, i * POPC_STEPS,
                            part, parts, x + i, f);
                 k0 = k1;
             }
@@ -1574,7 +1582,9 @@ ENTRY(2, __launch_bounds__(32 * WARPS, 5))
 ENTRY(4, __launch_bounds__(32 * WARPS, 5))
 ENTRY(8, __launch_bounds__(32 * WARPS, 4))
 // one-token calls (the binary tensor-core kernels)
-ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), gate_up_popc, down_popc)  // 128 registers
+ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), gate_up_popc<4>, down_popc<4>)  // 128 registers
+// up to 3 bits: 96 registers, 5 CTAs an SM (at 6, 80 registers and spills: slower on Mixtral)
+ENTRY_AS(p1b3, __launch_bounds__(32 * WARPS, 5), gate_up_popc<3>, down_popc<3>)
 
 extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) gate_up_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in, int wpad_in,

@@ -286,8 +286,9 @@ def test_popc_twin_matches_lookup(B, cols):
 def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     """The launcher's choice, on the CPU with launches recorded: one token with popc_decode set
     gives x's pieces to the prep launch (8 more blocks a piece) and takes gate_up_p1,
-    popc_planes (h of both groups: a warp a k-step of the longest piece), down_p1; two tokens,
-    or the flag off, no pieces and the lookup kernels."""
+    popc_planes (h of both groups: a warp a k-step of the longest piece), down_p1, or their
+    3-bit builds when no block of the layer is wider than 3 bits; two tokens, or the flag off,
+    no pieces and the lookup kernels."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch", record)
@@ -312,8 +313,15 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     plain = decode(1, False)
     names = [n for n, _, _ in plain]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
     one = decode(1, True)
     assert [n for n, _, _ in one] == ["decode_prep", "gate_up_p1", "popc_planes", "down_p1"]
+    widths = np.full(layer.table.n_blocks, 3)  # no block wider than 3 bits: the 6-CTA build
+    widths[moe._layer_blocks[0][-1]] = 2
+    layer.set_widths(widths)
+    names = [n for n, _, _ in decode(1, True)]
+    assert names == ["decode_prep", "gate_up_p1b3", "popc_planes", "down_p1b3"]
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
     x_blocks = popc.pieces(gu.words) * kernels.POPC_SPLIT  # 768 columns: one piece
     assert one[0][1] == (plain[0][1][0] + x_blocks,)
     rows_h = spec.top_k + (1 if shared else 0)  # routed pairs, then the shared expert's
@@ -414,9 +422,11 @@ def test_kernels_match_reference(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_token_kernels_match_reference_and_lookup(shape):
-    """One-token calls on the binary tensor-core kernels (gate_up_p1 / down_p1, opt-in) and on
-    the lookup ones, every real shape: against the reference at every width, mixed widths, and
-    with outlier channels in x (x is 16-bit fixed point there)."""
+    """One-token calls on the binary tensor-core kernels (gate_up_p1 / down_p1, and the p1b3
+    builds the launcher takes up to 3 bits) and on the lookup ones, every real shape: against the
+    reference at every width, mixed widths, and with outlier channels in x (x is 16-bit fixed
+    point there). p1b3 also runs on layers with wider blocks (a graph captured before the pager
+    widened them), which its lookup path reads."""
     layer = synthetic_layer(SHAPES[shape], seed=3)
     t = layer.table
     rng = np.random.default_rng(3)
@@ -434,6 +444,12 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
                 layer.moe.popc_decode = on
                 _poison(layer.moe)
                 got[on] = layer.moe(0, x, weights, index, scale)
+            if width in ("4", "mixed"):  # the 3-bit build on blocks up to 5 bits: their lookup
+                layer.moe.popc_decode = True
+                layer.moe._popc_kind = lambda layer_: "p1b3"
+                _poison(layer.moe)
+                got["p1b3"] = layer.moe(0, x, weights, index, scale)
+                del layer.moe._popc_kind
             torch.cuda.synchronize()
             assert all(layer.moe.popc_rows.values())
             for on, y in got.items():

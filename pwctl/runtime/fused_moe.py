@@ -385,10 +385,12 @@ class FusedMoE:
         self.spec, self.dt = spec, dt
         experts = spec.num_experts + (1 if spec.has_shared else 0)
         self.block_ids: dict[int, torch.Tensor] = {}
+        self._layer_blocks: dict[int, np.ndarray] = {}  # host copy: the widths' page-table rows
         self.proj: dict[tuple[int, bool, str], Proj] = {}
         for layer in sorted({key[0] for key in index}):
             ids = [[index[(layer, e, p)] for p in ("gate", "up", "down")] for e in range(experts)]
             self.block_ids[layer] = torch.tensor(ids, dtype=torch.int32, device=dt.device)
+            self._layer_blocks[layer] = np.array(ids, dtype=np.int64).ravel()
             for e, shared in ((0, False), (spec.num_experts, True)):
                 if (layer, e, "gate") not in index:
                     continue
@@ -564,7 +566,7 @@ class FusedMoE:
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
         one = px is not None
-        kind = "p1" if one else f"n{kernels.n_tiles(xf.shape[0])}"
+        kind = self._popc_kind(layer) if one else f"n{kernels.n_tiles(xf.shape[0])}"
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         xpx, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
         if one:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
@@ -588,6 +590,14 @@ class FusedMoE:
             common + (ptr(hp[0]), ptr(out)) + plan.down_routed + second + plan.down_shared + hpx,
             early=True,  # stages while gate_up finishes; waits before it reads h
         )
+
+    def _popc_kind(self, layer: int) -> str:
+        """The one-token kernels for `layer`: "p1b3" (binary mma up to 3 bits, 5 CTAs an SM) when
+        no block of the layer is wider than 3 bits in the page table, else "p1" (up to 4 bits, 4
+        CTAs an SM). Both read every width (wider blocks take the lookup), so a graph captured
+        before the pager widens a block stays correct, only slower."""
+        widest = int(self.dt.table.width[self._layer_blocks[layer]].max())
+        return "p1b3" if widest <= 3 else "p1"
 
     def _weights_a_token(self, layer: int) -> int:
         """Expert weights one token reads in `layer`: top-k routed experts and the shared one."""
