@@ -233,6 +233,61 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigne
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// Two mbarriers of one arrival each, visible to the CTA (and to the copy engine) after the barrier.
+__device__ __forceinline__ void init_bars(unsigned long long (&bars)[2]) {
+    if (threadIdx.x == 0) {
+        bar_init(smem_addr(&bars[0]), 1);
+        bar_init(smem_addr(&bars[1]), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// The bulk-copy kernels' shared parts: chunks [a0, a1) of the lane's row from shared memory
+// (`mine`: chunk a0 of its plane 0; planes `plane` bytes apart), and the fold of a lane's sums
+// into rows row, row + 1 (e: the empty subset's sum of x, or 0 where another warp adds it).
+template <int B>
+__device__ __forceinline__ void smem_chunks(int (&acc)[1 << B][4], const unsigned char* mine,
+                                            int plane, int a0, int a1, const uint4* xa) {
+    const int lane = threadIdx.x & 31;
+    for (int c = a0; c < a1; ++c) {
+        uint4 q[B];
+        #pragma unroll
+        for (int p = 0; p < B; ++p) q[p] = *(const uint4*)(mine + p * plane + 64 * (c - a0));
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            unsigned lo[B], hi[B];
+            #pragma unroll
+            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+            const uint4 a = __ldg(xa + ((long long)c * 32 + lane) * 2 + s);
+            subset_mma<B, 1>(acc, a, lo, hi);
+        }
+    }
+}
+
+template <int B>
+__device__ __forceinline__ void fold_store(const int (&acc)[1 << B][4], const float* coef, int row,
+                                           float sx, float e, float* y) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
+    const float* cr = coef + (long long)row * 16;
+    double f0 = 0.0, f1 = 0.0;
+    #pragma unroll
+    for (int S = 1; S < (1 << B); ++S) {
+        f0 += (double)cr[S] * (double)(wg * acc[S][0] + w8 * acc[S][2]);
+        f1 += (double)cr[16 + S] * (double)(wg * acc[S][1] + w8 * acc[S][3]);
+    }
+    #pragma unroll
+    for (int m = 4; m < 32; m <<= 1) {
+        f0 += __shfl_xor_sync(0xffffffffu, f0, m);
+        f1 += __shfl_xor_sync(0xffffffffu, f1, m);
+    }
+    if (g == 0) {
+        atomicAdd(y + row, sx * (float)(f0 + cr[0] * (double)e));
+        atomicAdd(y + row + 1, sx * (float)(f1 + cr[16] * (double)e));
+    }
+}
+
 template <int B>
 __device__ void popc_tma(const uint4* __restrict__ planes, int R, int words,
                          const uint4* __restrict__ xa, const float* __restrict__ coef,
@@ -248,12 +303,7 @@ __device__ void popc_tma(const uint4* __restrict__ planes, int R, int words,
     const int h0 = (c1 - c0 + 1) / 2;  // chunks of half 0; half 1 has the rest
     const int stride = (h0 * 64 + 127) / 128 * 128 + 64;  // bytes a (half, plane, row): banks differ by row
     const long long pstride = (long long)R * quads;
-    if (threadIdx.x == 0) {
-        bar_init(smem_addr(&bars[0]), 1);
-        bar_init(smem_addr(&bars[1]), 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_bars(bars);
     if (warp == 0) {
         if (lane == 0) {
             bar_expect(smem_addr(&bars[0]), 16 * B * h0 * 64);
@@ -272,39 +322,9 @@ __device__ void popc_tma(const uint4* __restrict__ planes, int R, int words,
     const int a0 = part ? c0 + h0 : c0, a1 = part ? c1 : c0 + h0;
     int acc[1 << B][4] = {};
     if (a1 > a0) bar_wait(smem_addr(&bars[part]), 0);
-    const unsigned char* mine = smem + (part * B * 16 + 8 * grp + g) * stride + 16 * t;
-    for (int c = a0; c < a1; ++c) {
-        uint4 q[B];
-        #pragma unroll
-        for (int p = 0; p < B; ++p) q[p] = *(const uint4*)(mine + p * 16 * stride + 64 * (c - a0));
-        #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            unsigned lo[B], hi[B];
-            #pragma unroll
-            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
-            const uint4 a = __ldg(xa + ((long long)c * 32 + lane) * 2 + s);
-            subset_mma<B, 1>(acc, a, lo, hi);
-        }
-    }
-    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
-    const int row = r0 + 8 * grp + 2 * t;
-    const float* cr = coef + (long long)row * 16;
-    double f0 = 0.0, f1 = 0.0;
-    #pragma unroll
-    for (int S = 1; S < (1 << B); ++S) {
-        f0 += (double)cr[S] * (double)(wg * acc[S][0] + w8 * acc[S][2]);
-        f1 += (double)cr[16 + S] * (double)(wg * acc[S][1] + w8 * acc[S][3]);
-    }
-    #pragma unroll
-    for (int m = 4; m < 32; m <<= 1) {
-        f0 += __shfl_xor_sync(0xffffffffu, f0, m);
-        f1 += __shfl_xor_sync(0xffffffffu, f1, m);
-    }
-    if (g == 0) {
-        const float e = blockIdx.y == 0 && part == 0 ? sumxi[0] : 0.f;  // the empty subset, once
-        atomicAdd(y + row, sx[0] * (float)(f0 + cr[0] * (double)e));
-        atomicAdd(y + row + 1, sx[0] * (float)(f1 + cr[16] * (double)e));
-    }
+    smem_chunks<B>(acc, smem + (part * B * 16 + 8 * grp + g) * stride + 16 * t, 16 * stride, a0,
+                   a1, xa);
+    fold_store<B>(acc, coef, r0 + 8 * grp + 2 * t, sx[0], blockIdx.y == 0 && part == 0 ? sumxi[0] : 0.f, y);
 }
 
 #define TMA(B, CTAS)                                                                             \
@@ -329,12 +349,7 @@ __device__ void popc_tma_rows(const uint4* __restrict__ planes, int R, int words
     const int grp = warp & 1, part = warp >> 1, r0 = blockIdx.x * 16;
     const int quads = words / 4, chunks = words / 16, bytes = 8 * words * 4;
     const long long pstride = (long long)R * quads;
-    if (threadIdx.x == 0) {
-        bar_init(smem_addr(&bars[0]), 1);
-        bar_init(smem_addr(&bars[1]), 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_bars(bars);
     if (warp == 0) {
         if (lane < 2) bar_expect(smem_addr(&bars[lane]), B * bytes);
         __syncwarp();
@@ -348,39 +363,9 @@ __device__ void popc_tma_rows(const uint4* __restrict__ planes, int R, int words
     const int a0 = part ? chunks / 2 : 0, a1 = part ? chunks : chunks / 2;
     int acc[1 << B][4] = {};
     bar_wait(smem_addr(&bars[grp]), 0);
-    const unsigned char* mine = smem + grp * B * bytes + g * words * 4 + 16 * t;
-    for (int c = a0; c < a1; ++c) {
-        uint4 q[B];
-        #pragma unroll
-        for (int p = 0; p < B; ++p) q[p] = *(const uint4*)(mine + p * bytes + 64 * c);
-        #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            unsigned lo[B], hi[B];
-            #pragma unroll
-            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
-            const uint4 a = __ldg(xa + ((long long)c * 32 + lane) * 2 + s);
-            subset_mma<B, 1>(acc, a, lo, hi);
-        }
-    }
-    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
-    const int row = r0 + 8 * grp + 2 * t;
-    const float* cr = coef + (long long)row * 16;
-    double f0 = 0.0, f1 = 0.0;
-    #pragma unroll
-    for (int S = 1; S < (1 << B); ++S) {
-        f0 += (double)cr[S] * (double)(wg * acc[S][0] + w8 * acc[S][2]);
-        f1 += (double)cr[16 + S] * (double)(wg * acc[S][1] + w8 * acc[S][3]);
-    }
-    #pragma unroll
-    for (int m = 4; m < 32; m <<= 1) {
-        f0 += __shfl_xor_sync(0xffffffffu, f0, m);
-        f1 += __shfl_xor_sync(0xffffffffu, f1, m);
-    }
-    if (g == 0) {
-        const float e = part == 0 ? sumxi[0] : 0.f;  // the empty subset, once
-        atomicAdd(y + row, sx[0] * (float)(f0 + cr[0] * (double)e));
-        atomicAdd(y + row + 1, sx[0] * (float)(f1 + cr[16] * (double)e));
-    }
+    smem_chunks<B>(acc, smem + grp * B * bytes + g * words * 4 + 16 * t + 64 * a0, bytes, a0, a1,
+                   xa);
+    fold_store<B>(acc, coef, r0 + 8 * grp + 2 * t, sx[0], part == 0 ? sumxi[0] : 0.f, y);
 }
 
 #define TMA_ROWS(B, CTAS)                                                                        \
