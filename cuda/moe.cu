@@ -896,8 +896,9 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
             if (B <= MAXB) {
                 double f[2] = {};
                 for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                    popc_piece<MAXB>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8, st[m].tbl + 8 * grp,
-                               words_in, k0, min(ks, k0 + POPC_STEPS), k0, part, 2, x + i, f);
+                    popc_piece<MAXB>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8,
+                                     st[m].tbl + 8 * grp, words_in, k0, min(ks, k0 + POPC_STEPS),
+                                     k0, part, 2, x + i, f);
                 popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
             } else {  // the lookup: token 0 of n-tile 0 is fragment register w of lanes 4i
                 int xrow[1] = {lane >> 2 == 0 ? token : -1};
@@ -944,8 +945,8 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         if (c.row0 + ROWS * unit < H)
             for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
                 const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
-                popc_piece<MAXB>(wd, rp, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1, i * POPC_STEPS,
-                           part, parts, x + i, f);
+                popc_piece<MAXB>(wd, rp, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1,
+                                 i * POPC_STEPS, part, parts, x + i, f);
                 k0 = k1;
             }
         popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows, nrows);
