@@ -560,8 +560,8 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 // ---- one-token decode on binary tensor cores ---------------------------------------------------
 //
 // With one token a slot, mma.m16n8k16 spends 7 of its 8 columns on nothing and the lookup's
-// integer work bounds the kernels (docs/KERNELS.md). These kernels (`gate_up_p1`, `down_p1`, for
-// one-token calls when FusedMoE.popc_decode is set) do no lookup. A row's table T at width B is
+// integer work bounds the kernels (docs/KERNELS.md). These kernels (`gate_up_p1`, `down_p1` and
+// their 3-bit build `*_p1b3`, for the one-token calls FusedMoE._x_pieces picks) do no lookup. A row's table T at width B is
 // written in the multilinear basis of its label bits: T[label] = sum over plane subsets S of c_S * prod_{p in
 // S} bit_p (c_S: Moebius sums of T), so
 //     y[r] = sum_S c_S[r] * (AND of r's planes in S) . x,
@@ -574,9 +574,9 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 // Columns go in k-steps of 256: first full 16-word chunks (two k-steps; lane t holds words
 // 16c + 4t .. + 3 of its row, one 16-byte load a plane), then 8-word k-steps (lane t: words
 // 8j + 2t, + 1). `step_word` gives lane t's first word of a k-step, its second is the next.
-// x (the token's activations for gate_up, each pair's h for down) is quantized once per call by
-// `popc_planes`, per piece of at most POPC_STEPS k-steps with the piece's own scale, into the
-// A fragments in global memory (PopcX); the lanes fold their integer sums into fp64 after each
+// x (the token's activations for gate_up: `x_piece` in the prep launch; each pair's h for down:
+// `popc_planes`) is quantized once per call, per piece of at most POPC_STEPS k-steps with the
+// piece's own scale, into the A fragments in global memory (PopcX); the lanes fold their integer sums into fp64 after each
 // piece (the two's-complement planes of a lane's two x bit planes cancel against other lanes' by
 // up to 2^15 / |x|, too much for fp32). pwctl/runtime/popc.py is the CPU twin.
 #define POPC_STEPS 32

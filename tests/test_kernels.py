@@ -316,7 +316,7 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     one = decode(1, True)
     assert [n for n, _, _ in one] == ["decode_prep", "gate_up_p1", "popc_planes", "down_p1"]
-    widths = np.full(layer.table.n_blocks, 3)  # no block wider than 3 bits: the 6-CTA build
+    widths = np.full(layer.table.n_blocks, 3)  # no block wider than 3 bits: the 5-CTA build
     widths[moe._layer_blocks[0][-1]] = 2
     layer.set_widths(widths)
     names = [n for n, _, _ in decode(1, True)]

@@ -36,6 +36,7 @@ class DeviceTable:
         self.slab_map = torch.empty(table.slab_map.size, dtype=torch.int32, device=self.device)
         self.width = torch.empty(table.n_blocks, dtype=torch.int32, device=self.device)
         self._sent: dict[int, np.ndarray] = {}  # id(device tensor) -> what it holds
+        self.width_version = 0  # counts width uploads: what depends on widths caches by it
         self.sync()
         # the tensors above live as long as this table: their pointers are fixed
         self._args = (ptr(arena), ptr(self.slab_map), ptr(self.slab_off), ptr(self.width))
@@ -44,18 +45,26 @@ class DeviceTable:
     def sync(self) -> None:
         """Upload widths and slab map (after a pager commit; no host sync). Runs at every step
         boundary, so an array the commit left unchanged is not uploaded again."""
-        self._upload(self.width, self.table.width.astype(np.int32))
+        if self._upload(self.width, self.table.width.astype(np.int32)):
+            self.width_version += 1
         self._upload(self.slab_map, self.table.slab_map)
 
-    def _upload(self, dst: torch.Tensor, src: np.ndarray) -> None:
+    @property
+    def synced_width(self) -> np.ndarray:
+        """The widths kernels launched from now on read (the last upload's host copy)."""
+        return self._sent[id(self.width)]
+
+    def _upload(self, dst: torch.Tensor, src: np.ndarray) -> bool:
+        """Copy `src` into `dst` unless it holds it already; whether it copied."""
         src = np.ascontiguousarray(src, dtype=np.int32)
         if np.array_equal(self._sent.get(id(dst)), src):
-            return
+            return False
         self._sent[id(dst)] = src.copy()
         host = torch.from_numpy(src)
         if dst.is_cuda:  # a fresh pinned buffer per upload: the caching host allocator keeps it
             host = host.pin_memory()  # alive until its non-blocking copy has run
         dst.copy_(host, non_blocking=dst.is_cuda)
+        return True
 
     def kernel_args(self) -> tuple:
         """The descriptor as the kernels take it (cuda/moe.cu PAGED_ARGS)."""

@@ -403,8 +403,9 @@ class FusedMoE:
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
-        self._popc: dict[tuple, torch.Tensor] = {}
-        self._x_pieces_made: dict[tuple[int, int], XPieces] = {}
+        self._piece_buffers: dict[tuple, torch.Tensor] = {}
+        self._x_pieces_made: dict[int, XPieces] = {}  # by the gate rows' words (one token)
+        self._popc_kinds: dict[int, tuple[int, str]] = {}  # layer -> (width_version, kind)
         # layers whose rows the one-token kernels can read (16-byte plane loads: words % 4 == 0)
         self.popc_rows: dict[int, bool] = {
             layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
@@ -593,11 +594,16 @@ class FusedMoE:
 
     def _popc_kind(self, layer: int) -> str:
         """The one-token kernels for `layer`: "p1b3" (binary mma up to 3 bits, 5 CTAs an SM) when
-        no block of the layer is wider than 3 bits in the page table, else "p1" (up to 4 bits, 4
-        CTAs an SM). Both read every width (wider blocks take the lookup), so a graph captured
-        before the pager widens a block stays correct, only slower."""
-        widest = int(self.dt.table.width[self._layer_blocks[layer]].max())
-        return "p1b3" if widest <= 3 else "p1"
+        no block of the layer is wider than 3 bits in the widths the kernels read (the last
+        `DeviceTable.sync`), else "p1" (up to 4 bits, 4 CTAs an SM). Both read every width (wider
+        blocks take the lookup), so a graph captured before the pager widens a block stays
+        correct, only slower. Cached until the next width upload."""
+        version, kind = self._popc_kinds.get(layer, (-1, ""))
+        if version != self.dt.width_version:  # a numpy gather per call is host time on decode
+            widest = int(self.dt.synced_width[self._layer_blocks[layer]].max())
+            version, kind = self.dt.width_version, "p1b3" if widest <= 3 else "p1"
+            self._popc_kinds[layer] = (version, kind)
+        return kind
 
     def _weights_a_token(self, layer: int) -> int:
         """Expert weights one token reads in `layer`: top-k routed experts and the shared one."""
@@ -613,10 +619,9 @@ class FusedMoE:
         if T != 1 or not on or not self.popc_rows[layer]:
             return None
         words = self.proj[(layer, False, "gate")].words
-        if (T, words) not in self._x_pieces_made:
-            buf = self._pieces("x", T, words, device)
-            self._x_pieces_made[(T, words)] = XPieces.over(buf, words, T)
-        return self._x_pieces_made[(T, words)]
+        if words not in self._x_pieces_made:
+            self._x_pieces_made[words] = XPieces.over(self._pieces("x", 1, words, device), words, 1)
+        return self._x_pieces_made[words]
 
     def _pieces(
         self, what: str | bool, rows: int, words: int, device: torch.device
@@ -624,10 +629,10 @@ class FusedMoE:
         """A reused buffer of `rows` rows of x pieces (cuda/moe.cu PopcX) for the one-token
         kernels: "x" (the tokens), or a group's h (False: routed, True: shared expert)."""
         key = (what, rows, words)
-        if key not in self._popc:
+        if key not in self._piece_buffers:
             n = rows * popc.pieces(words) * popc.PIECE_BYTES
-            self._popc[key] = torch.empty(n, dtype=torch.uint8, device=device)
-        return self._popc[key]
+            self._piece_buffers[key] = torch.empty(n, dtype=torch.uint8, device=device)
+        return self._piece_buffers[key]
 
     def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> None:
         """popc_planes over one or two groups of fragment-order fp16 rows: (the rows, their
