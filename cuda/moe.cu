@@ -1256,10 +1256,12 @@ __device__ __forceinline__ void hold(const u32 (&A)[WG_KSTEPS][4]) {
 __device__ __forceinline__ void load_b(PrefillWG& sm, int buf, const unsigned short* tile, int hc) {
     const uint4* src = reinterpret_cast<const uint4*>(tile) + (i64)hc * 2048 + threadIdx.x;
     const u32 dst = smem_u32(&sm.b[buf][0][0][0][0]) + 16 * threadIdx.x;
+#ifndef PWCTL_PREFILL_NO_B  // timing probe, never built by pwctl: B stays whatever it was
     #pragma unroll
     for (int j = 0; j < 16; ++j)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
                      :: "r"(dst + 2048 * j), "l"(src + 128 * j) : "memory");
+#endif
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
@@ -1339,6 +1341,11 @@ struct WgJob {
 template <int B, bool FLAT>
 __device__ __forceinline__ void wg_load_at(const Stage& st, const WgJob& job, int w, u32 (&P0)[8],
                                            u32 (&P1)[8]) {
+#ifdef PWCTL_PREFILL_NO_PLANES  // timing probe, never built by pwctl: words from the lane, no loads
+    #pragma unroll
+    for (int p = 0; p < 8; ++p) P0[p] = w * 0x9e3779b9u + p, P1[p] = P0[p] ^ threadIdx.x;
+    return;
+#endif
     if constexpr (B == 0) {
         wg_load(st, job.B, job.live, job.flat, w, job.words, P0, P1);
     } else {
@@ -1356,6 +1363,27 @@ __device__ __forceinline__ void wg_decode_at(const Stage& st, const WgJob& job, 
     else decode_word<B>(P0, P1, L0, L1, st, A);
 }
 
+// L2 prefetch of the plane words PWCTL_PF_AHEAD chunks ahead of chunk `it`, a 128-byte line of
+// each (row, plane) of the warp's m-tile every 4 chunks (experiment, session 13).
+template <int B>
+__device__ __forceinline__ void wg_prefetch(const Stage& st, const WgJob& job, int it) {
+#ifdef PWCTL_PF_AHEAD
+    const int w = 8 * (it + PWCTL_PF_AHEAD);
+    if ((it & 3) || !job.live || w >= job.words) return;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int nb = B == 0 ? job.B : B;
+    #pragma unroll
+    for (int p = t; p < (B == 0 ? 8 : B); p += 4) {
+        if (p >= nb) break;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const RowPtr rp = st.ptr[(g + 8 * h) * 8 + p];
+            asm volatile("prefetch.global.L2 [%0];" :: "l"((w < rp.split ? rp.p0 : rp.p1) + w));
+        }
+    }
+#endif
+}
+
 // One half-chunk: decode word U of the lane's chunk into A (overlapping the previous
 // half-chunk's wgmma), roll the plane words a chunk on, wait for this half-chunk's B, issue its
 // 8 wgmma, retire the previous half-chunk's (then `other`, its A set, is free) and start copying
@@ -1366,6 +1394,7 @@ __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc,
                                         u32 (&P1)[8], u32 (&A)[WG_KSTEPS][4],
                                         const u32 (&other)[WG_KSTEPS][4], float (&d)[64]) {
     const Stage& st = sm.st[threadIdx.x >> 5];
+    if (U == 0) wg_prefetch<B>(st, job, hc / 2);
     wg_decode_at<B>(st, job, P0, P1, L0, L1, A);
     wg_load_at<B, FLAT>(st, job, 8 * (hc / 2 + 1) + 2 * (threadIdx.x & 3) + U, P0, P1);
     asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -1373,9 +1402,18 @@ __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc,
     __syncthreads();
     wgmma_fence();
     const unsigned long long desc = b_desc(&sm.b[U][0][0][0][0]);
+#ifdef PWCTL_PREFILL_NO_MMA  // timing probe, never built by pwctl: one wgmma a half-chunk, not 8
+    u32 x[4] = {A[0][0], A[0][1], A[0][2], A[0][3]};  // every step's decode stays live
+    #pragma unroll
+    for (int s = 1; s < WG_KSTEPS; ++s)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) x[j] ^= A[s][j];
+    wgmma_n128(d, x, desc);
+#else
     #pragma unroll
     for (int s = 0; s < WG_KSTEPS; ++s)  // the descriptor counts 16-byte units
         wgmma_n128(d, A[s], desc + s * (sizeof(sm.b[0][0]) >> 4));
+#endif
     wgmma_commit();
     wgmma_wait<1>();
     hold(other);

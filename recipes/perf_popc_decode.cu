@@ -246,7 +246,7 @@ __device__ __forceinline__ void init_bars(unsigned long long (&bars)[2]) {
 // The bulk-copy kernels' shared parts: chunks [a0, a1) of the lane's row from shared memory
 // (`mine`: chunk a0 of its plane 0; planes `plane` bytes apart), and the fold of a lane's sums
 // into rows row, row + 1 (e: the empty subset's sum of x, or 0 where another warp adds it).
-template <int B>
+template <int B, bool XS = false>  // XS: xa points to shared memory (no __ldg)
 __device__ __forceinline__ void smem_chunks(int (&acc)[1 << B][4], const unsigned char* mine,
                                             int plane, int a0, int a1, const uint4* xa) {
     const int lane = threadIdx.x & 31;
@@ -259,7 +259,8 @@ __device__ __forceinline__ void smem_chunks(int (&acc)[1 << B][4], const unsigne
             unsigned lo[B], hi[B];
             #pragma unroll
             for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
-            const uint4 a = __ldg(xa + ((long long)c * 32 + lane) * 2 + s);
+            const uint4* at = xa + ((long long)c * 32 + lane) * 2 + s;
+            const uint4 a = XS ? *at : __ldg(at);
             subset_mma<B, 1>(acc, a, lo, hi);
         }
     }
@@ -376,3 +377,135 @@ __device__ void popc_tma_rows(const uint4* __restrict__ planes, int R, int words
     }
 TMA_ROWS(3, 4)
 TMA_ROWS(4, 4)
+
+// ---- a persistent ring: every warp keeps S stages of its plane words in flight ----------------
+// (session 13). `popc_tma_rows` put all of a CTA's words in flight, then computed: an SM's bytes
+// in flight drop while its CTAs compute. Here CTAs stay (one an SM: grid = SMs) and each warp
+// owns a ring of S stages in shared memory, each stage one work item: 8 rows x `ch` chunks
+// (16 words) of every plane. A stage is filled by bulk copies (one per plane when the item is
+// whole rows: 8 rows of a plane are contiguous; else one per (plane, row)) that complete on the
+// stage's mbarrier; the warp computes item k from stage k % S, then refills that stage with item
+// k + S. So the copies of S - 1 items stay in flight while the warp computes, whatever its
+// registers. Items go row group by row group, `chunks / ch` pieces each; the lanes fold a group
+// after its last piece.
+// XS: x's fragments copied into shared memory first (one bulk copy; L1 is small next to the
+// ring); PIPE: the next chunk's plane words read from the stage while this one computes.
+template <int B>
+__device__ __forceinline__ void smem_chunks_pipe(int (&acc)[1 << B][4], const unsigned char* mine,
+                                                 int plane, int a0, int a1, const uint4* xa) {
+    const int lane = threadIdx.x & 31;
+    uint4 q[B], n[B];
+    auto ld = [&](uint4 (&v)[B], int c) {
+        #pragma unroll
+        for (int p = 0; p < B; ++p) v[p] = *(const uint4*)(mine + p * plane + 64 * (c - a0));
+    };
+    auto run = [&](const uint4 (&v)[B], int c) {
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            unsigned lo[B], hi[B];
+            #pragma unroll
+            for (int p = 0; p < B; ++p) lo[p] = s ? v[p].z : v[p].x, hi[p] = s ? v[p].w : v[p].y;
+            subset_mma<B, 1>(acc, xa[(c * 32 + lane) * 2 + s], lo, hi);
+        }
+    };
+    ld(q, a0);
+    for (int c = a0; c < a1; c += 2) {
+        if (c + 1 < a1) ld(n, c + 1);
+        run(q, c);
+        if (c + 1 >= a1) break;
+        if (c + 2 < a1) ld(q, c + 2);
+        run(n, c + 1);
+    }
+}
+
+template <int B, int S, bool XS = false, bool PIPE = false>
+__device__ void popc_ring(const uint4* __restrict__ planes, int R, int words,
+                          const uint4* __restrict__ xa, const float* __restrict__ coef,
+                          const float* __restrict__ sx, const float* __restrict__ sumxi,
+                          float* __restrict__ y, int ch) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bars[16][S];  // [warp][stage]
+    __shared__ __align__(8) unsigned long long xbar;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int quads = words / 4, chunks = words / 16, pieces = chunks / ch;
+    const int rbytes = ch * 64, pbytes = 8 * rbytes, sbytes = B * pbytes;  // row, plane, stage
+    unsigned char* ring = smem + warp * S * sbytes;
+    const long long pstride = (long long)R * quads;
+    const int groups = R / 8, nw = gridDim.x * (blockDim.x >> 5);
+    const int first = blockIdx.x * (blockDim.x >> 5) + warp;
+    const int items = first < groups ? (groups - first + nw - 1) / nw * pieces : 0;
+    const uint4* xs = xa;
+    if constexpr (XS) {  // x's fragments after the rings
+        xs = (const uint4*)(smem + (blockDim.x >> 5) * S * sbytes);
+        if (threadIdx.x == 0) {
+            bar_init(smem_addr(&xbar), 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            bar_expect(smem_addr(&xbar), chunks * 1024);
+            bulk_copy(smem_addr(xs), xa, chunks * 1024, smem_addr(&xbar));
+        }
+        __syncthreads();
+    }
+    if (lane < S) bar_init(smem_addr(&bars[warp][lane]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncwarp();
+    auto issue = [&](int k) {  // item k into stage k % S
+        const int rg = first + (k / pieces) * nw, pc = k % pieces;
+        const unsigned bar = smem_addr(&bars[warp][k % S]);
+        unsigned char* dst = ring + (k % S) * sbytes;
+        if (lane == 0) bar_expect(bar, sbytes);
+        __syncwarp();
+        if (ch == chunks) {
+            if (lane < B)
+                bulk_copy(smem_addr(dst + lane * pbytes),
+                          planes + lane * pstride + (long long)rg * 8 * quads, pbytes, bar);
+        } else if (lane < 8 * B) {
+            const int p = lane >> 3, r = lane & 7;
+            bulk_copy(smem_addr(dst + p * pbytes + r * rbytes),
+                      planes + p * pstride + (long long)(rg * 8 + r) * quads + 4 * ch * pc, rbytes,
+                      bar);
+        }
+    };
+    for (int k = 0; k < min(S, items); ++k) issue(k);
+    if constexpr (XS) bar_wait(smem_addr(&xbar), 0);
+    int acc[1 << B][4];
+    for (int k = 0; k < items; ++k) {
+        const int pc = k % pieces, rg = first + (k / pieces) * nw;
+        if (pc == 0) {
+            #pragma unroll
+            for (int s = 0; s < (1 << B); ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0;
+        }
+        bar_wait(smem_addr(&bars[warp][k % S]), (k / S) & 1);
+        const unsigned char* mine = ring + (k % S) * sbytes + g * rbytes + 16 * t;
+        if constexpr (PIPE) smem_chunks_pipe<B>(acc, mine, pbytes, pc * ch, pc * ch + ch, xs);
+        else smem_chunks<B, XS>(acc, mine, pbytes, pc * ch, pc * ch + ch, xs);
+        __syncwarp();  // every lane has read the stage: refill it
+        if (k + S < items) issue(k + S);
+        if (pc == pieces - 1) fold_store<B>(acc, coef, rg * 8 + 2 * t, sx[0], sumxi[0], y);
+    }
+}
+
+#define RING(B, S)                                                                               \
+    extern "C" __global__ void __launch_bounds__(512, 1)                                         \
+    popc_ring##B##_##S(const uint4* planes, int R, int words, const uint4* xa, const float* coef, \
+                       const float* sx, const float* sumxi, float* y, int ch) {                  \
+        popc_ring<B, S>(planes, R, words, xa, coef, sx, sumxi, y, ch);                           \
+    }
+#define RINGV(B, S, NAME, XS, PIPE)                                                              \
+    extern "C" __global__ void __launch_bounds__(512, 1)                                         \
+    popc_ring##NAME##B##_##S(const uint4* planes, int R, int words, const uint4* xa,             \
+                             const float* coef, const float* sx, const float* sumxi, float* y,   \
+                             int ch) {                                                           \
+        popc_ring<B, S, XS, PIPE>(planes, R, words, xa, coef, sx, sumxi, y, ch);                 \
+    }
+RINGV(4, 2, x, true, false)
+RINGV(4, 3, x, true, false)
+RINGV(4, 2, p, true, true)
+RINGV(4, 3, p, true, true)
+RINGV(3, 2, p, true, true)
+RING(3, 2)
+RING(3, 3)
+RING(3, 4)
+RING(4, 2)
+RING(4, 3)
+RING(4, 4)
+RING(4, 6)

@@ -8,7 +8,8 @@ copy bandwidth and cuBLAS's FP16 GEMV of the same W, all measured in this run.
 At one token it also times two variants that copy a CTA's plane words into shared memory with
 Hopper's bulk copies (cp.async.bulk) before any mma: `tma`, a copy per (row, plane, column half),
 and `tma_rows`, a copy per (plane, 8-row group), the whole row (docs/PERF.md, session 12).
-Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick | probes]
+`ring` times the persistent ring of bulk copies (`popc_ring`, session 13) at one token.
+Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick | probes | ring]
 (quick: one token only; probes: `probes` below)"""
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def run_shape(
     tma: str = "",
     probe: str = "",
     pad_smem: int = 0,
+    ring: tuple[int, int, int, str] | None = None,
 ) -> list[str]:
     rng = np.random.default_rng(rows + cols + bits)
     words = cols // 32
@@ -144,10 +146,22 @@ def run_shape(
     sxd, sumd = cp.asarray(sx, dtype=cp.float32), cp.asarray(xi.sum(1), dtype=cp.float32)
     y = cp.zeros((tokens, rows), dtype=cp.float32)
     kernel = mod.get_function(
-        f"{probe}{bits}" if probe else f"popc_{tma}{bits}" if tma else f"popc_gemv{bits}_{tokens}"
+        f"popc_ring{ring[3]}{bits}_{ring[1]}"
+        if ring
+        else f"{probe}{bits}"
+        if probe
+        else f"popc_{tma}{bits}"
+        if tma
+        else f"popc_gemv{bits}_{tokens}"
     )
     grid = (-(-rows // (16 if tma else 64 if probe == "popc_loads16_" else 32)), splits)
+    block, extra = (128,), ()
     smem = 0
+    if ring:  # one CTA an SM, W warps of S stages of 8 rows x ch chunks x bits planes
+        warps, stages, ch, kind = ring
+        grid = (cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"], 1)
+        block, extra = (32 * warps,), (cp.int32(ch),)
+        smem = warps * stages * bits * 8 * ch * 64 + (words // 16 * 1024 if kind else 0)
     if tma == "tma_rows":  # [group][plane][8 rows][words]
         smem = bits * 16 * words * 4
     elif tma:  # popc_tma's layout: [half][plane][16 rows] at a stride that spreads rows over banks
@@ -163,7 +177,7 @@ def run_shape(
 
     def launch(i: int) -> None:
         args = (planes[i], cp.int32(rows), cp.int32(words), xa, coef, sxd, sumd, y)
-        kernel(grid, (128,), args, shared_mem=smem)
+        kernel(grid, block, args + extra, shared_mem=smem)
 
     launch(0)
     # reference on the GPU in fp64: labels from the planes, then the table
@@ -215,6 +229,10 @@ def run_shape(
     )
     if tma or probe:
         cells = (f"{name} ({tma or probe}, {smem >> 10} KB)",) + cells[1:]
+    if ring:
+        warps, stages, ch, kind = ring
+        what = {"": "", "x": ", x in shared memory", "p": ", x in shared memory, pipelined"}[kind]
+        cells = (f"{name} (ring: {warps} warps, {stages} stages of {ch} chunks{what})",) + cells[1:]
     return [str(c) for c in cells]
 
 
@@ -248,6 +266,37 @@ def probes(mod, copy_bw: float) -> None:
         cp.get_default_memory_pool().free_all_blocks()
 
 
+RINGS = {  # (shape index, bits): (warps, stages, chunks a stage, kind) to try; one CTA an SM.
+    # kind "": x's fragments from global memory; "x": from shared memory; "p": and pipelined
+    (0, 4): (
+        (4, 3, 8, ""),
+        (6, 2, 8, ""),
+        (8, 3, 4, ""),
+        (12, 2, 4, ""),
+        (12, 2, 4, "x"),
+        (12, 2, 4, "p"),
+        (8, 3, 4, "x"),
+        (8, 3, 4, "p"),
+        (6, 2, 8, "p"),
+    ),
+    (0, 3): ((8, 2, 8, ""), (8, 2, 8, "p"), (8, 4, 4, "")),
+    (1, 4): ((8, 3, 4, ""), (12, 2, 4, ""), (12, 2, 4, "x"), (12, 2, 4, "p")),
+    (1, 3): ((8, 4, 4, ""),),
+    (2, 4): ((4, 3, 4, ""), (12, 2, 2, ""), (12, 2, 2, "p")),
+}
+
+
+def rings(mod, copy_bw: float) -> None:
+    """The persistent ring (`popc_ring`): bulk copies keep S - 1 items a warp in flight while it
+    computes, one CTA an SM."""
+    for (i, bits), configs in RINGS.items():
+        name, rows, cols, _ = SHAPES[i]
+        for cfg in configs:
+            cells = run_shape(mod, name, rows, cols, bits, 1, 1, False, copy_bw, ring=cfg)
+            print("| " + " | ".join(cells) + " |", flush=True)
+            cp.get_default_memory_pool().free_all_blocks()
+
+
 def main() -> None:
     quick = sys.argv[1:] == ["quick"]  # one token, no persistent CTAs
     mod = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(), options=("-std=c++17",))
@@ -261,6 +310,9 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     if sys.argv[1:] == ["probes"]:
         probes(mod, copy_bw)
+        return
+    if sys.argv[1:] == ["ring"]:
+        rings(mod, copy_bw)
         return
     for name, rows, cols, splits in SHAPES:
         for bits in (3, 4):
