@@ -321,6 +321,13 @@ __device__ __forceinline__ void mma_rows(const Stage& st, int words, int wpad, c
     load_word<B, FLAT>(r0, r1, 8 * it + t + 4, words, Pb0, Pb1);
     for (; it < iters; it += step) {
         const int w = 8 * it + t;
+#if defined(DEC_PF_AHEAD) && DEC_PF_AHEAD > 0  // experiment (session 13): L2 prefetch ahead
+        if (NT >= DEC_PF_NT && t < B && w + 8 * DEC_PF_AHEAD * step < words) {
+            const int wp = w - t + 8 * DEC_PF_AHEAD * step;
+            asm volatile("prefetch.global.L2 [%0];" :: "l"((wp < r0[t].split ? r0[t].p0 : r0[t].p1) + wp));
+            asm volatile("prefetch.global.L2 [%0];" :: "l"((wp < r1[t].split ? r1[t].p0 : r1[t].p1) + wp));
+        }
+#endif
         mma_word<B, NT>(Pa0, Pa1, L0, L1, st, w, wpad, xf, xrow, live, acc);
         load_word<B, FLAT>(r0, r1, w + 8 * step, words, Pa0, Pa1);
         mma_word<B, NT>(Pb0, Pb1, L0, L1, st, w + 4, wpad, xf, xrow, live, acc);
@@ -1363,12 +1370,16 @@ __device__ __forceinline__ void wg_decode_at(const Stage& st, const WgJob& job, 
     else decode_word<B>(P0, P1, L0, L1, st, A);
 }
 
-// L2 prefetch of the plane words PWCTL_PF_AHEAD chunks ahead of chunk `it`, a 128-byte line of
-// each (row, plane) of the warp's m-tile every 4 chunks (experiment, session 13).
+// The prefill streams its planes with few warps an SM (2 CTAs of 4), so each plane word waits on
+// DRAM latency; from L2 they come sooner. Every 4 chunks (a 128-byte line of a row's plane),
+// each lane asks L2 for the line PF_AHEAD chunks on of its rows g, g + 8 and planes t, t + 4.
+// (Also asking for the first lines at a tile's start was no better: docs/PERF.md, session 13.)
+#ifndef PF_AHEAD
+#define PF_AHEAD 4
+#endif
 template <int B>
 __device__ __forceinline__ void wg_prefetch(const Stage& st, const WgJob& job, int it) {
-#ifdef PWCTL_PF_AHEAD
-    const int w = 8 * (it + PWCTL_PF_AHEAD);
+    const int w = 8 * (it + PF_AHEAD);
     if ((it & 3) || !job.live || w >= job.words) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int nb = B == 0 ? job.B : B;
@@ -1381,7 +1392,6 @@ __device__ __forceinline__ void wg_prefetch(const Stage& st, const WgJob& job, i
             asm volatile("prefetch.global.L2 [%0];" :: "l"((w < rp.split ? rp.p0 : rp.p1) + w));
         }
     }
-#endif
 }
 
 // One half-chunk: decode word U of the lane's chunk into A (overlapping the previous
