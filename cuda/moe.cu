@@ -321,13 +321,6 @@ __device__ __forceinline__ void mma_rows(const Stage& st, int words, int wpad, c
     load_word<B, FLAT>(r0, r1, 8 * it + t + 4, words, Pb0, Pb1);
     for (; it < iters; it += step) {
         const int w = 8 * it + t;
-#if defined(DEC_PF_AHEAD) && DEC_PF_AHEAD > 0  // experiment (session 13): L2 prefetch ahead
-        if (NT >= DEC_PF_NT && t < B && w + 8 * DEC_PF_AHEAD * step < words) {
-            const int wp = w - t + 8 * DEC_PF_AHEAD * step;
-            asm volatile("prefetch.global.L2 [%0];" :: "l"((wp < r0[t].split ? r0[t].p0 : r0[t].p1) + wp));
-            asm volatile("prefetch.global.L2 [%0];" :: "l"((wp < r1[t].split ? r1[t].p0 : r1[t].p1) + wp));
-        }
-#endif
         mma_word<B, NT>(Pa0, Pa1, L0, L1, st, w, wpad, xf, xrow, live, acc);
         load_word<B, FLAT>(r0, r1, w + 8 * step, words, Pa0, Pa1);
         mma_word<B, NT>(Pb0, Pb1, L0, L1, st, w + 4, wpad, xf, xrow, live, acc);
@@ -1370,22 +1363,20 @@ __device__ __forceinline__ void wg_decode_at(const Stage& st, const WgJob& job, 
     else decode_word<B>(P0, P1, L0, L1, st, A);
 }
 
-// The prefill streams its planes with few warps an SM (2 CTAs of 4), so each plane word waits on
-// DRAM latency; from L2 they come sooner. Every 4 chunks (a 128-byte line of a row's plane),
-// each lane asks L2 for the line PF_AHEAD chunks on of its rows g, g + 8 and planes t, t + 4.
-// (Also asking for the first lines at a tile's start was no better: docs/PERF.md, session 13.)
-#ifndef PF_AHEAD
+// The sm_90a prefill streams a block's planes with few warps an SM (2 CTAs of 4), so each plane
+// word waits on DRAM latency; from L2 it comes sooner. Every 4 chunks (a 128-byte line of a row's
+// plane), each lane asks L2 for the line PF_AHEAD chunks on of its rows g, g + 8 and planes t,
+// t + 4 (B: the m-tile's width). Measured (docs/PERF.md, session 13): Mixtral 7-19% faster, the
+// Qwen shapes 1-5%. Also asking for the first lines at a tile's start, or 8 chunks ahead, was no
+// better; the same prefetch made the decode kernels 1-7% slower and the mma.sync prefill 3x slower.
 #define PF_AHEAD 4
-#endif
-template <int B>
-__device__ __forceinline__ void wg_prefetch(const Stage& st, const WgJob& job, int it) {
+__device__ __forceinline__ void prefetch_ahead(const Stage& st, int B, int words, int it) {
     const int w = 8 * (it + PF_AHEAD);
-    if ((it & 3) || !job.live || w >= job.words) return;
+    if ((it & 3) || w >= words) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int nb = B == 0 ? job.B : B;
     #pragma unroll
-    for (int p = t; p < (B == 0 ? 8 : B); p += 4) {
-        if (p >= nb) break;
+    for (int p = t; p < 8; p += 4) {
+        if (p >= B) break;
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const RowPtr rp = st.ptr[(g + 8 * h) * 8 + p];
@@ -1404,7 +1395,7 @@ __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc,
                                         u32 (&P1)[8], u32 (&A)[WG_KSTEPS][4],
                                         const u32 (&other)[WG_KSTEPS][4], float (&d)[64]) {
     const Stage& st = sm.st[threadIdx.x >> 5];
-    if (U == 0) wg_prefetch<B>(st, job, hc / 2);
+    if (U == 0 && job.live) prefetch_ahead(st, B == 0 ? job.B : B, job.words, hc / 2);
     wg_decode_at<B>(st, job, P0, P1, L0, L1, A);
     wg_load_at<B, FLAT>(st, job, 8 * (hc / 2 + 1) + 2 * (threadIdx.x & 3) + U, P0, P1);
     asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -1412,18 +1403,9 @@ __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc,
     __syncthreads();
     wgmma_fence();
     const unsigned long long desc = b_desc(&sm.b[U][0][0][0][0]);
-#ifdef PWCTL_PREFILL_NO_MMA  // timing probe, never built by pwctl: one wgmma a half-chunk, not 8
-    u32 x[4] = {A[0][0], A[0][1], A[0][2], A[0][3]};  // every step's decode stays live
-    #pragma unroll
-    for (int s = 1; s < WG_KSTEPS; ++s)
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) x[j] ^= A[s][j];
-    wgmma_n128(d, x, desc);
-#else
     #pragma unroll
     for (int s = 0; s < WG_KSTEPS; ++s)  // the descriptor counts 16-byte units
         wgmma_n128(d, A[s], desc + s * (sizeof(sm.b[0][0]) >> 4));
-#endif
     wgmma_commit();
     wgmma_wait<1>();
     hold(other);
