@@ -509,3 +509,165 @@ RING(4, 2)
 RING(4, 3)
 RING(4, 4)
 RING(4, 6)
+
+// ---- the ring shared by a pair of warps that split the subsets (session 13) --------------------
+// Warps 2i and 2i + 1 share ring i: both read every stage, warp 2i runs the subsets of planes
+// 0..B-2 (S < 2^(B-1)), warp 2i + 1 those with plane B-1 (S >= 2^(B-1)). Each holds half the
+// accumulators, so an SM runs more warps, and no plane word is loaded twice. The pair meets at a
+// named barrier after each stage; then warp 2i refills it.
+template <int B, int S0, int S1>
+__device__ __forceinline__ void subset_mma_range(int (&acc)[S1 - S0][4], const uint4& a,
+                                                 const unsigned (&lo)[B], const unsigned (&hi)[B]) {
+    #pragma unroll
+    for (int s = S0; s < S1; ++s) {
+        unsigned l = 0xffffffffu, h = 0xffffffffu;
+        #pragma unroll
+        for (int p = 0; p < B; ++p)
+            if (s & (1 << p)) l &= lo[p], h &= hi[p];
+        mma_popc(acc[s - S0], a, l, h);
+    }
+}
+
+template <int B, int S0, int S1>
+__device__ __forceinline__ void fold_range(const int (&acc)[S1 - S0][4], const float* coef, int row,
+                                           float sx, float e, float* y) {
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
+    const float* cr = coef + (long long)row * 16;
+    double f0 = 0.0, f1 = 0.0;
+    #pragma unroll
+    for (int s = S0; s < S1; ++s) {
+        f0 += (double)cr[s] * (double)(wg * acc[s - S0][0] + w8 * acc[s - S0][2]);
+        f1 += (double)cr[16 + s] * (double)(wg * acc[s - S0][1] + w8 * acc[s - S0][3]);
+    }
+    #pragma unroll
+    for (int m = 4; m < 32; m <<= 1) {
+        f0 += __shfl_xor_sync(0xffffffffu, f0, m);
+        f1 += __shfl_xor_sync(0xffffffffu, f1, m);
+    }
+    if (g == 0) {
+        atomicAdd(y + row, sx * (float)(f0 + cr[0] * (double)e));
+        atomicAdd(y + row + 1, sx * (float)(f1 + cr[16] * (double)e));
+    }
+}
+
+template <int B, int S0, int S1>
+__device__ __forceinline__ void pair_chunks(int (&acc)[S1 - S0][4], const unsigned char* mine,
+                                            int plane, int a0, int a1, const uint4* xs) {
+    const int lane = threadIdx.x & 31;
+    constexpr int NP = S1 <= (1 << (B - 1)) ? B - 1 : B;  // planes this half reads
+    for (int c = a0; c < a1; ++c) {
+        uint4 q[B];
+        #pragma unroll
+        for (int p = 0; p < B; ++p)
+            q[p] = p < NP ? *(const uint4*)(mine + p * plane + 64 * (c - a0)) : make_uint4(0, 0, 0, 0);
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            unsigned lo[B], hi[B];
+            #pragma unroll
+            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+            subset_mma_range<B, S0, S1>(acc, xs[(c * 32 + lane) * 2 + s], lo, hi);
+        }
+    }
+}
+
+// Where pair `pair`'s ring and items lie (both warps of the pair compute the same).
+struct PairRing {
+    int quads, chunks, pieces, rbytes, pbytes, sbytes, first, nw, items;
+    long long pstride;
+    unsigned char* ring;
+    const uint4* xs;
+};
+
+__device__ __forceinline__ void pair_issue(const PairRing& r, int S, int B, const uint4* planes,
+                                           unsigned long long* bars, int k, int ch) {  // warp 2i
+    const int lane = threadIdx.x & 31;
+    const int rg = r.first + (k / r.pieces) * r.nw, pc = k % r.pieces;
+    const unsigned bar = smem_addr(&bars[k % S]);
+    unsigned char* dst = r.ring + (k % S) * r.sbytes;
+    if (lane == 0) bar_expect(bar, r.sbytes);
+    __syncwarp();
+    if (ch == r.chunks) {
+        if (lane < B)
+            bulk_copy(smem_addr(dst + lane * r.pbytes),
+                      planes + lane * r.pstride + (long long)rg * 8 * r.quads, r.pbytes, bar);
+    } else if (lane < 8 * B) {
+        const int p = lane >> 3, w = lane & 7;
+        bulk_copy(smem_addr(dst + p * r.pbytes + w * r.rbytes),
+                  planes + p * r.pstride + (long long)(rg * 8 + w) * r.quads + 4 * ch * pc,
+                  r.rbytes, bar);
+    }
+}
+
+template <int B, int S, int A0, int A1>
+__device__ __forceinline__ void pair_run(const PairRing& r, const uint4* planes,
+                                         unsigned long long* bars, const float* coef,
+                                         const float* sx, const float* sumxi, float* y, int ch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int pair = warp >> 1, half = warp & 1;
+    int acc[A1 - A0][4];
+    for (int k = 0; k < r.items; ++k) {
+        const int pc = k % r.pieces, rg = r.first + (k / r.pieces) * r.nw;
+        if (pc == 0) {
+            #pragma unroll
+            for (int s = 0; s < A1 - A0; ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0;
+        }
+        bar_wait(smem_addr(&bars[k % S]), (k / S) & 1);
+        pair_chunks<B, A0, A1>(acc, r.ring + (k % S) * r.sbytes + g * r.rbytes + 16 * t, r.pbytes,
+                               pc * ch, pc * ch + ch, r.xs);
+        asm volatile("bar.sync %0, 64;" :: "r"(1 + pair) : "memory");  // the pair has read it
+        if (half == 0 && k + S < r.items) pair_issue(r, S, B, planes, bars, k + S, ch);
+        if (pc == r.pieces - 1)
+            fold_range<B, A0, A1>(acc, coef, rg * 8 + 2 * t, sx[0], half ? 0.f : sumxi[0], y);
+    }
+}
+
+template <int B, int S>
+__device__ void popc_pair(const uint4* __restrict__ planes, int R, int words,
+                          const uint4* __restrict__ xa, const float* __restrict__ coef,
+                          const float* __restrict__ sx, const float* __restrict__ sumxi,
+                          float* __restrict__ y, int ch) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bars[15][S];  // [pair][stage]
+    __shared__ __align__(8) unsigned long long xbar;
+    constexpr int HALF = 1 << (B - 1);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pair = warp >> 1, half = warp & 1, pairs = blockDim.x >> 6;
+    PairRing r;
+    r.quads = words / 4, r.chunks = words / 16, r.pieces = r.chunks / ch;
+    r.rbytes = ch * 64, r.pbytes = 8 * r.rbytes, r.sbytes = B * r.pbytes;
+    r.ring = smem + pair * S * r.sbytes;
+    r.xs = (const uint4*)(smem + pairs * S * r.sbytes);
+    r.pstride = (long long)R * r.quads;
+    const int groups = R / 8;
+    r.nw = gridDim.x * pairs, r.first = blockIdx.x * pairs + pair;
+    r.items = r.first < groups ? (groups - r.first + r.nw - 1) / r.nw * r.pieces : 0;
+    if (threadIdx.x == 0) {
+        bar_init(smem_addr(&xbar), 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        bar_expect(smem_addr(&xbar), r.chunks * 1024);
+        bulk_copy(smem_addr(r.xs), xa, r.chunks * 1024, smem_addr(&xbar));
+    }
+    if (half == 0 && lane < S) bar_init(smem_addr(&bars[pair][lane]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+    if (half == 0)
+        for (int k = 0; k < min(S, r.items); ++k) pair_issue(r, S, B, planes, bars[pair], k, ch);
+    bar_wait(smem_addr(&xbar), 0);
+    if (half == 0) pair_run<B, S, 1, HALF>(r, planes, bars[pair], coef, sx, sumxi, y, ch);
+    else pair_run<B, S, HALF, 2 * HALF>(r, planes, bars[pair], coef, sx, sumxi, y, ch);
+}
+
+#define PAIR(B, S, THREADS)                                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                     \
+    popc_pair##B##_##S##_##THREADS(const uint4* planes, int R, int words, const uint4* xa,       \
+                                   const float* coef, const float* sx, const float* sumxi,       \
+                                   float* y, int ch) {                                           \
+        popc_pair<B, S>(planes, R, words, xa, coef, sx, sumxi, y, ch);                           \
+    }
+PAIR(4, 2, 512)
+PAIR(4, 3, 512)
+PAIR(4, 2, 768)
+PAIR(4, 2, 960)
+PAIR(3, 2, 768)
+PAIR(3, 2, 960)

@@ -8,8 +8,9 @@ copy bandwidth and cuBLAS's FP16 GEMV of the same W, all measured in this run.
 At one token it also times two variants that copy a CTA's plane words into shared memory with
 Hopper's bulk copies (cp.async.bulk) before any mma: `tma`, a copy per (row, plane, column half),
 and `tma_rows`, a copy per (plane, 8-row group), the whole row (docs/PERF.md, session 12).
-`ring` times the persistent ring of bulk copies (`popc_ring`, session 13) at one token.
-Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick | probes | ring]
+`ring` times the persistent ring of bulk copies (`popc_ring`, session 13) at one token, `pair`
+the ring shared by two warps that split the plane subsets (`popc_pair`).
+Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick | probes | ring | pair]
 (quick: one token only; probes: `probes` below)"""
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ def run_shape(
     sxd, sumd = cp.asarray(sx, dtype=cp.float32), cp.asarray(xi.sum(1), dtype=cp.float32)
     y = cp.zeros((tokens, rows), dtype=cp.float32)
     kernel = mod.get_function(
-        f"popc_ring{ring[3]}{bits}_{ring[1]}"
+        f"popc_pair{bits}_{ring[1]}_{32 * ring[0]}"
+        if ring and ring[3] == "pair"
+        else f"popc_ring{ring[3]}{bits}_{ring[1]}"
         if ring
         else f"{probe}{bits}"
         if probe
@@ -161,7 +164,8 @@ def run_shape(
         warps, stages, ch, kind = ring
         grid = (cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"], 1)
         block, extra = (32 * warps,), (cp.int32(ch),)
-        smem = warps * stages * bits * 8 * ch * 64 + (words // 16 * 1024 if kind else 0)
+        rings = warps // 2 if kind == "pair" else warps  # a pair of warps shares a ring
+        smem = rings * stages * bits * 8 * ch * 64 + (words // 16 * 1024 if kind else 0)
     if tma == "tma_rows":  # [group][plane][8 rows][words]
         smem = bits * 16 * words * 4
     elif tma:  # popc_tma's layout: [half][plane][16 rows] at a stride that spreads rows over banks
@@ -231,7 +235,12 @@ def run_shape(
         cells = (f"{name} ({tma or probe}, {smem >> 10} KB)",) + cells[1:]
     if ring:
         warps, stages, ch, kind = ring
-        what = {"": "", "x": ", x in shared memory", "p": ", x in shared memory, pipelined"}[kind]
+        what = {
+            "": "",
+            "x": ", x in shared memory",
+            "p": ", x in shared memory, pipelined",
+            "pair": ", a ring a pair of warps that split the subsets",
+        }[kind]
         cells = (f"{name} (ring: {warps} warps, {stages} stages of {ch} chunks{what})",) + cells[1:]
     return [str(c) for c in cells]
 
@@ -266,6 +275,14 @@ def probes(mod, copy_bw: float) -> None:
         cp.get_default_memory_pool().free_all_blocks()
 
 
+PAIRS = {  # the same for `popc_pair` (kind "pair"): warps 16, 24 or 30 (2 warps a ring)
+    (0, 4): ((16, 2, 4, "pair"), (16, 3, 4, "pair"), (24, 2, 4, "pair"), (30, 2, 2, "pair")),
+    (0, 3): ((24, 2, 4, "pair"), (30, 2, 4, "pair")),
+    (1, 4): ((16, 3, 4, "pair"), (24, 2, 4, "pair")),
+    (1, 3): ((24, 2, 4, "pair"), (30, 2, 4, "pair")),
+    (2, 4): ((24, 2, 2, "pair"), (24, 2, 4, "pair")),
+}
+
 RINGS = {  # (shape index, bits): (warps, stages, chunks a stage, kind) to try; one CTA an SM.
     # kind "": x's fragments from global memory; "x": from shared memory; "p": and pipelined
     (0, 4): (
@@ -286,10 +303,10 @@ RINGS = {  # (shape index, bits): (warps, stages, chunks a stage, kind) to try; 
 }
 
 
-def rings(mod, copy_bw: float) -> None:
+def rings(mod, copy_bw: float, table: dict) -> None:
     """The persistent ring (`popc_ring`): bulk copies keep S - 1 items a warp in flight while it
-    computes, one CTA an SM."""
-    for (i, bits), configs in RINGS.items():
+    computes, one CTA an SM (`popc_pair`: a ring a pair of warps)."""
+    for (i, bits), configs in table.items():
         name, rows, cols, _ = SHAPES[i]
         for cfg in configs:
             cells = run_shape(mod, name, rows, cols, bits, 1, 1, False, copy_bw, ring=cfg)
@@ -311,8 +328,8 @@ def main() -> None:
     if sys.argv[1:] == ["probes"]:
         probes(mod, copy_bw)
         return
-    if sys.argv[1:] == ["ring"]:
-        rings(mod, copy_bw)
+    if sys.argv[1:] in (["ring"], ["pair"]):
+        rings(mod, copy_bw, RINGS if sys.argv[1] == "ring" else PAIRS)
         return
     for name, rows, cols, splits in SHAPES:
         for bits in (3, 4):
