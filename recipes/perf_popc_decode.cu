@@ -266,17 +266,19 @@ __device__ __forceinline__ void smem_chunks(int (&acc)[1 << B][4], const unsigne
     }
 }
 
-template <int B>
-__device__ __forceinline__ void fold_store(const int (&acc)[1 << B][4], const float* coef, int row,
+// The fold of a lane's sums of subsets [S0, S1) (acc[s - OFF]) into rows row, row + 1 (e: the
+// empty subset's sum of x, or 0 where another warp adds it).
+template <int B, int S0, int S1, int OFF = S0, int N>
+__device__ __forceinline__ void fold_range(const int (&acc)[N][4], const float* coef, int row,
                                            float sx, float e, float* y) {
     const int lane = threadIdx.x & 31, g = lane >> 2;
     const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
     const float* cr = coef + (long long)row * 16;
     double f0 = 0.0, f1 = 0.0;
     #pragma unroll
-    for (int S = 1; S < (1 << B); ++S) {
-        f0 += (double)cr[S] * (double)(wg * acc[S][0] + w8 * acc[S][2]);
-        f1 += (double)cr[16 + S] * (double)(wg * acc[S][1] + w8 * acc[S][3]);
+    for (int s = S0; s < S1; ++s) {
+        f0 += (double)cr[s] * (double)(wg * acc[s - OFF][0] + w8 * acc[s - OFF][2]);
+        f1 += (double)cr[16 + s] * (double)(wg * acc[s - OFF][1] + w8 * acc[s - OFF][3]);
     }
     #pragma unroll
     for (int m = 4; m < 32; m <<= 1) {
@@ -287,6 +289,12 @@ __device__ __forceinline__ void fold_store(const int (&acc)[1 << B][4], const fl
         atomicAdd(y + row, sx * (float)(f0 + cr[0] * (double)e));
         atomicAdd(y + row + 1, sx * (float)(f1 + cr[16] * (double)e));
     }
+}
+
+template <int B>
+__device__ __forceinline__ void fold_store(const int (&acc)[1 << B][4], const float* coef, int row,
+                                           float sx, float e, float* y) {
+    fold_range<B, 1, 1 << B, 0>(acc, coef, row, sx, e, y);
 }
 
 template <int B>
@@ -418,6 +426,51 @@ __device__ __forceinline__ void smem_chunks_pipe(int (&acc)[1 << B][4], const un
     }
 }
 
+// One ring: its stages, the row groups its items cover (`first`, then every `nw`-th) and the
+// stage geometry (both warps of a pair compute the same).
+struct Ring {
+    int quads, chunks, pieces, rbytes, pbytes, sbytes, first, nw, items;
+    long long pstride;
+    unsigned char* ring;
+    const uint4* xs;
+};
+
+// Item k into stage k % S (one warp).
+__device__ __forceinline__ void ring_issue(const Ring& r, int S, int B, const uint4* planes,
+                                           unsigned long long* bars, int k, int ch) {
+    const int lane = threadIdx.x & 31;
+    const int rg = r.first + (k / r.pieces) * r.nw, pc = k % r.pieces;
+    const unsigned bar = smem_addr(&bars[k % S]);
+    unsigned char* dst = r.ring + (k % S) * r.sbytes;
+    if (lane == 0) bar_expect(bar, r.sbytes);
+    __syncwarp();
+    if (ch == r.chunks) {
+        if (lane < B)
+            bulk_copy(smem_addr(dst + lane * r.pbytes),
+                      planes + lane * r.pstride + (long long)rg * 8 * r.quads, r.pbytes, bar);
+    } else if (lane < 8 * B) {
+        const int p = lane >> 3, w = lane & 7;
+        bulk_copy(smem_addr(dst + p * r.pbytes + w * r.rbytes),
+                  planes + p * r.pstride + (long long)(rg * 8 + w) * r.quads + 4 * ch * pc,
+                  r.rbytes, bar);
+    }
+}
+
+// Ring `index` of `rings` in a CTA's shared memory; x's fragments follow the rings.
+__device__ __forceinline__ Ring ring_at(unsigned char* smem, int index, int rings, int S, int B,
+                                        int R, int words, int ch) {
+    Ring r;
+    r.quads = words / 4, r.chunks = words / 16, r.pieces = r.chunks / ch;
+    r.rbytes = ch * 64, r.pbytes = 8 * r.rbytes, r.sbytes = B * r.pbytes;  // row, plane, stage
+    r.ring = smem + index * S * r.sbytes;
+    r.xs = (const uint4*)(smem + rings * S * r.sbytes);
+    r.pstride = (long long)R * r.quads;
+    const int groups = R / 8;
+    r.nw = gridDim.x * rings, r.first = blockIdx.x * rings + index;
+    r.items = r.first < groups ? (groups - r.first + r.nw - 1) / r.nw * r.pieces : 0;
+    return r;
+}
+
 template <int B, int S, bool XS = false, bool PIPE = false>
 __device__ void popc_ring(const uint4* __restrict__ planes, int R, int words,
                           const uint4* __restrict__ xa, const float* __restrict__ coef,
@@ -427,60 +480,36 @@ __device__ void popc_ring(const uint4* __restrict__ planes, int R, int words,
     __shared__ __align__(8) unsigned long long bars[16][S];  // [warp][stage]
     __shared__ __align__(8) unsigned long long xbar;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int quads = words / 4, chunks = words / 16, pieces = chunks / ch;
-    const int rbytes = ch * 64, pbytes = 8 * rbytes, sbytes = B * pbytes;  // row, plane, stage
-    unsigned char* ring = smem + warp * S * sbytes;
-    const long long pstride = (long long)R * quads;
-    const int groups = R / 8, nw = gridDim.x * (blockDim.x >> 5);
-    const int first = blockIdx.x * (blockDim.x >> 5) + warp;
-    const int items = first < groups ? (groups - first + nw - 1) / nw * pieces : 0;
-    const uint4* xs = xa;
-    if constexpr (XS) {  // x's fragments after the rings
-        xs = (const uint4*)(smem + (blockDim.x >> 5) * S * sbytes);
+    const Ring r = ring_at(smem, warp, blockDim.x >> 5, S, B, R, words, ch);
+    const uint4* xs = XS ? r.xs : xa;
+    if constexpr (XS) {
         if (threadIdx.x == 0) {
             bar_init(smem_addr(&xbar), 1);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-            bar_expect(smem_addr(&xbar), chunks * 1024);
-            bulk_copy(smem_addr(xs), xa, chunks * 1024, smem_addr(&xbar));
+            bar_expect(smem_addr(&xbar), r.chunks * 1024);
+            bulk_copy(smem_addr(xs), xa, r.chunks * 1024, smem_addr(&xbar));
         }
         __syncthreads();
     }
     if (lane < S) bar_init(smem_addr(&bars[warp][lane]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     __syncwarp();
-    auto issue = [&](int k) {  // item k into stage k % S
-        const int rg = first + (k / pieces) * nw, pc = k % pieces;
-        const unsigned bar = smem_addr(&bars[warp][k % S]);
-        unsigned char* dst = ring + (k % S) * sbytes;
-        if (lane == 0) bar_expect(bar, sbytes);
-        __syncwarp();
-        if (ch == chunks) {
-            if (lane < B)
-                bulk_copy(smem_addr(dst + lane * pbytes),
-                          planes + lane * pstride + (long long)rg * 8 * quads, pbytes, bar);
-        } else if (lane < 8 * B) {
-            const int p = lane >> 3, r = lane & 7;
-            bulk_copy(smem_addr(dst + p * pbytes + r * rbytes),
-                      planes + p * pstride + (long long)(rg * 8 + r) * quads + 4 * ch * pc, rbytes,
-                      bar);
-        }
-    };
-    for (int k = 0; k < min(S, items); ++k) issue(k);
+    for (int k = 0; k < min(S, r.items); ++k) ring_issue(r, S, B, planes, bars[warp], k, ch);
     if constexpr (XS) bar_wait(smem_addr(&xbar), 0);
     int acc[1 << B][4];
-    for (int k = 0; k < items; ++k) {
-        const int pc = k % pieces, rg = first + (k / pieces) * nw;
+    for (int k = 0; k < r.items; ++k) {
+        const int pc = k % r.pieces, rg = r.first + (k / r.pieces) * r.nw;
         if (pc == 0) {
             #pragma unroll
             for (int s = 0; s < (1 << B); ++s) acc[s][0] = acc[s][1] = acc[s][2] = acc[s][3] = 0;
         }
         bar_wait(smem_addr(&bars[warp][k % S]), (k / S) & 1);
-        const unsigned char* mine = ring + (k % S) * sbytes + g * rbytes + 16 * t;
-        if constexpr (PIPE) smem_chunks_pipe<B>(acc, mine, pbytes, pc * ch, pc * ch + ch, xs);
-        else smem_chunks<B, XS>(acc, mine, pbytes, pc * ch, pc * ch + ch, xs);
+        const unsigned char* mine = r.ring + (k % S) * r.sbytes + g * r.rbytes + 16 * t;
+        if constexpr (PIPE) smem_chunks_pipe<B>(acc, mine, r.pbytes, pc * ch, pc * ch + ch, xs);
+        else smem_chunks<B, XS>(acc, mine, r.pbytes, pc * ch, pc * ch + ch, xs);
         __syncwarp();  // every lane has read the stage: refill it
-        if (k + S < items) issue(k + S);
-        if (pc == pieces - 1) fold_store<B>(acc, coef, rg * 8 + 2 * t, sx[0], sumxi[0], y);
+        if (k + S < r.items) ring_issue(r, S, B, planes, bars[warp], k + S, ch);
+        if (pc == r.pieces - 1) fold_store<B>(acc, coef, rg * 8 + 2 * t, sx[0], sumxi[0], y);
     }
 }
 
@@ -529,29 +558,6 @@ __device__ __forceinline__ void subset_mma_range(int (&acc)[S1 - S0][4], const u
 }
 
 template <int B, int S0, int S1>
-__device__ __forceinline__ void fold_range(const int (&acc)[S1 - S0][4], const float* coef, int row,
-                                           float sx, float e, float* y) {
-    const int lane = threadIdx.x & 31, g = lane >> 2;
-    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
-    const float* cr = coef + (long long)row * 16;
-    double f0 = 0.0, f1 = 0.0;
-    #pragma unroll
-    for (int s = S0; s < S1; ++s) {
-        f0 += (double)cr[s] * (double)(wg * acc[s - S0][0] + w8 * acc[s - S0][2]);
-        f1 += (double)cr[16 + s] * (double)(wg * acc[s - S0][1] + w8 * acc[s - S0][3]);
-    }
-    #pragma unroll
-    for (int m = 4; m < 32; m <<= 1) {
-        f0 += __shfl_xor_sync(0xffffffffu, f0, m);
-        f1 += __shfl_xor_sync(0xffffffffu, f1, m);
-    }
-    if (g == 0) {
-        atomicAdd(y + row, sx * (float)(f0 + cr[0] * (double)e));
-        atomicAdd(y + row + 1, sx * (float)(f1 + cr[16] * (double)e));
-    }
-}
-
-template <int B, int S0, int S1>
 __device__ __forceinline__ void pair_chunks(int (&acc)[S1 - S0][4], const unsigned char* mine,
                                             int plane, int a0, int a1, const uint4* xs) {
     const int lane = threadIdx.x & 31;
@@ -571,36 +577,8 @@ __device__ __forceinline__ void pair_chunks(int (&acc)[S1 - S0][4], const unsign
     }
 }
 
-// Where pair `pair`'s ring and items lie (both warps of the pair compute the same).
-struct PairRing {
-    int quads, chunks, pieces, rbytes, pbytes, sbytes, first, nw, items;
-    long long pstride;
-    unsigned char* ring;
-    const uint4* xs;
-};
-
-__device__ __forceinline__ void pair_issue(const PairRing& r, int S, int B, const uint4* planes,
-                                           unsigned long long* bars, int k, int ch) {  // warp 2i
-    const int lane = threadIdx.x & 31;
-    const int rg = r.first + (k / r.pieces) * r.nw, pc = k % r.pieces;
-    const unsigned bar = smem_addr(&bars[k % S]);
-    unsigned char* dst = r.ring + (k % S) * r.sbytes;
-    if (lane == 0) bar_expect(bar, r.sbytes);
-    __syncwarp();
-    if (ch == r.chunks) {
-        if (lane < B)
-            bulk_copy(smem_addr(dst + lane * r.pbytes),
-                      planes + lane * r.pstride + (long long)rg * 8 * r.quads, r.pbytes, bar);
-    } else if (lane < 8 * B) {
-        const int p = lane >> 3, w = lane & 7;
-        bulk_copy(smem_addr(dst + p * r.pbytes + w * r.rbytes),
-                  planes + p * r.pstride + (long long)(rg * 8 + w) * r.quads + 4 * ch * pc,
-                  r.rbytes, bar);
-    }
-}
-
 template <int B, int S, int A0, int A1>
-__device__ __forceinline__ void pair_run(const PairRing& r, const uint4* planes,
+__device__ __forceinline__ void pair_run(const Ring& r, const uint4* planes,
                                          unsigned long long* bars, const float* coef,
                                          const float* sx, const float* sumxi, float* y, int ch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -616,7 +594,7 @@ __device__ __forceinline__ void pair_run(const PairRing& r, const uint4* planes,
         pair_chunks<B, A0, A1>(acc, r.ring + (k % S) * r.sbytes + g * r.rbytes + 16 * t, r.pbytes,
                                pc * ch, pc * ch + ch, r.xs);
         asm volatile("bar.sync %0, 64;" :: "r"(1 + pair) : "memory");  // the pair has read it
-        if (half == 0 && k + S < r.items) pair_issue(r, S, B, planes, bars, k + S, ch);
+        if (half == 0 && k + S < r.items) ring_issue(r, S, B, planes, bars, k + S, ch);
         if (pc == r.pieces - 1)
             fold_range<B, A0, A1>(acc, coef, rg * 8 + 2 * t, sx[0], half ? 0.f : sumxi[0], y);
     }
@@ -633,15 +611,7 @@ __device__ void popc_pair(const uint4* __restrict__ planes, int R, int words,
     constexpr int HALF = 1 << (B - 1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pair = warp >> 1, half = warp & 1, pairs = blockDim.x >> 6;
-    PairRing r;
-    r.quads = words / 4, r.chunks = words / 16, r.pieces = r.chunks / ch;
-    r.rbytes = ch * 64, r.pbytes = 8 * r.rbytes, r.sbytes = B * r.pbytes;
-    r.ring = smem + pair * S * r.sbytes;
-    r.xs = (const uint4*)(smem + pairs * S * r.sbytes);
-    r.pstride = (long long)R * r.quads;
-    const int groups = R / 8;
-    r.nw = gridDim.x * pairs, r.first = blockIdx.x * pairs + pair;
-    r.items = r.first < groups ? (groups - r.first + r.nw - 1) / r.nw * r.pieces : 0;
+    const Ring r = ring_at(smem, pair, pairs, S, B, R, words, ch);
     if (threadIdx.x == 0) {
         bar_init(smem_addr(&xbar), 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -652,7 +622,7 @@ __device__ void popc_pair(const uint4* __restrict__ planes, int R, int words,
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     __syncthreads();
     if (half == 0)
-        for (int k = 0; k < min(S, r.items); ++k) pair_issue(r, S, B, planes, bars[pair], k, ch);
+        for (int k = 0; k < min(S, r.items); ++k) ring_issue(r, S, B, planes, bars[pair], k, ch);
     bar_wait(smem_addr(&xbar), 0);
     if (half == 0) pair_run<B, S, 1, HALF>(r, planes, bars[pair], coef, sx, sumxi, y, ch);
     else pair_run<B, S, HALF, 2 * HALF>(r, planes, bars[pair], coef, sx, sumxi, y, ch);
