@@ -1368,7 +1368,8 @@ __device__ __forceinline__ void wg_decode_at(const Stage& st, const WgJob& job, 
 // plane), each lane asks L2 for the line PF_AHEAD chunks on of its rows g, g + 8 and planes t,
 // t + 4 (B: the m-tile's width). Measured (docs/PERF.md, session 13): Mixtral 7-19% faster, the
 // Qwen shapes 1-5%. Also asking for the first lines at a tile's start, or 8 chunks ahead, was no
-// better; the same prefetch made the decode kernels 1-7% slower and the mma.sync prefill 3x slower.
+// better. The same prefetch made the decode kernels 1-7% slower and the mma.sync prefill (timed on
+// the H200) 3x slower: they have none.
 #define PF_AHEAD 4
 __device__ __forceinline__ void prefetch_ahead(const Stage& st, int B, int words, int it) {
     const int w = 8 * (it + PF_AHEAD);
