@@ -137,42 +137,35 @@ __device__ void popc_gemv(const uint4* __restrict__ planes, int R, int words,
         popc_rows<B, T, MODE, ROT>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
 }
 
-#define GEMV(B, T, CTAS)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128, CTAS)                                      \
-    popc_gemv##B##_##T(const uint4* planes, int R, int words, const uint4* xa, const float* coef, \
-                       const float* sx, const float* sumxi, float* y) {                          \
-        popc_gemv<B, T>(planes, R, words, xa, coef, sx, sumxi, y);                               \
+// Every GEMV kernel takes the same arguments; KERNEL names one and the template it runs, at
+// THREADS threads and a floor of CTAS CTAs an SM (RING_KERNEL: the persistent rings, one CTA an
+// SM, with the chunks of a stage as `ch`).
+#define GEMV_ARGS const uint4 *planes, int R, int words, const uint4 *xa, const float *coef,      \
+                  const float *sx, const float *sumxi, float *y
+#define KERNEL(NAME, THREADS, CTAS, ...)                                                         \
+    extern "C" __global__ void __launch_bounds__(THREADS, CTAS) NAME(GEMV_ARGS) {                \
+        __VA_ARGS__(planes, R, words, xa, coef, sx, sumxi, y);                                   \
     }
-GEMV(3, 1, 4)
-GEMV(4, 1, 4)
-#define PROBE(NAME, B, MODE, ...)                                                                 \
-    extern "C" __global__ void __launch_bounds__(128, 4)                                          \
-    NAME##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef,            \
-            const float* sx, const float* sumxi, float* y) {                                      \
-        popc_gemv<B, 1, MODE __VA_ARGS__>(planes, R, words, xa, coef, sx, sumxi, y);              \
+#define RING_KERNEL(NAME, THREADS, ...)                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(GEMV_ARGS, int ch) {          \
+        __VA_ARGS__(planes, R, words, xa, coef, sx, sumxi, y, ch);                               \
     }
-PROBE(popc_loads, 4, 1)
-PROBE(popc_mma, 4, 2)
-PROBE(popc_one, 4, 3)
-PROBE(popc_planes_only, 4, 4)
-PROBE(popc_rot, 4, 0, , true)  // the GEMV, chunks walked from a per-warp offset (ROT)
-PROBE(popc_planes_rot, 4, 4, , true)
-// 3 bits at 5 and 6 CTAs an SM (the 4-bit build's registers allow 4): does occupancy lift it?
-#define GEMV_AT(B, CTAS)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128, CTAS)                                      \
-    popc_at##CTAS##_##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef, \
-                        const float* sx, const float* sumxi, float* y) {                         \
-        popc_gemv<B, 1>(planes, R, words, xa, coef, sx, sumxi, y);                               \
-    }
-GEMV_AT(3, 4)
-GEMV_AT(3, 5)
-GEMV_AT(3, 6)
+KERNEL(popc_gemv3_1, 128, 4, popc_gemv<3, 1>)
+KERNEL(popc_gemv4_1, 128, 4, popc_gemv<4, 1>)
+KERNEL(popc_loads4, 128, 4, popc_gemv<4, 1, 1>)
+KERNEL(popc_mma4, 128, 4, popc_gemv<4, 1, 2>)
+KERNEL(popc_one4, 128, 4, popc_gemv<4, 1, 3>)
+KERNEL(popc_planes_only4, 128, 4, popc_gemv<4, 1, 4>)
+KERNEL(popc_rot4, 128, 4, popc_gemv<4, 1, 0, true>)  // chunks walked from a per-warp offset
+KERNEL(popc_planes_rot4, 128, 4, popc_gemv<4, 1, 4, true>)
+// 3 bits at 4, 5 and 6 CTAs an SM (the 4-bit build's registers allow 4): does occupancy lift it?
+KERNEL(popc_at4_3, 128, 4, popc_gemv<3, 1>)
+KERNEL(popc_at5_3, 128, 5, popc_gemv<3, 1>)
+KERNEL(popc_at6_3, 128, 6, popc_gemv<3, 1>)
 
 // The plane loads only, as session 9's streaming kernel issues them: 16 rows a warp (rows g and
 // g + 8 of lane (g, t)), a chunk of both rows and every plane in flight (4 KB a warp).
-extern "C" __global__ void __launch_bounds__(128, 4) popc_loads16_4(
-    const uint4* planes, int R, int words, const uint4* xa, const float* coef, const float* sx,
-    const float* sumxi, float* y) {
+extern "C" __global__ void __launch_bounds__(128, 4) popc_loads16_4(GEMV_ARGS) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * 16;
     if (r0 >= R) return;
@@ -193,8 +186,8 @@ extern "C" __global__ void __launch_bounds__(128, 4) popc_loads16_4(
     }
     y[r0 + lane % 16] = (float)acc;
 }
-GEMV(3, 2, 3)
-GEMV(4, 2, 2)
+KERNEL(popc_gemv3_2, 128, 3, popc_gemv<3, 2>)
+KERNEL(popc_gemv4_2, 128, 2, popc_gemv<4, 2>)
 
 // One mma.m16n8k256 .and.popc with fragments as given: a [32 lanes][4], b [32][2] -> d [32][4]
 // (the layout check of perf_popc_decode.py).
@@ -336,14 +329,8 @@ __device__ void popc_tma(const uint4* __restrict__ planes, int R, int words,
     fold_store<B>(acc, coef, r0 + 8 * grp + 2 * t, sx[0], blockIdx.y == 0 && part == 0 ? sumxi[0] : 0.f, y);
 }
 
-#define TMA(B, CTAS)                                                                             \
-    extern "C" __global__ void __launch_bounds__(128, CTAS)                                      \
-    popc_tma##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef,       \
-                const float* sx, const float* sumxi, float* y) {                                 \
-        popc_tma<B>(planes, R, words, xa, coef, sx, sumxi, y);                                   \
-    }
-TMA(3, 4)
-TMA(4, 4)
+KERNEL(popc_tma3, 128, 4, popc_tma<3>)
+KERNEL(popc_tma4, 128, 4, popc_tma<4>)
 
 // The same, but a copy per (plane, 8-row group): 8 rows of a plane are contiguous (no k-split,
 // so each copy is 8 x words x 4 bytes). Warp w reads group w % 2 over column half w / 2.
@@ -377,14 +364,8 @@ __device__ void popc_tma_rows(const uint4* __restrict__ planes, int R, int words
     fold_store<B>(acc, coef, r0 + 8 * grp + 2 * t, sx[0], part == 0 ? sumxi[0] : 0.f, y);
 }
 
-#define TMA_ROWS(B, CTAS)                                                                        \
-    extern "C" __global__ void __launch_bounds__(128, CTAS)                                      \
-    popc_tma_rows##B(const uint4* planes, int R, int words, const uint4* xa, const float* coef,  \
-                     const float* sx, const float* sumxi, float* y) {                            \
-        popc_tma_rows<B>(planes, R, words, xa, coef, sx, sumxi, y);                              \
-    }
-TMA_ROWS(3, 4)
-TMA_ROWS(4, 4)
+KERNEL(popc_tma_rows3, 128, 4, popc_tma_rows<3>)
+KERNEL(popc_tma_rows4, 128, 4, popc_tma_rows<4>)
 
 // ---- a persistent ring: every warp keeps S stages of its plane words in flight ----------------
 // (session 13). `popc_tma_rows` put all of a CTA's words in flight, then computed: an SM's bytes
@@ -513,31 +494,18 @@ __device__ void popc_ring(const uint4* __restrict__ planes, int R, int words,
     }
 }
 
-#define RING(B, S)                                                                               \
-    extern "C" __global__ void __launch_bounds__(512, 1)                                         \
-    popc_ring##B##_##S(const uint4* planes, int R, int words, const uint4* xa, const float* coef, \
-                       const float* sx, const float* sumxi, float* y, int ch) {                  \
-        popc_ring<B, S>(planes, R, words, xa, coef, sx, sumxi, y, ch);                           \
-    }
-#define RINGV(B, S, NAME, XS, PIPE)                                                              \
-    extern "C" __global__ void __launch_bounds__(512, 1)                                         \
-    popc_ring##NAME##B##_##S(const uint4* planes, int R, int words, const uint4* xa,             \
-                             const float* coef, const float* sx, const float* sumxi, float* y,   \
-                             int ch) {                                                           \
-        popc_ring<B, S, XS, PIPE>(planes, R, words, xa, coef, sx, sumxi, y, ch);                 \
-    }
-RINGV(4, 2, x, true, false)
-RINGV(4, 3, x, true, false)
-RINGV(4, 2, p, true, true)
-RINGV(4, 3, p, true, true)
-RINGV(3, 2, p, true, true)
-RING(3, 2)
-RING(3, 3)
-RING(3, 4)
-RING(4, 2)
-RING(4, 3)
-RING(4, 4)
-RING(4, 6)
+RING_KERNEL(popc_ringx4_2, 512, popc_ring<4, 2, true, false>)
+RING_KERNEL(popc_ringx4_3, 512, popc_ring<4, 3, true, false>)
+RING_KERNEL(popc_ringp4_2, 512, popc_ring<4, 2, true, true>)
+RING_KERNEL(popc_ringp4_3, 512, popc_ring<4, 3, true, true>)
+RING_KERNEL(popc_ringp3_2, 512, popc_ring<3, 2, true, true>)
+RING_KERNEL(popc_ring3_2, 512, popc_ring<3, 2>)
+RING_KERNEL(popc_ring3_3, 512, popc_ring<3, 3>)
+RING_KERNEL(popc_ring3_4, 512, popc_ring<3, 4>)
+RING_KERNEL(popc_ring4_2, 512, popc_ring<4, 2>)
+RING_KERNEL(popc_ring4_3, 512, popc_ring<4, 3>)
+RING_KERNEL(popc_ring4_4, 512, popc_ring<4, 4>)
+RING_KERNEL(popc_ring4_6, 512, popc_ring<4, 6>)
 
 // ---- the ring shared by a pair of warps that split the subsets (session 13) --------------------
 // Warps 2i and 2i + 1 share ring i: both read every stage, warp 2i runs the subsets of planes
@@ -628,16 +596,9 @@ __device__ void popc_pair(const uint4* __restrict__ planes, int R, int words,
     else pair_run<B, S, HALF, 2 * HALF>(r, planes, bars[pair], coef, sx, sumxi, y, ch);
 }
 
-#define PAIR(B, S, THREADS)                                                                      \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                     \
-    popc_pair##B##_##S##_##THREADS(const uint4* planes, int R, int words, const uint4* xa,       \
-                                   const float* coef, const float* sx, const float* sumxi,       \
-                                   float* y, int ch) {                                           \
-        popc_pair<B, S>(planes, R, words, xa, coef, sx, sumxi, y, ch);                           \
-    }
-PAIR(4, 2, 512)
-PAIR(4, 3, 512)
-PAIR(4, 2, 768)
-PAIR(4, 2, 960)
-PAIR(3, 2, 768)
-PAIR(3, 2, 960)
+RING_KERNEL(popc_pair4_2_512, 512, popc_pair<4, 2>)
+RING_KERNEL(popc_pair4_3_512, 512, popc_pair<4, 3>)
+RING_KERNEL(popc_pair4_2_768, 768, popc_pair<4, 2>)
+RING_KERNEL(popc_pair4_2_960, 960, popc_pair<4, 2>)
+RING_KERNEL(popc_pair3_2_768, 768, popc_pair<3, 2>)
+RING_KERNEL(popc_pair3_2_960, 960, popc_pair<3, 2>)
