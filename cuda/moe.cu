@@ -86,9 +86,12 @@ __device__ __forceinline__ RowPtr row_ptr(const Paged& g, int block, int plane, 
     return rp;
 }
 
-__device__ __forceinline__ u32 word_at(const RowPtr& rp, int w) {
-    return __ldg((w < rp.split ? rp.p0 : rp.p1) + w);
+// Where word w of a row's plane lies, on whichever side of its page split.
+__device__ __forceinline__ const u32* word_ptr(const RowPtr& rp, int w) {
+    return (w < rp.split ? rp.p0 : rp.p1) + w;
 }
+
+__device__ __forceinline__ u32 word_at(const RowPtr& rp, int w) { return __ldg(word_ptr(rp, w)); }
 
 // ---- decoding labels straight into tensor-core fragments ------------------------------------
 //
@@ -249,7 +252,7 @@ __device__ __forceinline__ void load_words(const RowPtr* rp, int w, int words, b
     for (int p = 0; p < B; ++p) {
         const RowPtr r = rp[p];
         if (pairs) {
-            const uint2 v = __ldg((const uint2*)((w < r.split ? r.p0 : r.p1) + w));
+            const uint2 v = __ldg((const uint2*)word_ptr(r, w));
             P0[p] = v.x;
             P1[p] = v.y;
         } else {
@@ -1381,7 +1384,7 @@ __device__ __forceinline__ void prefetch_ahead(const Stage& st, int B, int words
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const RowPtr rp = st.ptr[(g + 8 * h) * 8 + p];
-            asm volatile("prefetch.global.L2 [%0];" :: "l"((w < rp.split ? rp.p0 : rp.p1) + w));
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(word_ptr(rp, w)));
         }
     }
 }
