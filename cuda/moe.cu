@@ -1203,12 +1203,26 @@ struct PrefillWG {
     // B of a half-chunk as K-major core matrices (8 tokens x 8 columns, 128 contiguous bytes):
     // [buffer][k-step][token group][columns 0-7 / 8-15][token]
     uint4 b[2][WG_KSTEPS][WG_GROUPS][2][8];
+    unsigned long long full[2];  // mbarriers: buffer u's bulk copy has landed (one arrival a use)
 };
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
+}
+
+// mbarrier helpers for the B buffers' bulk copies.
+__device__ __forceinline__ void mbar_init(void* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(count)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(void* bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                     " selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
 }
 
 // Shared-memory matrix descriptor of one k-step of B: no swizzle, the next 8 columns 128 bytes on
@@ -1254,18 +1268,23 @@ __device__ __forceinline__ void hold(const u32 (&A)[WG_KSTEPS][4]) {
         asm volatile("" :: "r"(A[s][0]), "r"(A[s][1]), "r"(A[s][2]), "r"(A[s][3]));
 }
 
-// cp.async half-chunk hc of the pass's token tile into B buffer `buf`: the tile holds it as
-// shared memory does, so thread i copies 16-byte pieces i, i + 128, ...
+// Half-chunk hc of the pass's token tile into B buffer `buf`: the tile holds it as shared memory
+// does, so it is one 32 KB bulk copy (Hopper's copy engine), issued by thread 0 and awaited by
+// every thread on the buffer's mbarrier. Its completion is tracked apart from any plane loads, and
+// no thread spends registers or issue slots on it.
 __device__ __forceinline__ void load_b(PrefillWG& sm, int buf, const unsigned short* tile, int hc) {
-    const uint4* src = reinterpret_cast<const uint4*>(tile) + (i64)hc * 2048 + threadIdx.x;
-    const u32 dst = smem_u32(&sm.b[buf][0][0][0][0]) + 16 * threadIdx.x;
-#ifndef PWCTL_PREFILL_NO_B  // timing probe, never built by pwctl: B stays whatever it was
-    #pragma unroll
-    for (int j = 0; j < 16; ++j)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                     :: "r"(dst + 2048 * j), "l"(src + 128 * j) : "memory");
+    if (threadIdx.x != 0) return;
+    const u32 bar = smem_u32(&sm.full[buf]), bytes = sizeof(sm.b[0]);
+#ifdef PWCTL_PREFILL_NO_B  // timing probe, never built by pwctl: B stays whatever it was
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+#else
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes)
+                 : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        :: "r"(smem_u32(&sm.b[buf][0][0][0][0])), "l"(tile + (i64)hc * (bytes / 2)), "r"(bytes),
+           "r"(bar) : "memory");
 #endif
-    asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Where column `col` of token n (0..127) of a tile lies: wgmma order (position 256 it + 16 s + k
@@ -1358,6 +1377,32 @@ __device__ __forceinline__ void wg_load_at(const Stage& st, const WgJob& job, in
     }
 }
 
+// Plane words w, w + 1 (w even) of rows g, g + 8: into P*a and P*b. FLAT rows take one 8-byte
+// load a (row, plane) (`wg_job` calls a CTA flat only if words is even, so the pair is 8-byte
+// aligned); others two word loads.
+template <int B, bool FLAT>
+__device__ __forceinline__ void wg_load_pair(const Stage& st, const WgJob& job, int w,
+                                             u32 (&Pa0)[8], u32 (&Pa1)[8], u32 (&Pb0)[8],
+                                             u32 (&Pb1)[8]) {
+#ifndef PWCTL_PREFILL_NO_PLANES
+    if constexpr (B > 0 && FLAT) {
+        const int g = (threadIdx.x & 31) >> 2;
+        const RowPtr *r0 = st.ptr + g * 8, *r1 = st.ptr + (g + 8) * 8;
+        const bool in = job.live && w < job.words;
+        #pragma unroll
+        for (int p = 0; p < 8; ++p) {
+            const uint2 z = make_uint2(0u, 0u);
+            const uint2 v0 = p < B && in ? __ldg((const uint2*)(r0[p].p0 + w)) : z;
+            const uint2 v1 = p < B && in ? __ldg((const uint2*)(r1[p].p0 + w)) : z;
+            Pa0[p] = v0.x, Pb0[p] = v0.y, Pa1[p] = v1.x, Pb1[p] = v1.y;
+        }
+        return;
+    }
+#endif
+    wg_load_at<B, FLAT>(st, job, w, Pa0, Pa1);
+    wg_load_at<B, FLAT>(st, job, w + 1, Pb0, Pb1);
+}
+
 template <int B>
 __device__ __forceinline__ void wg_decode_at(const Stage& st, const WgJob& job, const u32 (&P0)[8],
                                              const u32 (&P1)[8], const u32 (&L0)[8],
@@ -1389,22 +1434,84 @@ __device__ __forceinline__ void prefetch_ahead(const Stage& st, int B, int words
     }
 }
 
+// Widths 1-4 on flat rows stream their plane words through a ring in shared memory instead of
+// registers: RING_SLOTS chunks a warp, in the warp's table space (a width-4 table lives in
+// registers, `lut_from`, once the loop starts). Each chunk is copied with `cp.async` RING_SLOTS - 1
+// chunks ahead, so a plane word has ~6 half-chunks to arrive where a register load had one.
+// A slot is [plane][row 0-15][8 words]; lane (g, t) reads rows g, g + 8 without bank conflicts.
+#define RING_SLOTS 4
+template <int B, bool FLAT>
+constexpr bool kRing = B >= 1 && B <= 4 && FLAT;
+
+__device__ __forceinline__ u32 ring_base(const Stage& st) { return smem_u32(&st.tbl[0][0]); }
+
+// Copy chunk c of the warp's 16 rows into its slot (lane: row lane / 2, words 4 (lane % 2) on),
+// then commit a cp.async group (an empty one past the last chunk or for a dead m-tile).
+template <int B>
+__device__ __forceinline__ void ring_fill(const Stage& st, const WgJob& job, int c) {
+    const int lane = threadIdx.x & 31, r = lane >> 1, h = lane & 1, w = 8 * c + 4 * h;
+    const int bytes = job.live ? min(max(4 * (job.words - w), 0), 16) : 0;
+    const u32 dst = ring_base(st) + (c % RING_SLOTS) * (512 * B) + 32 * r + 16 * h;
+    if (bytes > 0) {
+        #pragma unroll
+        for (int p = 0; p < B; ++p)  // bytes < 16: the rest of the piece is zero-filled
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                         :: "r"(dst + 512 * p), "l"(st.ptr[r * 8 + p].p0 + w), "r"(bytes)
+                         : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Word 2t + U of chunk c, rows g (P0) and g + 8 (P1), from the ring (zeros for a dead m-tile).
+template <int B>
+__device__ __forceinline__ void ring_read(const Stage& st, const WgJob& job, int c, int U,
+                                          u32 (&P0)[8], u32 (&P1)[8]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 at = ring_base(st) + (c % RING_SLOTS) * (512 * B) + 32 * g + 4 * (2 * t + U);
+    #pragma unroll
+    for (int p = 0; p < 8; ++p) {
+        P0[p] = P1[p] = 0u;
+        if (p < B && job.live) {
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(P0[p]) : "r"(at + 512 * p));
+            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(P1[p]) : "r"(at + 512 * p + 256));
+        }
+    }
+}
+
+// At chunk c's start: wait for its copies (RING_SLOTS - 2 newer groups may still run), and refill
+// the slot chunk c - 1 used (every lane read it before the warp barrier) with chunk c + 3.
+template <int B>
+__device__ __forceinline__ void ring_next(const Stage& st, const WgJob& job, int c) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(RING_SLOTS - 2) : "memory");
+    __syncwarp();
+    ring_fill<B>(st, job, c + RING_SLOTS - 1);
+}
+
 // One half-chunk: decode word U of the lane's chunk into A (overlapping the previous
-// half-chunk's wgmma), roll the plane words a chunk on, wait for this half-chunk's B, issue its
-// 8 wgmma, retire the previous half-chunk's (then `other`, its A set, is free) and start copying
-// the next half-chunk's B into the buffer that frees.
+// half-chunk's wgmma); after word 1, load both words of the lane's next chunk (one 8-byte load a
+// row and plane); wait for this half-chunk's B, issue its 8 wgmma, retire the previous
+// half-chunk's (then `other`, its A set, is free) and start copying the next half-chunk's B into
+// the buffer that frees.
 template <int B, bool FLAT, int U>
 __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc, int halves,
-                                        const u32 (&L0)[8], const u32 (&L1)[8], u32 (&P0)[8],
-                                        u32 (&P1)[8], u32 (&A)[WG_KSTEPS][4],
-                                        const u32 (&other)[WG_KSTEPS][4], float (&d)[64]) {
+                                        const u32 (&L0)[8], const u32 (&L1)[8], u32 (&Pa0)[8],
+                                        u32 (&Pa1)[8], u32 (&Pb0)[8], u32 (&Pb1)[8],
+                                        u32 (&A)[WG_KSTEPS][4], const u32 (&other)[WG_KSTEPS][4],
+                                        float (&d)[64]) {
     const Stage& st = sm.st[threadIdx.x >> 5];
-    if (U == 0 && job.live) prefetch_ahead(st, B == 0 ? job.B : B, job.words, hc / 2);
-    wg_decode_at<B>(st, job, P0, P1, L0, L1, A);
-    wg_load_at<B, FLAT>(st, job, 8 * (hc / 2 + 1) + 2 * (threadIdx.x & 3) + U, P0, P1);
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async wrote; wgmma reads
-    __syncthreads();
+    if constexpr (kRing<B, FLAT>) {
+        if (U == 0) ring_next<B>(st, job, hc / 2);
+        ring_read<B>(st, job, hc / 2, U, Pa0, Pa1);
+        wg_decode_at<B>(st, job, Pa0, Pa1, L0, L1, A);
+    } else if (U == 0) {
+        if (job.live) prefetch_ahead(st, B == 0 ? job.B : B, job.words, hc / 2);
+        wg_decode_at<B>(st, job, Pa0, Pa1, L0, L1, A);
+    } else {
+        wg_decode_at<B>(st, job, Pb0, Pb1, L0, L1, A);
+        wg_load_pair<B, FLAT>(st, job, 8 * (hc / 2 + 1) + 2 * (threadIdx.x & 3), Pa0, Pa1, Pb0,
+                              Pb1);
+    }
+    mbar_wait(&sm.full[U], (hc / 2) & 1);  // buffer U's (hc / 2)-th copy
     wgmma_fence();
     const unsigned long long desc = b_desc(&sm.b[U][0][0][0][0]);
     #pragma unroll
@@ -1428,8 +1535,13 @@ __device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, f
     lut_from(st.tbl[g + 8], min(job.B, 4), L1);
     const int halves = 2 * ((job.words + 7) / 8);
     u32 Pa0[8], Pa1[8], Pb0[8], Pb1[8];  // word 8 it + 2t + u of rows g, g + 8: u = 0 (a), 1 (b)
-    wg_load_at<B, FLAT>(st, job, 2 * t, Pa0, Pa1);
-    wg_load_at<B, FLAT>(st, job, 2 * t + 1, Pb0, Pb1);
+    if constexpr (kRing<B, FLAT>) {
+        __syncwarp();  // every lane has its table in registers: the ring may overwrite it
+        #pragma unroll
+        for (int c = 0; c < RING_SLOTS - 1; ++c) ring_fill<B>(st, job, c);
+    } else {
+        wg_load_pair<B, FLAT>(st, job, 2 * t, Pa0, Pa1, Pb0, Pb1);
+    }
     #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
     load_b(sm, 0, job.tile, 0);
@@ -1437,8 +1549,8 @@ __device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, f
     #pragma unroll
     for (int s = 0; s < WG_KSTEPS; ++s) Ab[s][0] = Ab[s][1] = Ab[s][2] = Ab[s][3] = 0u;
     for (int hc = 0; hc < halves; hc += 2) {
-        wg_half<B, FLAT, 0>(sm, job, hc, halves, L0, L1, Pa0, Pa1, Aa, Ab, d);
-        wg_half<B, FLAT, 1>(sm, job, hc + 1, halves, L0, L1, Pb0, Pb1, Ab, Aa, d);
+        wg_half<B, FLAT, 0>(sm, job, hc, halves, L0, L1, Pa0, Pa1, Pb0, Pb1, Aa, Ab, d);
+        wg_half<B, FLAT, 1>(sm, job, hc + 1, halves, L0, L1, Pa0, Pa1, Pb0, Pb1, Ab, Aa, d);
     }
     wgmma_wait<0>();
     hold(Ab);
@@ -1491,7 +1603,12 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
     if (job.live)
         flat = stage(g, block, job.B, bits_nbytes, words, rpt, mrow0, nrows, sm.st[warp],
                      threadIdx.x & 31, 32);
-    job.flat = __syncthreads_and(flat);
+    if (threadIdx.x == 0) {  // B's mbarriers, visible to the copy engine after the barrier below
+        mbar_init(&sm.full[0], 1);
+        mbar_init(&sm.full[1], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    job.flat = __syncthreads_and(flat) && words % 2 == 0;  // pairs of words 8-byte aligned
     return job;
 }
 

@@ -29,7 +29,7 @@ STAGE_BYTES = 128 * 24 + 16 * 256 * 2  # sizeof(Stage): 16 rows x 8 planes of Ro
 # sizeof(Prefill), 4 stages + two chunks of A fragments; sizeof(PrefillWG), 4 stages + two B
 # buffers of 8 k-steps x 128 tokens
 PREFILL_SMEM = 4 * STAGE_BYTES + 2 * 4 * 16 * 32 * 16
-PREFILL_WG_SMEM = 4 * STAGE_BYTES + 2 * 8 * 128 * 16 * 2
+PREFILL_WG_SMEM = 4 * STAGE_BYTES + 2 * 8 * 128 * 16 * 2 + 2 * 8  # and B's two mbarriers
 PREFILL_WARPS = 4  # cuda/moe.cu PF_WARPS
 CTAS_PER_SM = 8  # what a k-split aims for: enough warps in flight to cover memory latency
 DECODE_MAX_TOKENS = 8 * DECODE_TILES[-1]
