@@ -1197,6 +1197,7 @@ __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int 
 #define WG_TOKENS 128                // tokens of a pass: the wgmma's N
 #define WG_GROUPS (WG_TOKENS / 8)    // 8-token core-matrix groups
 #define WG_KSTEPS 8                  // k-steps of a half-chunk
+static_assert(WG_TOKENS == PF_TOKENS, "one tile plan (plan_tiles) serves both prefills");
 
 struct PrefillWG {
     Stage st[4];  // warp q's m-tile
@@ -1774,14 +1775,18 @@ extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
 // thread writes one 16-byte unit: 8 k of one token's k-step. Tiles past the last real one (slot
 // -1 in tile_info) are left unwritten: no CTA reads them.
 extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad, const int* token,
-                                       const i64* pair, const int* tile_info, uint4* xt) {
+                                       const int* s_lo, const int* s_hi, const int* tile_info,
+                                       uint4* xt) {
     const int t = blockIdx.y, units = wpad / 4 * 2048;  // half-chunks x (8 x 16 x 2 x 8) units
-    if (tile_info[2 * t] < 0) return;
+    const int slot = tile_info[2 * t];
+    if (slot < 0) return;
+    // the tile's first pair; tokens past the slot's end repeat its last (computed, never stored)
+    const int first = s_lo[slot] + PF_TOKENS * tile_info[2 * t + 1], last = s_hi[slot] - 1;
     for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < units; u += gridDim.x * blockDim.x) {
         // unit u = [half-chunk hc][k-step s 8][token group 16][k half 2][token 8]
         const int hc = u >> 11, s = (u >> 8) & 7, kh = (u >> 3) & 1;
         const int n = ((u >> 4) & 15) * 8 + (u & 7);
-        const unsigned short* row = x + (i64)token[pair[(i64)t * 128 + n]] * H;  // 128: WG_TOKENS
+        const unsigned short* row = x + (i64)token[min(first + n, last)] * H;
         u32 v[4];
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -1880,6 +1885,46 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
     }
     const int stride = (blocks - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
     lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
+}
+
+// The sm_90a prefill's token tiles (`fused_moe.tile_plan`): per tile (slot, pass), each slot's
+// ceil(pairs / 128) tiles consecutive, (-1, 0) past the last up to `tiles` (a bound). One warp.
+__device__ void plan_tiles(const int* s_lo, const int* s_hi, int slots, int* tile_info, int tiles) {
+    const int lane = threadIdx.x & 31;
+    int start = 0;
+    for (int s0 = 0; s0 < slots; s0 += 32) {
+        const int s = s0 + lane, n = s < slots ? (s_hi[s] - s_lo[s] + PF_TOKENS - 1) / PF_TOKENS : 0;
+        int inc = n;
+        #pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, inc, d);
+            if (lane >= d) inc += v;
+        }
+        for (int p = 0, t = start + inc - n; p < n; ++p, ++t)
+            tile_info[2 * t] = s, tile_info[2 * t + 1] = p;
+        start += __shfl_sync(0xffffffffu, inc, 31);
+    }
+    for (int t = start + lane; t < tiles; t += 32) tile_info[2 * t] = -1, tile_info[2 * t + 1] = 0;
+}
+
+// What a prefill call needs before its kernels, in one launch (`fused_moe.prepare_prefill`; ~30
+// small torch launches before, which left eager prefill host-bound: docs/PERF.md, session 14).
+// Block 0 groups the pairs (`group_pairs`), then its first warp plans the token tiles; the other
+// blocks zero `out`.
+extern "C" __global__ void prefill_prep(const i64* index, const float* weights, int pairs, int k,
+                                        int experts, int slots, int* token, float* weight,
+                                        int* s_expert, int* s_lo, int* s_hi, int* tile_info,
+                                        int tiles, float* out, i64 out_n) {
+    if (blockIdx.x > 0) {
+        const i64 stride = (i64)(gridDim.x - 1) * blockDim.x;
+        for (i64 i = (i64)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < out_n; i += stride)
+            out[i] = 0.f;
+        return;
+    }
+    group_pairs(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
+    if (threadIdx.x >= 32) return;  // group_pairs' last part is warp 0's, and so is the plan
+    __syncwarp();                   // the slots its lanes wrote
+    plan_tiles(s_lo, s_hi, slots, tile_info, tiles);
 }
 
 // ------------------------------------------------------------------------------------------------

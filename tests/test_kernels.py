@@ -36,6 +36,7 @@ from pwctl.runtime.fused_moe import (
     fragment_order,
     group,
     prepare_decode,
+    prepare_prefill,
     prepare_routed,
     tile_plan,
     wgmma_order,
@@ -661,10 +662,35 @@ def test_token_tiles_kernel_matches_wgmma_tiles():
     token = torch.randint(0, 40, (300,), generator=gen, device="cuda", dtype=torch.int32)
     pairs = Pairs(token, torch.ones(300, device="cuda"), hi[:4].int(), hi[:4].int(), hi[1:].int())
     plan = tile_plan(pairs)
-    got = token_tiles(x, 16, token, plan)
+    got = token_tiles(x, 16, pairs, plan.info)
     want = wgmma_tiles(x, 16, token[plan.pair].long()).reshape(plan.tiles, -1)
     live = plan.info[:, 0] >= 0  # the kernel leaves tiles past the last real one unwritten
     assert int(live.sum()) == 5 and torch.equal(got[live], want[live])
+
+
+PREP_CASES = [(1, 2, 8), (37, 2, 8), (512, 2, 8), (300, 8, 128), (2048, 8, 60)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, k, E", PREP_CASES)
+def test_prefill_prep_matches_group_and_tile_plan(T, k, E):
+    gen = torch.Generator(device="cuda").manual_seed(T + E)
+    logits = torch.randn(T, E, generator=gen, device="cuda")
+    logits[:, : E // 4] -= 50.0  # a quarter of the experts get no token: empty slots
+    weights, index = torch.topk(torch.softmax(logits, -1), k)
+    out = torch.full((T, 96), float("nan"), device="cuda")
+    pairs, info = prepare_prefill(index, weights, E, out)
+    want = group(index, weights, E)
+    for name in ("token", "weight", "lo", "hi"):
+        assert torch.equal(getattr(pairs, name), getattr(want, name)), name
+    filled = want.hi > want.lo  # empty slots may name any expert
+    assert filled.sum() < filled.numel() or T == 1  # the cases hold empty slots
+    assert torch.equal(pairs.expert[filled], want.expert[filled])
+    plan = tile_plan(want)
+    live = plan.info[:, 0] >= 0
+    assert info.shape == plan.info.shape and torch.equal(info[live], plan.info[live])
+    assert info[~live, 0].eq(-1).all()  # past the last tile: the CTAs exit
+    assert out.eq(0).all()
 
 
 def test_device_table_sync_uploads_what_changed():

@@ -84,21 +84,50 @@ def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs
     )
 
 
-def decode_buffers(
-    T: int, k: int, num_experts: int, wpad: int, device: torch.device
-) -> tuple[Pairs, torch.Tensor]:
-    """What `prepare_decode` fills for T tokens of top-k routing: pairs, slots, x in fragment
-    order (uninitialized)."""
-    n, slots = T * k, min(num_experts, T * k)
+def pair_buffers(n: int, slots: int, device: torch.device) -> Pairs:
+    """Uninitialized pairs and slots, for a prep launch to fill."""
     i32 = torch.int32
-    pairs = Pairs(
+    return Pairs(
         token=torch.empty(n, dtype=i32, device=device),
         weight=torch.empty(n, dtype=torch.float32, device=device),
         expert=torch.empty(slots, dtype=i32, device=device),
         lo=torch.empty(slots, dtype=i32, device=device),
         hi=torch.empty(slots, dtype=i32, device=device),
     )
+
+
+def decode_buffers(
+    T: int, k: int, num_experts: int, wpad: int, device: torch.device
+) -> tuple[Pairs, torch.Tensor]:
+    """What `prepare_decode` fills for T tokens of top-k routing: pairs, slots, x in fragment
+    order (uninitialized)."""
+    pairs = pair_buffers(T * k, min(num_experts, T * k), device)
     return pairs, torch.empty(T, wpad, 32, dtype=torch.float16, device=device)
+
+
+def prepare_prefill(
+    index: torch.Tensor, weights: torch.Tensor, num_experts: int, out: torch.Tensor
+) -> tuple[Pairs, torch.Tensor]:
+    """One launch for what a prefill call needs before its kernels (CUDA): `group`'s pairs and
+    slots, the token tiles' (slot, pass) (`tile_plan(pairs).info`; no host sync) and `out`
+    zeroed. In torch these were ~30 small launches, and eager prefill waited on the host."""
+    T, k = index.shape
+    n, slots = T * k, min(num_experts, T * k)
+    pairs = pair_buffers(n, slots, index.device)
+    info = torch.empty(tile_bound(n, slots), 2, dtype=torch.int32, device=index.device)
+    idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
+    blocks = 1 + min(2 * kernels.sm_count(), -(-out.numel() // (4 * kernels.PREP_THREADS)))
+    p, i = kernels.ptr, np.int32
+    kernels.launch(
+        "prefill_prep",
+        (blocks,),
+        (kernels.PREP_THREADS,),
+        (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
+        + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
+        + (p(info), i(info.shape[0]), p(out), np.int64(out.numel())),
+        shared_mem=4 * num_experts,
+    )
+    return pairs, info
 
 
 @dataclass(frozen=True)
@@ -265,6 +294,13 @@ def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.de
     return Pairs(token=token, weight=weight, expert=experts, lo=lo, hi=hi)
 
 
+@functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
+def _one_slot_tiles(T: int, device: torch.device) -> torch.Tensor:
+    """The token tiles of one slot of T pairs (`all_tokens`): (0, pass) for each pass."""
+    passes = torch.arange(-(-T // TILE_TOKENS), dtype=torch.int32, device=device)
+    return torch.stack([torch.zeros_like(passes), passes], 1)
+
+
 def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
     """[n, K] -> float16 [n, wpad, 32] (cuda/moe.cu's activation layout), zero-padded to 32*wpad
     columns: [n, w, 4s + i] holds column 32w + s // 2 + 16 (s % 2) + 4i. View ops only (no index
@@ -323,12 +359,19 @@ class TilePlan:
         return self.info.shape[0]
 
 
+def tile_bound(pairs: int, slots: int) -> int:
+    """Token tiles a prefill plans for (no host sync: from shapes): each slot's last tile may be
+    partial."""
+    return -(-pairs // TILE_TOKENS) + slots
+
+
 def tile_plan(pairs: Pairs) -> TilePlan:
-    """Tiles of 128 consecutive pairs of one slot, from device tensors only (no host sync)."""
+    """Tiles of 128 consecutive pairs of one slot, from device tensors only (no host sync). The
+    reference for `prepare_prefill`'s plan (cuda/moe.cu `plan_tiles`) and `token_tiles`."""
     lo, hi = pairs.lo.long(), pairs.hi.long()
     per = (hi - lo).clamp(min=0).add(TILE_TOKENS - 1).div(TILE_TOKENS, rounding_mode="floor")
     end = per.cumsum(0)
-    bound = -(-pairs.token.numel() // TILE_TOKENS) + per.numel()
+    bound = tile_bound(pairs.token.numel(), per.numel())
     tile = torch.arange(bound, device=lo.device)
     slot = torch.searchsorted(end, tile, right=True).clamp(max=per.numel() - 1)
     pas = tile - (end - per)[slot]
@@ -338,18 +381,20 @@ def tile_plan(pairs: Pairs) -> TilePlan:
     return TilePlan(info, pair)
 
 
-def token_tiles(x: torch.Tensor, wpad: int, token: torch.Tensor, plan: TilePlan) -> torch.Tensor:
-    """`wgmma_tiles(x, wpad, token[plan.pair])` in one launch (CUDA), flat [tiles, 128 * 32 *
-    wpad]. Tiles past the last real one (slot -1) are left unwritten: no kernel reads them."""
+def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) -> torch.Tensor:
+    """`wgmma_tiles(x, wpad, pairs.token[tile_plan(pairs).pair])` in one launch (CUDA), flat
+    [tiles, 128 * 32 * wpad], for the tiles `info` plans (`tile_plan(pairs).info`). Tiles past
+    the last real one (slot -1) are left unwritten: no kernel reads them."""
     xh = x.half().contiguous()
-    xt = torch.empty(plan.tiles, TILE_TOKENS * 32 * wpad, dtype=torch.float16, device=x.device)
+    tiles = info.shape[0]
+    xt = torch.empty(tiles, TILE_TOKENS * 32 * wpad, dtype=torch.float16, device=x.device)
     units = wpad // 4 * 2048  # 16-byte units a tile (cuda/moe.cu token_tiles)
     p, i = kernels.ptr, np.int32
     kernels.launch(
         "token_tiles",
-        (min(64, -(-units // 256)), plan.tiles),
+        (min(64, -(-units // 256)), tiles),
         (256,),
-        (p(xh), i(x.shape[1]), i(wpad), p(token), p(plan.pair), p(plan.info), p(xt)),
+        (p(xh), i(x.shape[1]), i(wpad), p(pairs.token), p(pairs.lo), p(pairs.hi), p(info), p(xt)),
     )
     return xt
 
@@ -447,12 +492,18 @@ class FusedMoE:
             shared = all_tokens(T, shared_scale, E, x.device) if self.spec.has_shared else None
             self._decode(layer, xf, pairs, out, shared, px)
             return out
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        pairs = group(index, weights, E)
-        run = self._torch if path == "torch" else self._prefill
-        run(layer, False, x, pairs, out)
+        if path == "torch":
+            out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+            self._torch(layer, False, x, group(index, weights, E), out)
+            if self.spec.has_shared:
+                self._torch(layer, True, x, all_tokens(T, shared_scale, E, x.device), out)
+            return out
+        out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
+        pairs, tiles = prepare_prefill(index, weights, E, out)
+        self._prefill(layer, False, x, pairs, tiles, out)
         if self.spec.has_shared:
-            run(layer, True, x, all_tokens(T, shared_scale, E, x.device), out)
+            shared = all_tokens(T, shared_scale, E, x.device)
+            self._prefill(layer, True, x, shared, _one_slot_tiles(T, x.device), out)
         return out
 
     def routed(
@@ -676,10 +727,19 @@ class FusedMoE:
             + (i32(dn[-1].rows_per_table), i32(units[-1]), i32(ctas[-1]), i32(split_t)),
         )
 
-    def _prefill(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
+    def _prefill(
+        self,
+        layer: int,
+        shared: bool,
+        x: torch.Tensor,
+        pairs: Pairs,
+        tiles: torch.Tensor,
+        out: torch.Tensor,
+    ):
         """Any token count: each weight chunk is decoded once and multiplied with up to 128
-        tokens of its slot. The mma.sync kernels sync the host once (the largest slot sets the
-        passes); the sm_90a ones none."""
+        tokens of its slot. The sm_90a kernels take the token tiles `tiles` plans (`tile_plan`'s
+        info) and sync nothing; the mma.sync ones sync the host once (the largest slot sets the
+        passes)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         gate_up, down = self._scalars(layer, shared)
@@ -688,11 +748,11 @@ class FusedMoE:
         row_tiles = (-(-32 * dn.wpad // rows["gate_up"]), -(-dn.rows // rows["down"]))
         block = (32 * kernels.PREFILL_WARPS,)
         if self.prefill_kernel == "wgmma":
-            plan = tile_plan(pairs)
-            xt = token_tiles(x, gu.wpad, pairs.token, plan)
-            hp = torch.empty(plan.pair.numel(), 32 * dn.wpad, dtype=torch.float16, device=x.device)
-            smem, extra = kernels.PREFILL_WG_SMEM, (ptr(plan.info),)
-            grids = [(n, plan.tiles) for n in row_tiles]
+            xt = token_tiles(x, gu.wpad, pairs, tiles)
+            n_tiles = tiles.shape[0]
+            hp = x.new_empty(n_tiles * TILE_TOKENS, 32 * dn.wpad, dtype=torch.float16)
+            smem, extra = kernels.PREFILL_WG_SMEM, (ptr(tiles),)
+            grids = [(n, n_tiles) for n in row_tiles]
             names = ("gate_up_prefill_wg", "down_prefill_wg")
         else:
             most = int((pairs.hi - pairs.lo).max())
