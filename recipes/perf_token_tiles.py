@@ -13,8 +13,9 @@ from pwctl.bench.kernels import SHAPES, GroupedFp16, _event_time, random_routing
 from pwctl.runtime import fused_moe
 
 
-def torch_tiles(x, wpad, token, plan):
-    return fused_moe.wgmma_tiles(x, wpad, token[plan.pair].long())
+def torch_tiles(x, wpad, pairs, info):
+    plan = fused_moe.tile_plan(pairs)  # info is its plan's
+    return fused_moe.wgmma_tiles(x, wpad, pairs.token[plan.pair].long())
 
 
 def main() -> None:
