@@ -1186,13 +1186,14 @@ __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int 
 // warps 2, 3 the same rows of up; down: 64 rows) and up to 128 tokens of one slot. Warp q decodes
 // its m-tile exactly as the decode kernels do, and those registers are the A operand of
 // wgmma.m64n128k16: a warpgroup's register A fragment is four mma.m16n8k16 A fragments, warp q
-// holding rows 16q..16q+15. The tokens (B) come from shared memory, copied with cp.async from
-// token tiles (fused_moe.wgmma_tiles): 128 tokens of one (slot, pass), columns in "wgmma order"
-// (per 256-column chunk and k-step, the 16 columns whose weights the lanes' A registers hold),
-// laid out exactly as shared memory holds them, so a half-chunk is one linear 32 KB copy.
-// The work goes by half-chunks (8 k-steps, one plane word a lane and row): the warps decode
-// half-chunk i + 1 into one of two A register sets while the tensor cores run half-chunk i from
-// the other, and B is double-buffered the same way. Plane words roll one chunk ahead, as in decode.
+// holding rows 16q..16q+15. The tokens (B) come from shared memory, bulk-copied from token
+// tiles (`token_tiles`; fused_moe.wgmma_tiles is the reference): 128 tokens of one (slot, pass),
+// columns in "wgmma order" (per 256-column chunk and k-step, the 16 columns whose weights the
+// lanes' A registers hold), laid out exactly as shared memory holds them, so a half-chunk is one
+// linear 32 KB copy. The work goes by half-chunks (8 k-steps, one plane word a lane and row): the
+// warps decode half-chunk i + 1 into one of two A register sets while the tensor cores run
+// half-chunk i from the other, and B is double-buffered the same way. Plane words come through a
+// shared-memory ring 3 chunks ahead (widths 1-4, flat rows) or registers a chunk ahead.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define WG_TOKENS 128                // tokens of a pass: the wgmma's N
 #define WG_GROUPS (WG_TOKENS / 8)    // 8-token core-matrix groups
