@@ -1380,8 +1380,8 @@ __device__ __forceinline__ void wg_load_at(const Stage& st, const WgJob& job, in
 }
 
 // Plane words w, w + 1 (w even) of rows g, g + 8: into P*a and P*b. FLAT rows take one 8-byte
-// load a (row, plane) (`wg_job` calls a CTA flat only if words is even, so the pair is 8-byte
-// aligned); others two word loads.
+// load a (row, plane) (`wg_job` calls a CTA flat only if its rows start 16-byte aligned); others
+// two word loads.
 template <int B, bool FLAT>
 __device__ __forceinline__ void wg_load_pair(const Stage& st, const WgJob& job, int w,
                                              u32 (&Pa0)[8], u32 (&Pa1)[8], u32 (&Pb0)[8],
@@ -1440,7 +1440,8 @@ __device__ __forceinline__ void prefetch_ahead(const Stage& st, int B, int words
 // registers: RING_SLOTS chunks a warp, in the warp's table space (a width-4 table lives in
 // registers, `lut_from`, once the loop starts). Each chunk is copied with `cp.async` RING_SLOTS - 1
 // chunks ahead, so a plane word has ~6 half-chunks to arrive where a register load had one.
-// A slot is [plane][row 0-15][8 words]; lane (g, t) reads rows g, g + 8 without bank conflicts.
+// A slot is [plane][row 0-15][8 words]; a lane reads rows g, g + 8 (rows g and g + 4 of a warp's
+// read share banks: two-way conflicts).
 #define RING_SLOTS 4
 template <int B, bool FLAT>
 constexpr bool kRing = B >= 1 && B <= 4 && FLAT;
@@ -1610,7 +1611,8 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
         mbar_init(&sm.full[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    job.flat = __syncthreads_and(flat) && words % 2 == 0;  // pairs of words 8-byte aligned
+    // flat rows also start 16-byte aligned: the ring's 16-byte copies, the 8-byte pair loads
+    job.flat = __syncthreads_and(flat) && words % 4 == 0;
     return job;
 }
 
