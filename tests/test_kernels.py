@@ -148,6 +148,15 @@ def test_tile_plan_gives_each_slot_its_passes():
     assert tiles[5, 0] == 456 and tiles[6:].ge(0).all() and tiles[6:].lt(457).all()
 
 
+@pytest.mark.parametrize("T", [1, 127, 128, 129, 700])
+def test_shared_expert_tiles_are_its_slots_plan(T):
+    """The shared expert's cached plan (one slot of every token) is `tile_plan`'s live tiles:
+    exact for one slot, so it needs none of the bound's dead tiles."""
+    shared = fused_moe.all_tokens(T, None, 8, torch.device("cpu"))
+    want = tile_plan(shared).info
+    assert torch.equal(fused_moe._one_slot_tiles(T, torch.device("cpu")), want[want[:, 0] >= 0])
+
+
 def test_wgmma_order_matches_the_kernels_a_registers():
     """wgmma_order puts, at k-step s = 8u + 2C + h of chunk `it`, position k = 2t + 8jj + lohi,
     the column whose weight lane t holds there: decode_word's register A[2C + h][2jj] is half2
