@@ -32,6 +32,16 @@ __device__ __forceinline__ void subset_mma(int (&acc)[1 << B][4], const uint4& a
     }
 }
 
+// The GEMVs' parameters: their bodies' (__restrict__), and the kernels' (`KERNEL`), which leave
+// it out: with it on the entries too, ptxas turns some plane loads into LDG.CONSTANT, and the
+// measured builds had plain loads.
+#define GEMV_ARGS const uint4 *planes, int R, int words, const uint4 *xa, const float *coef,      \
+                  const float *sx, const float *sumxi, float *y
+#define GEMV_PARAMS const uint4 *__restrict__ planes, int R, int words,                           \
+                    const uint4 *__restrict__ xa, const float *__restrict__ coef,                 \
+                    const float *__restrict__ sx, const float *__restrict__ sumxi,                \
+                    float *__restrict__ y
+
 // planes: [B][R][words] u32 (plane p = bit B-1-p of the label); xa: per token, per 16-word chunk c
 // and lane, two uint4 A fragments (k-steps 2c, 2c + 1); coef: [R][16] fp32 subset coefficients;
 // sx, sumxi: per token. A warp takes 8 rows and the chunks [c0, c1) (blockIdx.y of gridDim.y
@@ -42,10 +52,7 @@ __device__ __forceinline__ void subset_mma(int (&acc)[1 << B][4], const uint4& a
 // chunk, no plane loads; MODE 3 (`popc_one*`): one chunk in flight a warp, not two; MODE 4
 // (`popc_planes_only*`): the plane loads only, not even x's fragments.
 template <int B, int T, int MODE = 0, bool ROT = false>
-__device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int R, int words,
-                          const uint4* __restrict__ xa, const float* __restrict__ coef,
-                          const float* __restrict__ sx, const float* __restrict__ sumxi,
-                          float* __restrict__ y, int r0) {
+__device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int quads = words / 4, chunks = words / 16;
     const int per = (chunks + gridDim.y - 1) / gridDim.y;
@@ -128,10 +135,7 @@ __device__ __forceinline__ void popc_rows(const uint4* __restrict__ planes, int 
 }
 
 template <int B, int T, int MODE = 0, bool ROT = false>
-__device__ void popc_gemv(const uint4* __restrict__ planes, int R, int words,
-                          const uint4* __restrict__ xa, const float* __restrict__ coef,
-                          const float* __restrict__ sx, const float* __restrict__ sumxi,
-                          float* __restrict__ y) {
+__device__ void popc_gemv(GEMV_PARAMS) {
     const int warps = gridDim.x * (blockDim.x >> 5);
     for (int rg = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); rg * 8 < R; rg += warps)
         popc_rows<B, T, MODE, ROT>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
@@ -140,8 +144,6 @@ __device__ void popc_gemv(const uint4* __restrict__ planes, int R, int words,
 // Every GEMV kernel takes the same arguments; KERNEL names one and the template it runs, at
 // THREADS threads and a floor of CTAS CTAs an SM (RING_KERNEL: the persistent rings, one CTA an
 // SM, with the chunks of a stage as `ch`).
-#define GEMV_ARGS const uint4 *planes, int R, int words, const uint4 *xa, const float *coef,      \
-                  const float *sx, const float *sumxi, float *y
 #define KERNEL(NAME, THREADS, CTAS, ...)                                                         \
     extern "C" __global__ void __launch_bounds__(THREADS, CTAS) NAME(GEMV_ARGS) {                \
         __VA_ARGS__(planes, R, words, xa, coef, sx, sumxi, y);                                   \
@@ -291,10 +293,7 @@ __device__ __forceinline__ void fold_store(const int (&acc)[1 << B][4], const fl
 }
 
 template <int B>
-__device__ void popc_tma(const uint4* __restrict__ planes, int R, int words,
-                         const uint4* __restrict__ xa, const float* __restrict__ coef,
-                         const float* __restrict__ sx, const float* __restrict__ sumxi,
-                         float* __restrict__ y) {
+__device__ void popc_tma(GEMV_PARAMS) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long bars[2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -335,10 +334,7 @@ KERNEL(popc_tma4, 128, 4, popc_tma<4>)
 // The same, but a copy per (plane, 8-row group): 8 rows of a plane are contiguous (no k-split,
 // so each copy is 8 x words x 4 bytes). Warp w reads group w % 2 over column half w / 2.
 template <int B>
-__device__ void popc_tma_rows(const uint4* __restrict__ planes, int R, int words,
-                              const uint4* __restrict__ xa, const float* __restrict__ coef,
-                              const float* __restrict__ sx, const float* __restrict__ sumxi,
-                              float* __restrict__ y) {
+__device__ void popc_tma_rows(GEMV_PARAMS) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long bars[2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -453,10 +449,7 @@ __device__ __forceinline__ Ring ring_at(unsigned char* smem, int index, int ring
 }
 
 template <int B, int S, bool XS = false, bool PIPE = false>
-__device__ void popc_ring(const uint4* __restrict__ planes, int R, int words,
-                          const uint4* __restrict__ xa, const float* __restrict__ coef,
-                          const float* __restrict__ sx, const float* __restrict__ sumxi,
-                          float* __restrict__ y, int ch) {
+__device__ void popc_ring(GEMV_PARAMS, int ch) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long bars[16][S];  // [warp][stage]
     __shared__ __align__(8) unsigned long long xbar;
@@ -569,10 +562,7 @@ __device__ __forceinline__ void pair_run(const Ring& r, const uint4* planes,
 }
 
 template <int B, int S>
-__device__ void popc_pair(const uint4* __restrict__ planes, int R, int words,
-                          const uint4* __restrict__ xa, const float* __restrict__ coef,
-                          const float* __restrict__ sx, const float* __restrict__ sumxi,
-                          float* __restrict__ y, int ch) {
+__device__ void popc_pair(GEMV_PARAMS, int ch) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long bars[15][S];  // [pair][stage]
     __shared__ __align__(8) unsigned long long xbar;
