@@ -381,7 +381,9 @@ struct Slots {
     const int* block_ids;  // [experts (+ shared), 3]: block of gate, up, down
 };
 
-__device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
+// (__fdividef: a plain division checks its operands and branches to a slow path; for v -> -inf the
+// divisor is inf and the result 0, silu's limit)
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
 // h[pair, row] = silu(gate) * up, stored in fragment order for the down projection. Rows past I
 // up to the padded width get zeros, so down never reads memory nobody wrote.
@@ -1617,7 +1619,9 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
 }
 
 // h = silu(gate x) * up x for the 128 tokens of a tile, into the same tile of h (down_prefill_wg's
-// B): 32 rows, warps 0, 1 gate, warps 2, 3 up.
+// B): 32 rows, warps 0, 1 gate, warps 2, 3 up. Gate and up warps swap half their sums through
+// shared memory, so that each warp forms h for 64 of the tile's tokens (before: the gate warps
+// formed all 128 while the up warps sat idle at the CTA's end).
 __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsigned short* x,
                                                    unsigned short* hp, int I, int words_in,
                                                    int wpad_in, int wpad_out, i64 bits_nbytes,
@@ -1634,21 +1638,25 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
         wg_job(sm, g, block, mrow0, I, bits_nbytes, words_in, rpt, x, wpad_in, uniform);
     float d[64];
     prefill_wg(sm, job, d);
-    __syncthreads();  // every warp is past its last wgmma: B's buffers hold the up half now
-    float* up = reinterpret_cast<float*>(&sm.b[0][0][0][0][0]);  // [warp 2, 3][64][lane]
-    if (warp >= 2) {
-        #pragma unroll
-        for (int i = 0; i < 64; ++i) up[((warp - 2) * 64 + i) * 32 + lane] = d[i];
-    }
+    __syncthreads();  // every warp is past its last wgmma: B's buffers are free
+    // warp w (gate: tokens 0-63, d[0..31]; up: tokens 64-127, d[32..63]) hands the other half to
+    // its partner w ^ 2, which holds the same rows of the other projection
+    const bool gate = warp < 2;
+    float* swap = reinterpret_cast<float*>(&sm.b[0][0][0][0][0]);  // [warp][32][lane]
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) swap[(warp * 32 + i) * 32 + lane] = gate ? d[32 + i] : d[i];
     __syncthreads();
-    if (warp >= 2) return;
-    const int ntok = c.T - c.base, row0 = mrow0 + (lane >> 2);
+    const float* other = swap + (warp ^ 2) * 32 * 32 + lane;
+    const int ntok = c.T - c.base, row0 = mrow0 + (lane >> 2), half = gate ? 0 : 64;
     unsigned short* h = hp + (i64)blockIdx.y * WG_TOKENS * 32 * wpad_out;
     #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        const int row = row0 + 8 * ((i & 3) >> 1), k = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    for (int i = 0; i < 32; ++i) {
+        const int row = row0 + 8 * ((i & 3) >> 1);
+        const int k = half + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        const float mine = gate ? d[i] : d[32 + i], theirs = other[i * 32];
         if (k < ntok && row < 32 * wpad_out)  // rows past I: zeros, so down reads no garbage
-            h[tile_pos(k, row)] = f2h(row < I ? silu(d[i]) * up[(warp * 64 + i) * 32 + lane] : 0.f);
+            h[tile_pos(k, row)] =
+                f2h(row < I ? silu(gate ? mine : theirs) * (gate ? theirs : mine) : 0.f);
     }
 }
 
