@@ -1549,7 +1549,6 @@ __device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, f
     }
     #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
-    load_b(sm, 0, job.tile, 0);
     u32 Aa[WG_KSTEPS][4], Ab[WG_KSTEPS][4];
     #pragma unroll
     for (int s = 0; s < WG_KSTEPS; ++s) Ab[s][0] = Ab[s][1] = Ab[s][2] = Ab[s][3] = 0u;
@@ -1608,10 +1607,11 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
     if (job.live)
         flat = stage(g, block, job.B, bits_nbytes, words, rpt, mrow0, nrows, sm.st[warp],
                      threadIdx.x & 31, 32);
-    if (threadIdx.x == 0) {  // B's mbarriers, visible to the copy engine after the barrier below
+    if (threadIdx.x == 0) {  // B's mbarriers, visible to every thread after the barrier below
         mbar_init(&sm.full[0], 1);
         mbar_init(&sm.full[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        load_b(sm, 0, job.tile, 0);  // the first half-chunk of B lands while the CTA stages
     }
     // flat rows also start 16-byte aligned: the ring's 16-byte copies, the 8-byte pair loads
     job.flat = __syncthreads_and(flat) && words % 4 == 0;
@@ -1649,14 +1649,23 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
     const float* other = swap + (warp ^ 2) * 32 * 32 + lane;
     const int ntok = c.T - c.base, row0 = mrow0 + (lane >> 2), half = gate ? 0 : 64;
     unsigned short* h = hp + (i64)blockIdx.y * WG_TOKENS * 32 * wpad_out;
+    // Rows r and r + 4 (r % 8 < 4) of a token are adjacent in h's tile (`tile_pos`), and lanes
+    // l, l ^ 16 hold them: the two lanes swap one token's value so that each stores a pair.
+    const bool low = !(lane & 16);
     #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        const int row = row0 + 8 * ((i & 3) >> 1);
-        const int k = half + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-        const float mine = gate ? d[i] : d[32 + i], theirs = other[i * 32];
-        if (k < ntok && row < 32 * wpad_out)  // rows past I: zeros, so down reads no garbage
-            h[tile_pos(k, row)] =
-                f2h(row < I ? silu(gate ? mine : theirs) * (gate ? theirs : mine) : 0.f);
+    for (int i = 0; i < 32; i += 2) {
+        u32 v[2];  // tokens k, k + 1 of this lane's row (rows past I: zeros, so down reads none)
+        #pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const float mine = gate ? d[i + u] : d[32 + i + u], theirs = other[(i + u) * 32];
+            const int row = row0 + 8 * (((i + u) & 3) >> 1);
+            v[u] = row < I ? f2h(silu(gate ? mine : theirs) * (gate ? theirs : mine)) : 0u;
+        }
+        const u32 got = __shfl_xor_sync(0xffffffffu, low ? v[1] : v[0], 16);
+        const int k = half + 8 * (i >> 2) + 2 * (lane & 3) + (low ? 0 : 1);
+        const int row = row0 + 8 * ((i & 3) >> 1) - (low ? 0 : 4);
+        if (k < ntok && row < 32 * wpad_out)
+            *reinterpret_cast<u32*>(h + tile_pos(k, row)) = low ? v[0] | got << 16 : got | v[1] << 16;
     }
 }
 
@@ -1674,12 +1683,22 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
     float d[64];
     prefill_wg(sm, job, d);
     const int ntok = c.T - c.base, row0 = mrow0 + (lane >> 2);
+    // Rows r, r + 1 (r even) of a token are adjacent in `out` (H is even: the launcher takes the
+    // mma.sync prefill otherwise), and lanes l, l ^ 4 hold them: the two lanes swap one token's
+    // value so that each adds a pair (one vector reduction).
+    const bool low = !(lane & 4);
     #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        const int row = row0 + 8 * ((i & 3) >> 1), k = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    for (int i = 0; i < 64; i += 2) {
+        const float got = __shfl_xor_sync(0xffffffffu, low ? d[i + 1] : d[i], 4);
+        const int k = 8 * (i >> 2) + 2 * (lane & 3) + (low ? 0 : 1);
+        const int row = row0 + 8 * ((i & 3) >> 1) - (low ? 0 : 1);
         if (k < ntok && row < H) {
             const int pair = c.lo + c.base + k;
-            atomicAdd(out + (i64)__ldg(s.token + pair) * H + row, __ldg(s.weight + pair) * d[i]);
+            const float w = __ldg(s.weight + pair);
+            float* at = out + (i64)__ldg(s.token + pair) * H + row;
+            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};"
+                         :: "l"(at), "f"(w * (low ? d[i] : got)), "f"(w * (low ? got : d[i + 1]))
+                         : "memory");
         }
     }
 }

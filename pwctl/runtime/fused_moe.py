@@ -747,7 +747,7 @@ class FusedMoE:
         rows = kernels.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
         row_tiles = (-(-32 * dn.wpad // rows["gate_up"]), -(-dn.rows // rows["down"]))
         block = (32 * kernels.PREFILL_WARPS,)
-        if self.prefill_kernel == "wgmma":
+        if self.prefill_kernel == "wgmma" and dn.rows % 2 == 0:  # down adds row pairs
             xt = token_tiles(x, gu.wpad, pairs, tiles)
             n_tiles = tiles.shape[0]
             hp = x.new_empty(n_tiles * TILE_TOKENS, 32 * dn.wpad, dtype=torch.float16)
