@@ -1873,18 +1873,31 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
     }
     for (int r = n + lane; r < slots; r += 32) s_expert[r] = s_lo[r] = s_hi[r] = 0;
     __syncwarp();
-    // place the pairs 32 at a time, in order: a lane's rank among the lanes of its expert below it
-    for (int i0 = 0; i0 < pairs; i0 += 32) {
-        const int i = i0 + lane, e = i < pairs ? (int)index[i] : -1;
-        const unsigned peers = __match_any_sync(all, e);
-        const int before = __popc(peers & below);
-        if (e >= 0) {
-            token[first[e] + before] = i / k;
-            weight[first[e] + before] = weights[i];
+    // place the pairs 32 at a time, in order: a lane's rank among the lanes of its expert below it.
+    // A lane loads its next 8 pairs at once, so the warp waits on memory once per 256 pairs (once
+    // per 32 made prefill's prep 90 us at 4096 pairs).
+    for (int i0 = 0; i0 < pairs; i0 += 256) {
+        int ev[8];
+        float wv[8];
+        #pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = i0 + 32 * u + lane;
+            ev[u] = i < pairs ? (int)index[i] : -1;
+            wv[u] = i < pairs ? weights[i] : 0.f;
         }
-        __syncwarp();
-        if (e >= 0 && before == __popc(peers) - 1) first[e] += __popc(peers);
-        __syncwarp();
+        #pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int i = i0 + 32 * u + lane, e = ev[u];
+            const unsigned peers = __match_any_sync(all, e);
+            const int before = __popc(peers & below);
+            if (e >= 0) {
+                token[first[e] + before] = i / k;
+                weight[first[e] + before] = wv[u];
+            }
+            __syncwarp();
+            if (e >= 0 && before == __popc(peers) - 1) first[e] += __popc(peers);
+            __syncwarp();
+        }
     }
 }
 
