@@ -8,6 +8,7 @@ with the same `synthetic_layer`."""
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -155,6 +156,12 @@ def _event_time(fn, iters: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / iters
+
+
+def _median_time(fn, iters: int, repeats: int = 5) -> float:
+    """The median of `repeats` event-timed runs of `iters` calls: one run of a few multi-ms calls
+    moved by up to 10% between runs (Mixtral prefill, docs/PERF.md session 15)."""
+    return statistics.median(_event_time(fn, iters) for _ in range(repeats))
 
 
 def host_time(fn, iters: int = 200) -> float:
@@ -309,7 +316,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     a row of their own: `popc` (binary tensor cores) where rows allow, and `lookup`."""
     x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
     planes, fp16 = active_bytes(layer, index)
-    tg = _event_time(GroupedFp16(layer, x, weights, index), 10)
+    tg = _median_time(GroupedFp16(layer, x, weights, index), 10)
     floor = fp16 / copy_bw
     rows, popc = [], layer.moe.popc_decode
     forced = {"decode": None, "popc": True, "lookup": False}
@@ -326,7 +333,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
             kind = "prefill" if path == "prefill" else "decode"
             return layer.moe(0, x, weights, index, scale, path=kind)
 
-        t = _event_time(call, 5) if path == "prefill" else _graph_time(call)
+        t = _median_time(call, 5) if path == "prefill" else _graph_time(call)
         layer.moe.popc_decode = popc  # as the caller had it
         rows.append(
             KernelRow(
