@@ -78,6 +78,18 @@ def test_decode_tiles_cover_every_decode_token_count():
     assert sorted(int(n) for n in entries) == list(kernels.DECODE_TILES)
 
 
+def test_launchers_size_the_grouping_as_the_kernels_do():
+    """group_smem follows cuda/moe.cu: prefill_prep groups with every warp of its block from
+    GROUP_SPLIT pairs on, with one warp below (and in the decode preps)."""
+    src = kernels.CUDA_SRC.read_text()
+    define = {m[0]: int(m[1]) for m in re.findall(r"^#define (\w+) (\d+)", src, re.MULTILINE)}
+    assert define["GROUP_SPLIT"] == kernels.GROUP_SPLIT
+    assert define["PREP_THREADS"] == kernels.PREP_THREADS
+    split = kernels.GROUP_SPLIT
+    assert kernels.group_smem(60, split) == 4 * 60 * (kernels.PREP_THREADS // 32)
+    assert kernels.group_smem(60, split - 1) == kernels.group_smem(60) == 4 * 60
+
+
 def test_fragment_order_layout():
     x = torch.randn(3, 70)
     xf = fragment_order(x, 8)

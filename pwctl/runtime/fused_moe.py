@@ -125,7 +125,7 @@ def prepare_prefill(
         (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (p(info), i(info.shape[0]), p(out), np.int64(out.numel())),
-        shared_mem=4 * num_experts,
+        shared_mem=kernels.group_smem(num_experts, n),
     )
     return pairs, info
 
@@ -179,7 +179,7 @@ def prepare_decode(
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (p(xh), i(T), i(x.shape[1]), i(wpad), p(xf), p(out), i(out.numel()))
         + px.args,
-        shared_mem=4 * num_experts,
+        shared_mem=kernels.group_smem(num_experts),
     )
     return pairs, xf
 
@@ -266,7 +266,7 @@ def prepare_routed(
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (i(wpad), p(xf), p(out), i(out.numel()))
         + px.args,
-        shared_mem=4 * E,
+        shared_mem=kernels.group_smem(E),
     )
     return pairs, xf, routing
 

@@ -35,6 +35,15 @@ CTAS_PER_SM = 8  # what a k-split aims for: enough warps in flight to cover memo
 DECODE_MAX_TOKENS = 8 * DECODE_TILES[-1]
 
 
+GROUP_SPLIT = 2048  # pairs from which prefill_prep groups with every warp (cuda/moe.cu)
+
+
+def group_smem(experts: int, pairs: int = 0) -> int:
+    """Dynamic shared memory of a launch that groups `pairs` pairs (cuda/moe.cu group_pairs): an
+    int per expert and grouping warp (every warp of the block from GROUP_SPLIT pairs on)."""
+    return 4 * (PREP_THREADS // 32 if pairs >= GROUP_SPLIT else 1) * experts
+
+
 @functools.cache
 def module():
     try:
