@@ -1839,7 +1839,7 @@ extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad,
 // pairs placed stably (sorted by expert, then by pair), slots listing the active experts in
 // increasing order, empty slots after. The other blocks write x (fp16 [T, H]) in fragment order
 // (fp16 [T, wpad, 32], zero-padded: fused_moe.fragment_order) and zero the fp32 output the down
-// kernels add into. Dynamic shared memory: `experts` ints. For decode sizes (<= 512 pairs).
+// kernels add into. Dynamic shared memory: `experts` ints a grouping warp (kernels.group_smem).
 #define GROUP_SPLIT 2048  // pairs from which prefill_prep groups with every warp
 #define GROUP_WARPS (PREP_THREADS / 32)
 template <int W>
