@@ -1448,7 +1448,11 @@ __device__ __forceinline__ void prefetch_ahead(const Stage& st, int B, int words
 template <int B, bool FLAT>
 constexpr bool kRing = B >= 1 && B <= 4 && FLAT;
 
-__device__ __forceinline__ u32 ring_base(const Stage& st) { return smem_u32(&st.tbl[0][0]); }
+// Where chunk c's slot of the warp's ring starts (shared-memory address).
+template <int B>
+__device__ __forceinline__ u32 ring_slot(const Stage& st, int c) {
+    return smem_u32(&st.tbl[0][0]) + (c % RING_SLOTS) * (512 * B);
+}
 
 // Copy chunk c of the warp's 16 rows into its slot (lane: row lane / 2, words 4 (lane % 2) on),
 // then commit a cp.async group (an empty one past the last chunk or for a dead m-tile).
@@ -1456,7 +1460,7 @@ template <int B>
 __device__ __forceinline__ void ring_fill(const Stage& st, const WgJob& job, int c) {
     const int lane = threadIdx.x & 31, r = lane >> 1, h = lane & 1, w = 8 * c + 4 * h;
     const int bytes = job.live ? min(max(4 * (job.words - w), 0), 16) : 0;
-    const u32 dst = ring_base(st) + (c % RING_SLOTS) * (512 * B) + 32 * r + 16 * h;
+    const u32 dst = ring_slot<B>(st, c) + 32 * r + 16 * h;
     if (bytes > 0) {
         #pragma unroll
         for (int p = 0; p < B; ++p)  // bytes < 16: the rest of the piece is zero-filled
@@ -1472,7 +1476,7 @@ template <int B>
 __device__ __forceinline__ void ring_read(const Stage& st, const WgJob& job, int c, int U,
                                           u32 (&P0)[8], u32 (&P1)[8]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32 at = ring_base(st) + (c % RING_SLOTS) * (512 * B) + 32 * g + 4 * (2 * t + U);
+    const u32 at = ring_slot<B>(st, c) + 32 * g + 4 * (2 * t + U);
     #pragma unroll
     for (int p = 0; p < 8; ++p) {
         P0[p] = P1[p] = 0u;
@@ -1840,6 +1844,17 @@ extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad,
 // increasing order, empty slots after. The other blocks write x (fp16 [T, H]) in fragment order
 // (fp16 [T, wpad, 32], zero-padded: fused_moe.fragment_order) and zero the fp32 output the down
 // kernels add into. Dynamic shared memory: `experts` ints a grouping warp (kernels.group_smem).
+// Lane i's v plus the v of every lane below it.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int below = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += below;
+    }
+    return v;
+}
+
 #define GROUP_SPLIT 2048  // pairs from which prefill_prep groups with every warp
 #define GROUP_WARPS (PREP_THREADS / 32)
 template <int W>
@@ -1869,12 +1884,7 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
             int c = 0;
             #pragma unroll
             for (int w = 0; w < warps; ++w) c += e < experts ? first[w * experts + e] : 0;
-            int inc = c;
-            #pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const int v = __shfl_up_sync(all, inc, d);
-                if (lane >= d) inc += v;
-            }
+            const int inc = warp_inclusive_sum(c);
             const unsigned active = __ballot_sync(all, c > 0);
             const int slot = n + __popc(active & below), at = start + inc - c;
             #pragma unroll
@@ -1958,12 +1968,7 @@ __device__ void plan_tiles(const int* s_lo, const int* s_hi, int slots, int* til
     int start = 0;
     for (int s0 = 0; s0 < slots; s0 += 32) {
         const int s = s0 + lane, n = s < slots ? (s_hi[s] - s_lo[s] + PF_TOKENS - 1) / PF_TOKENS : 0;
-        int inc = n;
-        #pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, inc, d);
-            if (lane >= d) inc += v;
-        }
+        const int inc = warp_inclusive_sum(n);
         for (int p = 0, t = start + inc - n; p < n; ++p, ++t)
             tile_info[2 * t] = s, tile_info[2 * t + 1] = p;
         start += __shfl_sync(0xffffffffu, inc, 31);

@@ -33,8 +33,6 @@ PREFILL_WG_SMEM = 4 * STAGE_BYTES + 2 * 8 * 128 * 16 * 2 + 2 * 8  # and B's two 
 PREFILL_WARPS = 4  # cuda/moe.cu PF_WARPS
 CTAS_PER_SM = 8  # what a k-split aims for: enough warps in flight to cover memory latency
 DECODE_MAX_TOKENS = 8 * DECODE_TILES[-1]
-
-
 GROUP_SPLIT = 2048  # pairs from which prefill_prep groups with every warp (cuda/moe.cu)
 
 
