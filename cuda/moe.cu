@@ -59,9 +59,9 @@ struct Paged {
     int max_bits;
 };
 
-// Byte `off` of a block's plane, whose first slab-map entry is `entry` (Paged::slab_off).
-__device__ __forceinline__ const unsigned char* paged(const Paged& g, int entry, i64 off) {
-    const i64 slab = __ldg(g.slab_map + entry + (int)(off >> g.slab_shift));
+__device__ __forceinline__ const unsigned char* paged(const Paged& g, int block, int plane, i64 off) {
+    int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
+    i64 slab = __ldg(g.slab_map + entry);
     return g.arena + (slab << g.slab_shift) + (off & ((1LL << g.slab_shift) - 1));
 }
 
@@ -73,10 +73,10 @@ struct RowPtr {
     int split;
 };
 
-__device__ __forceinline__ RowPtr row_ptr(const Paged& g, int first, int row, int words) {
+__device__ __forceinline__ RowPtr row_ptr(const Paged& g, int block, int plane, int row, int words) {
     const i64 off = (i64)row * words * 4;
     const i64 mask = (1LL << g.slab_shift) - 1;
-    const int entry = first + (int)(off >> g.slab_shift);
+    const int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
     RowPtr rp;
     rp.p0 = (const u32*)(g.arena + ((i64)__ldg(g.slab_map + entry) << g.slab_shift) + (off & mask));
     rp.split = (int)min((i64)words, ((mask + 1) - (off & mask)) >> 2);
@@ -221,35 +221,21 @@ struct Stage {
 };
 
 // Fill `st` for rows [row0, row0 + 16) of `block` at width B (rows past the end repeat the last
-// row: they are computed and dropped). Threads first, first + stride, ... take part, whole warps
-// (first % 32 == lane, stride % 32 == 0); no barrier. Returns whether every (row, plane) this
-// thread staged lies in one slab.
-//
-// Lane l stages plane l % 8 of its rows, for every plane the block has (those past B are loaded
-// and dropped): the slab-map loads then depend on the block alone, not on its width, so they go
-// out with B's load, and only the tables wait for B (their plane's first entry comes from lane
-// B - 1). The chain from a CTA's slot to its first plane word was 7 dependent loads; it is 4.
+// row: they are computed and dropped). Threads first, first + stride, ... take part; no barrier.
+// Returns whether every (row, plane) this thread staged lies in one slab.
 __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
                       int row0, int nrows, Stage& st, int first, int stride) {
-    const int p = threadIdx.x & 7;
-    const int entry = p < g.max_bits ? __ldg(g.slab_off + block * g.max_bits + p) : 0;
     bool flat = true;
-    #pragma unroll 4
-    for (int e = first; e < ROWS * 8; e += stride) {
-        const int r = e >> 3;
-        if (p >= g.max_bits) continue;
-        const RowPtr rp = row_ptr(g, entry, row0 + min(r, nrows - 1), words);
-        if (p < B) {
-            st.ptr[r * 8 + p] = rp;
-            flat = flat && rp.split >= words;
-        }
+    for (int e = first; e < ROWS * B; e += stride) {
+        const int r = e / B, p = e % B;
+        st.ptr[r * 8 + p] = row_ptr(g, block, p, row0 + min(r, nrows - 1), words);
+        flat = flat && st.ptr[r * 8 + p].split >= words;
     }
-    const int table = __shfl_sync(0xffffffffu, entry, B - 1);  // plane B - 1 carries the table
     const int per_row = max(1, (1 << B) / 2);  // u32 words of one row's table
     for (int e = first; e < ROWS * per_row; e += stride) {
         const int r = e / per_row, i = e % per_row;
         const i64 off = bits_nbytes + (i64)((row0 + min(r, nrows - 1)) / rpt) * (2 << B) + 4 * i;
-        *(u32*)(st.tbl[r] + 2 * i) = __ldg((const u32*)paged(g, table, off));
+        *(u32*)(st.tbl[r] + 2 * i) = __ldg((const u32*)paged(g, block, B - 1, off));
     }
     return flat;
 }
@@ -387,18 +373,13 @@ __device__ __forceinline__ void mma_block(const Stage& st, int B, bool flat, int
 }
 
 struct Slots {
-    const int* expert;  // [n_slots]: expert of the slot (`block_of`)
+    const int* expert;  // [n_slots]: expert of the slot (its row in block_ids)
     const int* lo;      // [n_slots]: first pair of the slot
     const int* hi;      // [n_slots]: one past its last pair
     const int* token;   // [pairs]: token of each pair (pairs sorted by slot)
     const float* weight;  // [pairs]: combine weight of each pair
-    int block0;  // the layer's first block: a layer's blocks are consecutive, expert-major,
-                 // gate / up / down (FusedMoE checks it), so no load stands between an expert
-                 // and its blocks' widths and slab offsets (`block_of`)
+    const int* block_ids;  // [experts (+ shared), 3]: block of gate, up, down
 };
-
-// Block j (0 gate, 1 up, 2 down) of expert e.
-__device__ __forceinline__ int block_of(const Slots& s, int e, int j) { return s.block0 + 3 * e + j; }
 
 // (__fdividef: a plain division checks its operands and branches to a slow path; for v -> -inf the
 // divisor is inf and the result 0, silu's limit)
@@ -470,7 +451,7 @@ struct PopcX;  // x's pieces for the one-token kernels (below); the lookup kerne
 __device__ __forceinline__ bool stage_gate_up(const Paged& g, const Slots& s, int e,
                                               i64 bits_nbytes, int words, int rpt, int row0,
                                               int nrows, Stage (&st)[2], int& wg, int& wu) {
-    const int bg = block_of(s, e, 0), bu = block_of(s, e, 1);
+    const int bg = __ldg(s.block_ids + 3 * e), bu = __ldg(s.block_ids + 3 * e + 1);
     wg = __ldg(g.width + bg), wu = __ldg(g.width + bu);
     bool flat = stage(g, bg, wg, bits_nbytes, words, rpt, row0, nrows, st[0], threadIdx.x, blockDim.x);
     flat &= stage(g, bu, wu, bits_nbytes, words, rpt, row0, nrows, st[1], threadIdx.x, blockDim.x);
@@ -482,7 +463,7 @@ __device__ __forceinline__ bool stage_gate_up(const Paged& g, const Slots& s, in
 __device__ __forceinline__ bool stage_down(const Paged& g, const Slots& s, int e, i64 bits_nbytes,
                                            int words, int rpt, int row0, int units, int H,
                                            Stage (&st)[2], int& wd) {
-    const int bd = block_of(s, e, 2);
+    const int bd = __ldg(s.block_ids + 3 * e + 2);
     wd = __ldg(g.width + bd);
     bool flat = true;
     for (int u = 0; u < units; ++u) {
@@ -1150,7 +1131,7 @@ __device__ void gate_up_prefill(Paged g, Slots s, const uint4* xf, unsigned shor
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot);
-    const int block = block_of(s, e, warp >> 1), wq = __ldg(g.width + block);
+    const int block = __ldg(s.block_ids + 3 * e + (warp >> 1)), wq = __ldg(g.width + block);
     const int mrow0 = c.row0 + ROWS * (warp & 1), nrows = min(ROWS, I - mrow0);
     if (nrows > 0) stage(g, block, wq, bits_nbytes, words_in, rpt, mrow0, nrows, sm.st[warp], lane, 32);
     __syncwarp();
@@ -1179,7 +1160,7 @@ __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int 
     if (c.base >= c.T || c.row0 >= H) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot);
-    const int block = block_of(s, e, 2), wq = __ldg(g.width + block);
+    const int block = __ldg(s.block_ids + 3 * e + 2), wq = __ldg(g.width + block);
     const int mrow0 = c.row0 + ROWS * warp, nrows = min(ROWS, H - mrow0);
     if (nrows > 0) stage(g, block, wq, bits_nbytes, words_in, rpt, mrow0, nrows, sm.st[warp], lane, 32);
     __syncwarp();
@@ -1653,10 +1634,10 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
     const Tile c = wg_tile(s, tile_info, 2 * ROWS);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int e = __ldg(s.expert + c.slot), block = block_of(s, e, warp >> 1);
+    const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + (warp >> 1));
     const int mrow0 = c.row0 + ROWS * (warp & 1);
-    const int wg = __ldg(g.width + block_of(s, e, 0));
-    const bool uniform = wg == __ldg(g.width + block_of(s, e, 1));  // gate, up
+    const int wg = __ldg(g.width + __ldg(s.block_ids + 3 * e));
+    const bool uniform = wg == __ldg(g.width + __ldg(s.block_ids + 3 * e + 1));  // gate, up
     const WgJob job =
         wg_job(sm, g, block, mrow0, I, bits_nbytes, words_in, rpt, x, wpad_in, uniform);
     float d[64];
@@ -1700,7 +1681,7 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
     const Tile c = wg_tile(s, tile_info, 4 * ROWS);
     if (c.base >= c.T || c.row0 >= H) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int e = __ldg(s.expert + c.slot), block = block_of(s, e, 2);
+    const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + 2);
     const int mrow0 = c.row0 + ROWS * warp;
     const WgJob job = wg_job(sm, g, block, mrow0, H, bits_nbytes, words_in, rpt, hp, wpad_in, true);
     float d[64];
@@ -1731,9 +1712,9 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
 #define PAGED_ARGS const unsigned char *arena, const int *slab_map, const int *slab_off,             \
                    const int *width, int slab_shift, int max_bits
 #define SLOT_ARGS const int *s_expert, const int *s_lo, const int *s_hi, const int *s_token,          \
-                  const float *s_weight, int block0
+                  const float *s_weight, const int *block_ids
 #define PAGED Paged{arena, slab_map, slab_off, width, slab_shift, max_bits}
-#define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block0}
+#define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block_ids}
 
 // NT n-tiles of 8 tokens per CTA: 1, 2, 4 and 8 for decode (<= 64 tokens a call; the launcher
 // picks NT by the call's token count, a bound on any slot's). BOUNDS: what each measured fastest
@@ -1749,7 +1730,7 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
 // the launcher passes the routed group twice and n_routed = gridDim.y.
 #define SHARED_SLOT_ARGS const int *t_expert, const int *t_lo, const int *t_hi, const int *t_token,   \
                          const float *t_weight
-#define SHARED_SLOTS Slots{t_expert, t_lo, t_hi, t_token, t_weight, block0}
+#define SHARED_SLOTS Slots{t_expert, t_lo, t_hi, t_token, t_weight, block_ids}
 #define WHICH_GROUP                                                                              \
     const bool t = (int)blockIdx.y >= n_routed;                                                  \
     int slot = blockIdx.y, tile = blockIdx.x, kz = blockIdx.z, kn = gridDim.z;                   \

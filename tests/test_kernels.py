@@ -387,22 +387,6 @@ def test_torch_path_matches_expert_store(packs, arch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_blocks_out_of_kernel_order_are_refused():
-    """The kernels address a layer's blocks as its first block + 3 expert + projection: an index
-    in another order (or with a block missing) is refused at construction, not read wrongly."""
-    spec = MoESpec(4, 2, 64, 96, "softmax_topk", False, 1.0, 32, True, "silu")
-    layer = synthetic_layer(spec, device="cpu", seed=3)
-    index = {(0, b.expert, b.proj): i for i, b in enumerate(layer.blocks)}
-    assert FusedMoE(spec, layer.dt, index).block(0, 2, 1) == 7
-    one, two = (0, 1, "gate"), (0, 2, "gate")
-    swapped = {**index, one: index[two], two: index[one]}
-    with pytest.raises(ValueError, match="not consecutive"):
-        FusedMoE(spec, layer.dt, swapped)
-    del index[(0, 4, "down")]  # the shared expert's
-    with pytest.raises(ValueError, match="missing"):
-        FusedMoE(spec, layer.dt, index)
-
-
 def test_synthetic_layer_reads_back_through_shuffled_slabs():
     spec = MoESpec(4, 2, 64, 96, "softmax_topk", False, 1.0, 32, True, "silu")
     layer = synthetic_layer(spec, device="cpu", seed=3)

@@ -198,9 +198,10 @@ class GroupedFp16:
         experts = flat.unique().tolist()
         counts = torch.bincount(flat, minlength=spec.num_experts)[experts]
         self.offs = counts.cumsum(0).to(torch.int32)
+        ids = layer.moe.block_ids[0]
 
         def stack(j):
-            return torch.stack([dt.weight(layer.moe.block(0, e, j)).half() for e in experts])
+            return torch.stack([dt.weight(int(ids[e, j])).half() for e in experts])
 
         self.gu = torch.cat([stack(0), stack(1)], dim=1).transpose(1, 2)  # [n, H, 2I]
         self.dn = stack(2).transpose(1, 2)  # [n, I, H]

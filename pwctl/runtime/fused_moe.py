@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pwctl.recipe import PROJECTIONS, MoESpec
+from pwctl.recipe import MoESpec
 from pwctl.runtime import kernels, popc
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.router import route
@@ -48,7 +48,7 @@ class Pairs:
 
     token: torch.Tensor  # int32 [pairs]
     weight: torch.Tensor  # float32 [pairs]
-    expert: torch.Tensor  # int32 [slots]: expert of each slot
+    expert: torch.Tensor  # int32 [slots]: expert of each slot (block_ids row)
     lo: torch.Tensor  # int32 [slots]
     hi: torch.Tensor  # int32 [slots]; hi == lo: empty slot
 
@@ -56,9 +56,8 @@ class Pairs:
         p = kernels.ptr
         return (p(self.expert), p(self.lo), p(self.hi), p(self.token), p(self.weight))
 
-    def kernel_args(self, block0: int) -> tuple:
-        """cuda/moe.cu SLOT_ARGS: the slots, then the layer's first block (`FusedMoE.block`)."""
-        return self.slot_args() + (np.int32(block0),)
+    def kernel_args(self, block_ids: torch.Tensor) -> tuple:
+        return self.slot_args() + (kernels.ptr(block_ids),)
 
 
 def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs:
@@ -430,25 +429,17 @@ class FusedMoE:
             raise ValueError(f"activation {spec.act}: the kernels implement silu")
         self.spec, self.dt = spec, dt
         experts = spec.num_experts + (1 if spec.has_shared else 0)
-        self.block0: dict[int, int] = {}  # each layer's first block (`block`)
-        self._layer_blocks: dict[int, np.ndarray] = {}  # the widths' page-table rows
+        self.block_ids: dict[int, torch.Tensor] = {}
+        self._layer_blocks: dict[int, np.ndarray] = {}  # host copy: the widths' page-table rows
         self.proj: dict[tuple[int, bool, str], Proj] = {}
         for layer in sorted({key[0] for key in index}):
-            ids = [index.get((layer, e, p), -1) for e in range(experts) for p in PROJECTIONS]
-            if -1 in ids:
-                raise ValueError(f"layer {layer}: blocks of its {experts} experts are missing")
-            self.block0[layer] = ids[0]
-            self._layer_blocks[layer] = np.arange(ids[0], ids[0] + len(ids))
-            if ids != self._layer_blocks[layer].tolist():
-                raise ValueError(
-                    f"layer {layer}: the pack's blocks are not consecutive in (expert, gate/up/"
-                    "down) order, shared expert last, as pwctl convert writes them and the "
-                    "kernels address them (docs/FORMAT.md)"
-                )
+            ids = [[index[(layer, e, p)] for p in ("gate", "up", "down")] for e in range(experts)]
+            self.block_ids[layer] = torch.tensor(ids, dtype=torch.int32, device=dt.device)
+            self._layer_blocks[layer] = np.array(ids, dtype=np.int64).ravel()
             for e, shared in ((0, False), (spec.num_experts, True)):
                 if (layer, e, "gate") not in index:
                     continue
-                for p in PROJECTIONS:
+                for p in ("gate", "up", "down"):
                     b = dt.blocks[index[(layer, e, p)]]
                     self.proj[(layer, shared, p)] = Proj(b.rows, b.cols, b.words, b.rows_per_table)
         self._hp: dict[tuple[int, int], torch.Tensor] = {}
@@ -463,10 +454,10 @@ class FusedMoE:
         # layers whose rows the one-token kernels can read (16-byte plane loads: words % 4 == 0)
         self.popc_rows: dict[int, bool] = {
             layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
-            for layer in self.block0
+            for layer in self.block_ids
         }
         self._popc_pays = {
-            layer: self._weights_a_token(layer) >= POPC_MIN_WEIGHTS for layer in self.block0
+            layer: self._weights_a_token(layer) >= POPC_MIN_WEIGHTS for layer in self.block_ids
         }
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
@@ -474,10 +465,6 @@ class FusedMoE:
         # rows allow: True, False, or None (default): on the layers that read at least
         # POPC_MIN_WEIGHTS expert weights a token (`_popc_pays`)
         self.popc_decode: bool | None = None
-
-    def block(self, layer: int, expert: int, j: int) -> int:
-        """Block of projection j (0 gate, 1 up, 2 down) of `expert` (num_experts: shared)."""
-        return self.block0[layer] + 3 * expert + j
 
     def __call__(
         self,
@@ -576,13 +563,13 @@ class FusedMoE:
     # --- the torch path: CPU execution and the kernels' reference ------------------------------
 
     def _torch(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
+        ids = self.block_ids[layer]
         xf = x.float()
         for s in range(pairs.expert.numel()):
             lo, hi = int(pairs.lo[s]), int(pairs.hi[s])
             if hi <= lo:
                 continue
-            e = int(pairs.expert[s])
-            g, u, d = (self.dt.weight(self.block(layer, e, j)) for j in range(3))
+            g, u, d = (self.dt.weight(int(b)) for b in ids[int(pairs.expert[s])].tolist())
             tok = pairs.token[lo:hi].long()
             h = F.silu(xf[tok] @ g.T) * (xf[tok] @ u.T)
             out.index_add_(0, tok, (h @ d.T) * pairs.weight[lo:hi, None])
@@ -632,7 +619,7 @@ class FusedMoE:
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
         one = px is not None
         kind = self._popc_kind(layer) if one else f"n{kernels.n_tiles(xf.shape[0])}"
-        common = self.dt.kernel_args() + pairs.kernel_args(self.block0[layer])
+        common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         xpx, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
         if one:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
@@ -754,7 +741,7 @@ class FusedMoE:
         info) and sync nothing; the mma.sync ones sync the host once (the largest slot sets the
         passes)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
-        common = self.dt.kernel_args() + pairs.kernel_args(self.block0[layer])
+        common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         gate_up, down = self._scalars(layer, shared)
         i32, ptr = np.int32, kernels.ptr
         rows = kernels.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
