@@ -418,6 +418,7 @@ __device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta, int sl
 // side). Thread (warp w, lane l) ends with fragment register w of lane l, i.e. row (l / 4) +
 // 8 (w / 2), token 2 (l % 4) + (w % 2) of each n-tile, of unit u in sum[u][nt].
 #define RED_TILES 4
+#define RED_FLOATS (WARPS * RED_TILES * 4 * 32)  // a CTA's `red`
 template <int NT>
 __device__ void reduce_units(const float (&acc)[NT][4], float* red, int parts, float (&sum)[2][NT]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -475,17 +476,12 @@ __device__ __forceinline__ bool stage_down(const Paged& g, const Slots& s, int e
     return __syncthreads_and(flat);
 }
 
-// h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection.
+// h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection: the CTA's
+// 16 rows for tile c of a slot (the one-token kernels' slots of several tokens come here too).
 template <int NT>
-__device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, unsigned short* hp,
-                        int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
-                        const PopcX*) {
-    __shared__ Stage st[2];
-    __shared__ float red[WARPS * RED_TILES * 4 * 32];
-    wait_previous();  // the slots and x come from decode_prep (or h's buffer is still being read)
-    start_next();     // down may launch and stage while this grid runs
-    const Tile c = tile_of(s, ROWS, slot, tile);
-    if (c.base >= c.T) return;
+__device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, const Tile& c, Stage (&st)[2],
+                             float* red, const uint4* xf, unsigned short* hp, int I, int words_in,
+                             int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
     float gs[NT], us[NT];
@@ -518,18 +514,27 @@ __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, u
     }
 }
 
+template <int NT>
+__device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, unsigned short* hp,
+                        int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
+                        const PopcX*) {
+    __shared__ Stage st[2];
+    __shared__ float red[RED_FLOATS];
+    wait_previous();  // the slots and x come from decode_prep (or h's buffer is still being read)
+    start_next();     // down may launch and stage while this grid runs
+    const Tile c = tile_of(s, ROWS, slot, tile);
+    if (c.base >= c.T) return;
+    gate_up_tile<NT>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt);
+}
+
 // out[token] += weight * (down h[pair]) for every pair of a slot (fp32 atomics, so the columns may
 // also be split over kn CTAs; this one is kz). `units` m-tiles a CTA: 1 (16 rows, 4 warps on its columns)
 // or, for short rows, 2 (rows [row0, row0 + 16) and the 16 after, 2 warps each), so that warps
 // have columns to stream.
 template <int NT>
-__device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const uint4* hp,
-                     float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
-                     int units, const PopcX*) {
-    __shared__ Stage st[2];
-    __shared__ float red[WARPS * RED_TILES * 4 * 32];
-    const Tile c = tile_of(s, ROWS * units, slot, tile);
-    if (c.base >= c.T || c.row0 >= H) return;
+__device__ __forceinline__ void down_tile(const Paged& g, const Slots& s, const Tile& c, int kz, int kn,
+                          Stage (&st)[2], float* red, const uint4* hp, float* out, int H,
+                          int words_in, int wpad_in, i64 bits_nbytes, int rpt, int units) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int parts = WARPS / units, unit = warp / parts;
     const int e = __ldg(s.expert + c.slot);
@@ -561,6 +566,16 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
     }
 }
 
+template <int NT>
+__device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const uint4* hp,
+                     float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
+                     int units, const PopcX*) {
+    __shared__ Stage st[2];
+    __shared__ float red[RED_FLOATS];
+    const Tile c = tile_of(s, ROWS * units, slot, tile);
+    if (c.base >= c.T || c.row0 >= H) return;
+    down_tile<NT>(g, s, c, kz, kn, st, red, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, units);
+}
 
 // ---- one-token decode on binary tensor cores ---------------------------------------------------
 //
@@ -878,12 +893,17 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
                              i64 bits_nbytes, int rpt, const PopcX* px) {
     __shared__ Stage st[2];
-    __shared__ float red[WARPS * RED_TILES * 4 * 32];
+    __shared__ float red[RED_FLOATS];
     __shared__ float rows[2][ROWS];
     wait_previous();  // the slots and x's pieces come from the prep launch
     start_next();
     const Tile c = tile_of(s, ROWS, slot, tile);
     if (c.T <= 0) return;
+    // a slot of several tokens (a call of up to POPC_MAX_TOKENS) takes the lookup: the binary
+    // mma's work grows with tokens, the lookup's does not (docs/KERNELS.md)
+    if (c.T > 1)
+        return gate_up_tile<1>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out,
+                               bits_nbytes, rpt);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
     const int token = __ldg(s.token + c.lo);
@@ -928,10 +948,13 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
                           float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
                           int units, const PopcX* hpx) {
     __shared__ Stage st[2];
-    __shared__ float red[WARPS * RED_TILES * 4 * 32];
+    __shared__ float red[RED_FLOATS];
     __shared__ float rows[2 * ROWS];
     const Tile c = tile_of(s, ROWS * units, slot, tile);
     if (c.T <= 0 || c.row0 >= H) return;
+    if (c.T > 1)  // as in gate_up_popc: the lookup, h from gate_up_tile
+        return down_tile<1>(g, s, c, kz, kn, st, red, hp, out, H, words_in, wpad_in, bits_nbytes,
+                            rpt, units);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot);
     int wd;

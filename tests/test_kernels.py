@@ -309,8 +309,8 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     """The launcher's choice, on the CPU with launches recorded: one token with popc_decode set
     gives x's pieces to the prep launch (8 more blocks a piece) and takes gate_up_p1,
     popc_planes (h of both groups: a warp a k-step of the longest piece), down_p1, or their
-    3-bit builds when no block of the layer is wider than 3 bits; two tokens, or the flag off,
-    no pieces and the lookup kernels."""
+    3-bit builds when no block of the layer is wider than 3 bits; so do calls of up to
+    POPC_MAX_TOKENS tokens; more tokens, or the flag off, no pieces and the lookup kernels."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch", record)
@@ -349,7 +349,14 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     rows_h = spec.top_k + (1 if shared else 0)  # routed pairs, then the shared expert's
     steps = max(popc.steps(moe.proj[(0, g, "down")].words) for g in {False, shared})
     assert one[2][1:] == ((popc.pieces(dn.words), rows_h, kernels.POPC_SPLIT), (32 * steps,))
-    assert [n for n, _, _ in decode(2, True)] == ["decode_prep", "gate_up_n1", "down_n1"]
+    # up to POPC_MAX_TOKENS tokens the same kernels (their slots of several tokens take the
+    # lookup inside them), with every token's x pieces; past it the lookup kernels
+    two = decode(2, True)
+    assert [n for n, _, _ in two] == ["decode_prep", "gate_up_p1", "popc_planes", "down_p1"]
+    assert two[0][1] == (decode(2, False)[0][1][0] + 2 * x_blocks,)
+    assert two[2][1][1] == 2 * rows_h
+    names = [n for n, _, _ in decode(kernels.POPC_MAX_TOKENS + 1, True)]
+    assert names == ["decode_prep", "gate_up_n1", "down_n1"]
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -482,6 +489,31 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
                 err = float((y - want).norm() / want.norm())
                 case = f"{shape} width {width} outlier {outlier} popc {on}"
                 assert err < 1e-3, f"{case}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_popc_kernels_take_calls_of_a_few_tokens(shape):
+    """Calls of 2..POPC_MAX_TOKENS tokens on the popc kernels: slots of one token on the binary
+    mma, the others (and a shared expert's slot of every token) on the lookup inside the same
+    launch, against the reference at 3 and 4 bits and mixed widths (p1b3 at 3 bits)."""
+    layer = synthetic_layer(SHAPES[shape], seed=4)
+    t = layer.table
+    rng = np.random.default_rng(4)
+    layer.moe.popc_decode = True
+    for width in ["3", "4", "mixed"]:
+        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
+        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        for T in range(2, kernels.POPC_MAX_TOKENS + 1):
+            x, weights, index, scale = random_routing(layer.spec, T, seed=T)
+            want = layer.moe(0, x, weights, index, scale, reference=True)
+            _poison(layer.moe)
+            got = layer.moe(0, x, weights, index, scale)
+            torch.cuda.synchronize()
+            singles = int((torch.bincount(index.flatten()) == 1).sum())
+            err = float((got - want).norm() / want.norm())
+            case = f"{shape} width {width}, {T} tokens ({singles} one-token slots)"
+            assert err < 1e-3, f"{case}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu
@@ -873,8 +905,8 @@ def test_balanced_split_evens_the_shared_experts_iterations():
 @pytest.mark.parametrize("shared", [False, True])
 def test_one_token_kernels_by_default_where_a_token_reads_enough(monkeypatch, shared):
     """popc_decode None (the default) takes the one-token kernels for a layer whose token reads
-    at least POPC_MIN_WEIGHTS expert weights (top-k routed experts' and the shared one's), and
-    never for two tokens; True and False force them on and off."""
+    at least POPC_MIN_WEIGHTS expert weights (top-k routed experts' and the shared one's), for
+    calls of up to POPC_MAX_TOKENS tokens; True and False force them on and off."""
     spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
     reads = 2 * 3 * 768 * 4096 + (3 * 768 * 256 if shared else 0)  # hidden 768
     for bar, on in ((reads, True), (reads + 1, False)):
@@ -882,7 +914,8 @@ def test_one_token_kernels_by_default_where_a_token_reads_enough(monkeypatch, sh
         moe = synthetic_layer(spec, device="cpu", seed=0).moe
         assert moe._weights_a_token(0) == reads
         assert (moe._x_pieces(0, 1, torch.device("cpu")) is not None) == on
-        assert moe._x_pieces(0, 2, torch.device("cpu")) is None
+        assert (moe._x_pieces(0, kernels.POPC_MAX_TOKENS, torch.device("cpu")) is not None) == on
+        assert moe._x_pieces(0, kernels.POPC_MAX_TOKENS + 1, torch.device("cpu")) is None
         for forced in (True, False):
             moe.popc_decode = forced
             assert (moe._x_pieces(0, 1, torch.device("cpu")) is not None) == forced

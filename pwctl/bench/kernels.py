@@ -22,7 +22,7 @@ from pwctl.pack import BlockInfo, PlaneInfo
 from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.fused_moe import FusedMoE
-from pwctl.runtime.kernels import DECODE_MAX_TOKENS
+from pwctl.runtime.kernels import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
 from pwctl.runtime.page_table import GPU, PageTable, choose_slab
 from pwctl.runtime.router import route
 
@@ -311,9 +311,10 @@ def active_bytes(layer: SyntheticLayer, index: torch.Tensor) -> tuple[int, int]:
 
 def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: float, seed: int):
     """One row per path that takes T tokens: decode (CUDA-graph replay: launch overhead out) up to
-    8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows). At one token
-    `decode` is the launcher's choice (FusedMoE.popc_decode None) and both one-token kernels get
-    a row of their own: `popc` (binary tensor cores) where rows allow, and `lookup`."""
+    8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows). Up to
+    POPC_MAX_TOKENS tokens `decode` is the launcher's choice (FusedMoE.popc_decode None) and both
+    kernel families get a row of their own: `popc` (binary tensor cores for one-token slots)
+    where rows allow, and `lookup`."""
     x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
     planes, fp16 = active_bytes(layer, index)
     tg = _median_time(GroupedFp16(layer, x, weights, index), 10)
@@ -323,7 +324,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     for path in ("decode", "popc", "lookup", "prefill"):
         if (path == "decode" and T > DECODE_MAX_TOKENS) or (path == "prefill" and T < 4):
             continue
-        if path in ("popc", "lookup") and T != 1:  # the one-token kernels
+        if path in ("popc", "lookup") and T > POPC_MAX_TOKENS:  # where the popc kernels run
             continue
         if path == "popc" and not layer.moe.popc_rows[0]:  # rows they cannot read
             continue

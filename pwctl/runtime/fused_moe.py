@@ -449,7 +449,7 @@ class FusedMoE:
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
-        self._x_pieces_made: dict[int, XPieces] = {}  # by the gate rows' words (one token)
+        self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
         self._popc_kinds: dict[int, tuple[int, str]] = {}  # layer -> (width_version, kind)
         # layers whose rows the one-token kernels can read (16-byte plane loads: words % 4 == 0)
         self.popc_rows: dict[int, bool] = {
@@ -664,15 +664,17 @@ class FusedMoE:
         )
 
     def _x_pieces(self, layer: int, T: int, device: torch.device) -> XPieces | None:
-        """x's pieces when this call takes the one-token kernels (else None): one token, rows
-        they can read, and popc_decode set or (None) the layer large enough."""
+        """x's pieces when this call takes the popc kernels (else None): at most
+        POPC_MAX_TOKENS tokens (their one-token slots run the binary mma, the others the lookup),
+        rows they can read, and popc_decode set or (None) the layer large enough."""
         on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
-        if T != 1 or not on or not self.popc_rows[layer]:
+        if T > kernels.POPC_MAX_TOKENS or not on or not self.popc_rows[layer]:
             return None
-        words = self.proj[(layer, False, "gate")].words
-        if words not in self._x_pieces_made:
-            self._x_pieces_made[words] = XPieces.over(self._pieces("x", 1, words, device), words, 1)
-        return self._x_pieces_made[words]
+        key = (self.proj[(layer, False, "gate")].words, T)
+        if key not in self._x_pieces_made:
+            buf = self._pieces("x", T, key[0], device)
+            self._x_pieces_made[key] = XPieces.over(buf, *key)
+        return self._x_pieces_made[key]
 
     def _pieces(
         self, what: str | bool, rows: int, words: int, device: torch.device
