@@ -479,9 +479,11 @@ __device__ __forceinline__ bool stage_down(const Paged& g, const Slots& s, int e
 // h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection: the CTA's
 // 16 rows for tile c of a slot (the one-token kernels' slots of several tokens come here too).
 template <int NT>
-__device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, const Tile& c, Stage (&st)[2],
-                             float* red, const uint4* xf, unsigned short* hp, int I, int words_in,
-                             int wpad_in, int wpad_out, i64 bits_nbytes, int rpt) {
+__device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, const Tile& c,
+                                             Stage (&st)[2], float (&red)[RED_FLOATS],
+                                             const uint4* xf, unsigned short* hp, int I,
+                                             int words_in, int wpad_in, int wpad_out,
+                                             i64 bits_nbytes, int rpt) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
     float gs[NT], us[NT];
@@ -532,9 +534,10 @@ __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, u
 // or, for short rows, 2 (rows [row0, row0 + 16) and the 16 after, 2 warps each), so that warps
 // have columns to stream.
 template <int NT>
-__device__ __forceinline__ void down_tile(const Paged& g, const Slots& s, const Tile& c, int kz, int kn,
-                          Stage (&st)[2], float* red, const uint4* hp, float* out, int H,
-                          int words_in, int wpad_in, i64 bits_nbytes, int rpt, int units) {
+__device__ __forceinline__ void down_tile(const Paged& g, const Slots& s, const Tile& c, int kz,
+                                          int kn, Stage (&st)[2], float (&red)[RED_FLOATS],
+                                          const uint4* hp, float* out, int H, int words_in,
+                                          int wpad_in, i64 bits_nbytes, int rpt, int units) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int parts = WARPS / units, unit = warp / parts;
     const int e = __ldg(s.expert + c.slot);
@@ -888,7 +891,7 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
 // accumulators take half the registers, so that 5 CTAs an SM fit instead of 4 (the launcher takes
 // it when no block of the layer is wider than 3 bits: more warps an SM are more loads in flight,
 // which is what bounds these kernels, docs/PERF.md session 12).
-template <int MAXB>
+template <int MAXB, bool FEW>
 __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
                              i64 bits_nbytes, int rpt, const PopcX* px) {
@@ -899,11 +902,13 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
     start_next();
     const Tile c = tile_of(s, ROWS, slot, tile);
     if (c.T <= 0) return;
-    // a slot of several tokens (a call of up to POPC_MAX_TOKENS) takes the lookup: the binary
-    // mma's work grows with tokens, the lookup's does not (docs/KERNELS.md)
-    if (c.T > 1)
-        return gate_up_tile<1>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out,
-                               bits_nbytes, rpt);
+    // FEW (`gate_up_pn`: calls of up to POPC_MAX_TOKENS tokens): a slot of several tokens takes
+    // the lookup, whose work does not grow with tokens as the binary mma's does. Compiled out of
+    // the one-token build, whose registers it would cost (8 bytes of stack: 2-3% at one token)
+    if constexpr (FEW)
+        if (c.T > 1)
+            return gate_up_tile<1>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out,
+                                   bits_nbytes, rpt);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
     const int token = __ldg(s.token + c.lo);
@@ -943,7 +948,7 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
 // down for one-token slots: `units` m-tiles of 16 rows (8-row groups over the warps, which
 // split the columns when there are fewer groups than warps), columns split kn ways (this CTA:
 // kz). hpx: h's pieces (popc_planes), a row per pair. Blocks wider than MAXB: the lookup.
-template <int MAXB>
+template <int MAXB, bool FEW>
 __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, const uint4* hp,
                           float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
                           int units, const PopcX* hpx) {
@@ -952,9 +957,10 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     __shared__ float rows[2 * ROWS];
     const Tile c = tile_of(s, ROWS * units, slot, tile);
     if (c.T <= 0 || c.row0 >= H) return;
-    if (c.T > 1)  // as in gate_up_popc: the lookup, h from gate_up_tile
-        return down_tile<1>(g, s, c, kz, kn, st, red, hp, out, H, words_in, wpad_in, bits_nbytes,
-                            rpt, units);
+    if constexpr (FEW)  // as in gate_up_popc: the lookup, on h from gate_up_tile
+        if (c.T > 1)
+            return down_tile<1>(g, s, c, kz, kn, st, red, hp, out, H, words_in, wpad_in,
+                                bits_nbytes, rpt, units);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot);
     int wd;
@@ -1791,10 +1797,14 @@ ENTRY(1, __launch_bounds__(32 * WARPS))
 ENTRY(2, __launch_bounds__(32 * WARPS, 5))
 ENTRY(4, __launch_bounds__(32 * WARPS, 5))
 ENTRY(8, __launch_bounds__(32 * WARPS, 4))
-// one-token calls (the binary tensor-core kernels)
-ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), gate_up_popc<4>, down_popc<4>)  // 128 registers
+// one-token calls (the binary tensor-core kernels, 128 registers; the parentheses hold a
+// template's commas)
+ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, false>), (down_popc<4, false>))
 // up to 3 bits: 96 registers, 5 CTAs an SM (at 6, 80 registers and spills: slower on Mixtral)
-ENTRY_AS(p1b3, __launch_bounds__(32 * WARPS, 5), gate_up_popc<3>, down_popc<3>)
+ENTRY_AS(p1b3, __launch_bounds__(32 * WARPS, 5), (gate_up_popc<3, false>), (down_popc<3, false>))
+// calls of 2..POPC_MAX_TOKENS tokens: one-token slots on the binary mma, the others the lookup
+ENTRY_AS(pn, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, true>), (down_popc<4, true>))
+ENTRY_AS(pnb3, __launch_bounds__(32 * WARPS, 5), (gate_up_popc<3, true>), (down_popc<3, true>))
 
 extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) gate_up_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in, int wpad_in,

@@ -309,8 +309,9 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     """The launcher's choice, on the CPU with launches recorded: one token with popc_decode set
     gives x's pieces to the prep launch (8 more blocks a piece) and takes gate_up_p1,
     popc_planes (h of both groups: a warp a k-step of the longest piece), down_p1, or their
-    3-bit builds when no block of the layer is wider than 3 bits; so do calls of up to
-    POPC_MAX_TOKENS tokens; more tokens, or the flag off, no pieces and the lookup kernels."""
+    3-bit builds when no block of the layer is wider than 3 bits; calls of up to POPC_MAX_TOKENS
+    tokens take gate_up_pn / down_pn (pnb3); more tokens, or the flag off, no pieces and the
+    lookup kernels."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch", record)
@@ -343,6 +344,8 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     layer.set_widths(widths)
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_p1b3", "popc_planes", "down_p1b3"]
+    names = [n for n, _, _ in decode(2, True)]
+    assert names == ["decode_prep", "gate_up_pnb3", "popc_planes", "down_pnb3"]
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     x_blocks = popc.pieces(gu.words) * kernels.POPC_SPLIT  # 768 columns: one piece
     assert one[0][1] == (plain[0][1][0] + x_blocks,)
@@ -352,7 +355,7 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     # up to POPC_MAX_TOKENS tokens the same kernels (their slots of several tokens take the
     # lookup inside them), with every token's x pieces; past it the lookup kernels
     two = decode(2, True)
-    assert [n for n, _, _ in two] == ["decode_prep", "gate_up_p1", "popc_planes", "down_p1"]
+    assert [n for n, _, _ in two] == ["decode_prep", "gate_up_pn", "popc_planes", "down_pn"]
     assert two[0][1] == (decode(2, False)[0][1][0] + 2 * x_blocks,)
     assert two[2][1][1] == 2 * rows_h
     names = [n for n, _, _ in decode(kernels.POPC_MAX_TOKENS + 1, True)]
@@ -479,7 +482,7 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
                 got[on] = layer.moe(0, x, weights, index, scale)
             if width in ("4", "mixed"):  # the 3-bit build on blocks up to 5 bits: their lookup
                 layer.moe.popc_decode = True
-                layer.moe._popc_kind = lambda layer_: "p1b3"
+                layer.moe._popc_kind = lambda layer_, T: "p1b3"
                 _poison(layer.moe)
                 got["p1b3"] = layer.moe(0, x, weights, index, scale)
                 del layer.moe._popc_kind

@@ -450,7 +450,7 @@ class FusedMoE:
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
-        self._popc_kinds: dict[int, tuple[int, str]] = {}  # layer -> (width_version, kind)
+        self._popc_kinds: dict[int, tuple[int, bool]] = {}  # layer -> (width_version, <= 3 bits)
         # layers whose rows the one-token kernels can read (16-byte plane loads: words % 4 == 0)
         self.popc_rows: dict[int, bool] = {
             layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
@@ -617,8 +617,9 @@ class FusedMoE:
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
-        one = px is not None
-        kind = self._popc_kind(layer) if one else f"n{kernels.n_tiles(xf.shape[0])}"
+        one = px is not None  # the popc kernels (their one-token slots on the binary mma)
+        T = xf.shape[0]
+        kind = self._popc_kind(layer, T) if one else f"n{kernels.n_tiles(T)}"
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         xpx, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
         if one:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
@@ -643,18 +644,20 @@ class FusedMoE:
             early=True,  # stages while gate_up finishes; waits before it reads h
         )
 
-    def _popc_kind(self, layer: int) -> str:
-        """The one-token kernels for `layer`: "p1b3" (binary mma up to 3 bits, 5 CTAs an SM) when
-        no block of the layer is wider than 3 bits in the widths the kernels read (the last
-        `DeviceTable.sync`), else "p1" (up to 4 bits, 4 CTAs an SM). Both read every width (wider
-        blocks take the lookup), so a graph captured before the pager widens a block stays
+    def _popc_kind(self, layer: int, T: int) -> str:
+        """The popc kernels for a call of T tokens in `layer`: "p1" for one token, "pn" for up to
+        POPC_MAX_TOKENS (their slots of several tokens take the lookup inside the launch; kept
+        apart so that the one-token build carries none of it), with "b3" (binary mma up to 3
+        bits, 5 CTAs an SM against 4) when no block of the layer is wider than 3 bits in the
+        widths the kernels read (the last `DeviceTable.sync`). Every build reads every width
+        (wider blocks take the lookup), so a graph captured before the pager widens a block stays
         correct, only slower. Cached until the next width upload."""
-        version, kind = self._popc_kinds.get(layer, (-1, ""))
+        version, narrow = self._popc_kinds.get(layer, (-1, False))
         if version != self.dt.width_version:  # a numpy gather per call is host time on decode
             widest = int(self.dt.synced_width[self._layer_blocks[layer]].max())
-            version, kind = self.dt.width_version, "p1b3" if widest <= 3 else "p1"
-            self._popc_kinds[layer] = (version, kind)
-        return kind
+            version, narrow = self.dt.width_version, widest <= 3
+            self._popc_kinds[layer] = (version, narrow)
+        return ("p1" if T == 1 else "pn") + ("b3" if narrow else "")
 
     def _weights_a_token(self, layer: int) -> int:
         """Expert weights one token reads in `layer`: top-k routed experts and the shared one."""
