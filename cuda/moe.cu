@@ -477,7 +477,7 @@ __device__ __forceinline__ bool stage_down(const Paged& g, const Slots& s, int e
 }
 
 // h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection: the CTA's
-// 16 rows for tile c of a slot (the one-token kernels' slots of several tokens come here too).
+// 16 rows for tile c of a slot (also the few-token popc kernels' slots of several tokens).
 template <int NT>
 __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, const Tile& c,
                                              Stage (&st)[2], float (&red)[RED_FLOATS],
