@@ -132,7 +132,7 @@ def prepare_prefill(
 
 @dataclass(frozen=True)
 class XPieces:
-    """Where a prep launch writes T tokens' x pieces for the one-token kernels (cuda/moe.cu
+    """Where a prep launch writes T tokens' x pieces for the popc kernels (cuda/moe.cu
     `x_piece`): a buffer of popc.pieces(words) pieces a token, words = the gate rows' words.
     Made once and reused: the prep kernels' arguments are fixed with it."""
 
@@ -399,9 +399,10 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
     return xt
 
 
-# The one-token kernels save ~15% of a layer's streaming and cost ~6 us more a call (x's pieces
-# in the prep launch, popc_planes for h): on the H200 they win on Mixtral (~352M expert weights
-# a token), lose on Qwen1.5-MoE (69M) and Qwen3-MoE (38M). docs/PERF.md, session 11.
+# The popc kernels save ~15% of a one-token slot's streaming and cost ~6 us more a call (x's
+# pieces in the prep launch, popc_planes for h): on the H200 they win on Mixtral (~352M expert
+# weights a token; 1.14-1.23x at 2-4 tokens, session 16), lose on Qwen1.5-MoE (69M) and Qwen3-MoE
+# (38M). docs/PERF.md, sessions 11 and 16.
 POPC_MIN_WEIGHTS = 128 << 20
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
@@ -461,9 +462,10 @@ class FusedMoE:
         }
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
-        # one-token decode calls on binary tensor cores (cuda/moe.cu gate_up_p1 / down_p1), where
-        # rows allow: True, False, or None (default): on the layers that read at least
-        # POPC_MIN_WEIGHTS expert weights a token (`_popc_pays`)
+        # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
+        # gate_up_p1 / _pn: one-token slots on binary tensor cores), where rows allow: True,
+        # False, or None (default): on the layers that read at least POPC_MIN_WEIGHTS expert
+        # weights a token (`_popc_pays`)
         self.popc_decode: bool | None = None
 
     def __call__(
@@ -608,7 +610,7 @@ class FusedMoE:
         sync (graph-capturable). Each kernel covers the routed slots and, when there is one, the
         shared expert's slot in one launch (cuda/moe.cu ENTRY): the shared expert streams beside
         the routed ones, its CTAs numbered through grid rows after the routed slots'. With x's
-        pieces (`_x_pieces`, built by the prep launch) the one-token kernels run instead."""
+        pieces (`_x_pieces`, built by the prep launch) the popc kernels run instead."""
         key = (layer, pairs.expert.numel(), shared is not None)
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key)
@@ -617,12 +619,11 @@ class FusedMoE:
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
-        one = px is not None  # the popc kernels (their one-token slots on the binary mma)
-        T = xf.shape[0]
-        kind = self._popc_kind(layer, T) if one else f"n{kernels.n_tiles(T)}"
+        popc_on, T = px is not None, xf.shape[0]
+        kind = self._popc_kind(layer, T) if popc_on else f"n{kernels.n_tiles(T)}"
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         xpx, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
-        if one:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
+        if popc_on:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
             hps = [
                 self._pieces(t, h.shape[0], d.words, xf.device)
@@ -634,7 +635,7 @@ class FusedMoE:
             f"gate_up_{kind}", plan.gate_up_grid, (32 * kernels.WARPS,), common + gate_up + xpx,
             early=True,
         )  # fmt: skip
-        if one:
+        if popc_on:
             self._planes(list(zip(hp, dn, hps, strict=True)))
         kernels.launch(
             f"down_{kind}",
@@ -682,7 +683,7 @@ class FusedMoE:
     def _pieces(
         self, what: str | bool, rows: int, words: int, device: torch.device
     ) -> torch.Tensor:
-        """A reused buffer of `rows` rows of x pieces (cuda/moe.cu PopcX) for the one-token
+        """A reused buffer of `rows` rows of x pieces (cuda/moe.cu PopcX) for the popc
         kernels: "x" (the tokens), or a group's h (False: routed, True: shared expert)."""
         key = (what, rows, words)
         if key not in self._piece_buffers:
