@@ -452,7 +452,7 @@ class FusedMoE:
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
         self._popc_kinds: dict[int, tuple[int, bool]] = {}  # layer -> (width_version, <= 3 bits)
-        # layers whose rows the one-token kernels can read (16-byte plane loads: words % 4 == 0)
+        # layers whose rows the popc kernels can read (16-byte plane loads: words % 4 == 0)
         self.popc_rows: dict[int, bool] = {
             layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
             for layer in self.block_ids
