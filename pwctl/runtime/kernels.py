@@ -17,6 +17,7 @@ import torch
 from pwctl.errors import PwctlError
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
+NVRTC_OPTIONS = ("-std=c++17",)  # and --gpu-architecture (tests/test_nvrtc.py compiles the same)
 WARPS = 4  # warps per decode CTA (cuda/moe.cu): they split a block's columns
 ROWS = 16  # block rows of one mma m-tile: a gate_up CTA's rows (of gate and of up)
 PREP_THREADS = 256  # decode_prep / route_prep blocks (cuda/moe.cu PREP_THREADS)
@@ -62,9 +63,8 @@ def module():
         raise PwctlError(f"{CUDA_SRC}: kernel source missing (pwctl must run from its checkout)")
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if has_wgmma() else "")  # sm_90a: wgmma (prefill)
-    return cupy.RawModule(
-        code=CUDA_SRC.read_text(), options=("-std=c++17", f"--gpu-architecture={arch}")
-    )
+    options = NVRTC_OPTIONS + (f"--gpu-architecture={arch}",)
+    return cupy.RawModule(code=CUDA_SRC.read_text(), options=options)
 
 
 @functools.cache
