@@ -904,7 +904,7 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
     if (c.T <= 0) return;
     // FEW (`gate_up_pn`: calls of up to POPC_MAX_TOKENS tokens): a slot of several tokens takes
     // the lookup, whose work does not grow with tokens as the binary mma's does. Compiled out of
-    // the one-token build, whose registers it would cost (8 bytes of stack: 2-3% at one token)
+    // the one-token build: there it took 8 bytes of stack (121 against 117-118 us, one run)
     if constexpr (FEW)
         if (c.T > 1)
             return gate_up_tile<1>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out,
@@ -1899,16 +1899,15 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
     // first[w][e]: share w's count of expert e, then where its next pair goes (after every pair of
     // e in the shares before: a stable placement).
     extern __shared__ int first[];
-    constexpr int warps = W;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = warps > 1 ? warp : 0;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = W > 1 ? warp : 0;
     const unsigned all = 0xffffffffu, below = (1u << lane) - 1;
-    const int share = (pairs + warps - 1) / warps, lo = min(pairs, part * share);
-    const int hi = warp < warps ? min(pairs, lo + share) : lo;  // warps past `warps` place none
+    const int share = (pairs + W - 1) / W, lo = min(pairs, part * share);
+    const int hi = warp < W ? min(pairs, lo + share) : lo;  // warps from W on place none
     int* mine = first + part * experts;
-    for (int e = threadIdx.x; e < warps * experts; e += blockDim.x) first[e] = 0;
+    for (int e = threadIdx.x; e < W * experts; e += blockDim.x) first[e] = 0;
     __syncthreads();
-    const int from = warps > 1 ? lo + lane : threadIdx.x, step = warps > 1 ? 32 : blockDim.x;
-    for (int i = from; i < (warps > 1 ? hi : pairs); i += step) atomicAdd(&mine[(int)index[i]], 1);
+    const int from = W > 1 ? lo + lane : threadIdx.x, step = W > 1 ? 32 : blockDim.x;
+    for (int i = from; i < (W > 1 ? hi : pairs); i += step) atomicAdd(&mine[(int)index[i]], 1);
     __syncthreads();
     if (warp == 0) {  // counts -> first pairs (a scan 32 experts at a time), active -> slots
         int start = 0, n = 0;
@@ -1916,12 +1915,12 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
             const int e = e0 + lane;
             int c = 0;
             #pragma unroll
-            for (int w = 0; w < warps; ++w) c += e < experts ? first[w * experts + e] : 0;
+            for (int w = 0; w < W; ++w) c += e < experts ? first[w * experts + e] : 0;
             const int inc = warp_inclusive_sum(c);
             const unsigned active = __ballot_sync(all, c > 0);
             const int slot = n + __popc(active & below), at = start + inc - c;
             #pragma unroll
-            for (int w = 0, next = at; w < warps; ++w) {
+            for (int w = 0, next = at; w < W; ++w) {
                 if (e >= experts) break;
                 const int v = first[w * experts + e];
                 first[w * experts + e] = next;

@@ -14,7 +14,8 @@ from pwctl.runtime import fused_moe
 
 
 def torch_tiles(x, wpad, pairs, info):
-    plan = fused_moe.tile_plan(pairs)  # info is its plan's
+    """`fused_moe.token_tiles` in torch, same arguments (`info` is tile_plan(pairs).info)."""
+    plan = fused_moe.tile_plan(pairs)
     return fused_moe.wgmma_tiles(x, wpad, pairs.token[plan.pair].long())
 
 

@@ -499,7 +499,7 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
 def test_popc_kernels_take_calls_of_a_few_tokens(shape):
     """Calls of 2..POPC_MAX_TOKENS tokens on the popc kernels: slots of one token on the binary
     mma, the others (and a shared expert's slot of every token) on the lookup inside the same
-    launch, against the reference at 3 and 4 bits and mixed widths (p1b3 at 3 bits)."""
+    launch, against the reference at 3 and 4 bits and mixed widths (pnb3 at 3 bits)."""
     layer = synthetic_layer(SHAPES[shape], seed=4)
     t = layer.table
     rng = np.random.default_rng(4)

@@ -674,11 +674,11 @@ class FusedMoE:
         on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
         if T > kernels.POPC_MAX_TOKENS or not on or not self.popc_rows[layer]:
             return None
-        key = (self.proj[(layer, False, "gate")].words, T)
-        if key not in self._x_pieces_made:
-            buf = self._pieces("x", T, key[0], device)
-            self._x_pieces_made[key] = XPieces.over(buf, *key)
-        return self._x_pieces_made[key]
+        words = self.proj[(layer, False, "gate")].words
+        if (words, T) not in self._x_pieces_made:
+            buf = self._pieces("x", T, words, device)
+            self._x_pieces_made[(words, T)] = XPieces.over(buf, words, T)
+        return self._x_pieces_made[(words, T)]
 
     def _pieces(
         self, what: str | bool, rows: int, words: int, device: torch.device
