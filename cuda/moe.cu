@@ -151,7 +151,18 @@ __device__ __forceinline__ void lut16(const u32 (&L)[8], u32 s, u32 q, u32& h0, 
     h1 = prmt(lo, hi, 0x7362);
 }
 
-// (tests/test_kernels.py replays gather / lut_from / lut8 / lut16 / decode in Python on the CPU.)
+// Where row r's entries start in its shared-memory table (`Stage::tbl[r]`, 128 words), for the
+// widths read from there (5-8). A 5-bit table takes 16 words, i.e. 16 of the 32 banks, the same
+// 16 in every row: odd rows keep theirs 16 words on, so that the 8 rows one shared load meets use
+// all 32 banks (Nsight Compute, Mixtral: 4.1 -> 3.0 wavefronts a load). Wider tables cover every
+// bank already. Tried and not kept (docs/PERF.md, session 17): a copy of each row a lane (one
+// bank a lane, no conflicts) cost more integer work than it saved; labels as bytes (a PRMT an
+// index) were 0-9% faster at 6-8 bits but made the one-token lookup kernels spill, 4% slower on
+// Qwen3-MoE at 4 bits.
+__host__ __device__ constexpr int table_shift(int B, int row) { return B == 5 ? (row & 1) << 5 : 0; }
+
+// (tests/test_kernels.py replays gather / lut_from / lut8 / lut16 / decode / table_shift in Python
+// on the CPU.)
 // The A-fragment halves of column phase C of one row's plane words: A[0], A[1] for k-step 2C
 // (columns C + {0, 4} and C + {8, 12}), A[2], A[3] for step 2C + 1 (the same plus 16).
 template <int B, int C>
@@ -178,6 +189,7 @@ __device__ __forceinline__ void decode(const u32 (&P)[8], const u32 (&L)[8],
         lut16(L, m >> 16, q >> 16, A[2], A[3]);
     } else {  // wider: shared-memory table, label = hi nibble (planes 0..B-5) : lo nibble
         const u32 lo = gather<C, B - 1, 4>(P), hi = gather<C, B - 5, B - 4>(P);
+        tbl += table_shift(B, threadIdx.x >> 2);  // the parity of g: the same for row g + 8
         u32 v[8];
         #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = tbl[((lo >> (4 * k)) & 15u) | (((hi >> (4 * k)) & 15u) << 4)];
@@ -235,7 +247,7 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
     for (int e = first; e < ROWS * per_row; e += stride) {
         const int r = e / per_row, i = e % per_row;
         const i64 off = bits_nbytes + (i64)((row0 + min(r, nrows - 1)) / rpt) * (2 << B) + 4 * i;
-        *(u32*)(st.tbl[r] + 2 * i) = __ldg((const u32*)paged(g, block, B - 1, off));
+        *(u32*)(st.tbl[r] + 2 * i + table_shift(B, r)) = __ldg((const u32*)paged(g, block, B - 1, off));
     }
     return flat;
 }

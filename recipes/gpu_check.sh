@@ -8,9 +8,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m pytest -q -s -m gpu tests/test_kernels.py tests/test_paged_engine.py tests/test_pager.py \
+timeout 330 python3 -m pytest -q -s -m gpu -o faulthandler_timeout=200 tests/test_kernels.py tests/test_paged_engine.py tests/test_pager.py \
     -p no:cacheprovider 2>&1 | grep -v "Writing model" | tail -25
-pwctl bench --kernels --shape mixtral --shape qwen-moe --shape qwen3-moe --width 3 --width 4 \
+timeout 150 pwctl bench --kernels --shape mixtral --shape qwen-moe --shape qwen3-moe --width 3 --width 4 \
     --tokens 1 --tokens 2 --tokens 4 --json "${OUT:-/tmp}/kernels.json" 2>&1 | tail -8
 # one-token layers, lookup and binary tensor cores (FusedMoE.popc_decode), kernel by kernel
-python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1 popc 2>&1 | grep -v "Writing model"
+timeout 90 python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1 popc 2>&1 | grep -v "Writing model"

@@ -205,11 +205,18 @@ def _gather(P: list[int], C: int, top: int, n: int) -> int:
     return s
 
 
-def _decode(P: list[int], table: list[int], B: int, C: int) -> list[int]:
-    """decode<B, C>: four half2 words (as u32) from plane words P and an fp16 table."""
+def _table_shift(B: int, row: int) -> int:
+    return (row & 1) << 5 if B == 5 else 0
+
+
+def _decode(P: list[int], table: list[int], B: int, C: int, g: int = 0) -> list[int]:
+    """decode<B, C>: four half2 words (as u32) from plane words P and an fp16 table; for B > 4
+    `table` is the row's shared-memory slot (256 entries) as stage() writes it for a row of
+    8-row group g (`_table_shift`)."""
     if B > 4:  # shared-memory table: label = high nibble (planes 0..B-5) : low nibble
         lo, hi = _gather(P, C, B - 1, 4), _gather(P, C, B - 5, B - 4)
-        v = [table[(lo >> 4 * k) & 15 | ((hi >> 4 * k) & 15) << 4] for k in range(8)]
+        row = table[_table_shift(B, g) :]
+        v = [row[(lo >> 4 * k) & 15 | ((hi >> 4 * k) & 15) << 4] for k in range(8)]
         return [v[2 * j] | v[2 * j + 1] << 16 for j in range(4)]
     W = [table[2 * i] | table[2 * i + 1] << 16 if 2 * i < len(table) else 0 for i in range(8)]
     L = [_prmt(W[0], W[1], 0x6420), _prmt(W[2], W[3], 0x6420)]
@@ -238,17 +245,34 @@ def _decode(P: list[int], table: list[int], B: int, C: int) -> list[int]:
 @pytest.mark.parametrize("B", range(1, 9))
 def test_label_decode_twin_matches_format(B):
     """The kernels' label decode, replayed in Python on random planes: half2 j of phase C holds
-    the table entries of columns C + 8j and C + 8j + 4 (the k-steps of fragment order)."""
+    the table entries of columns C + 8j and C + 8j + 4 (the k-steps of fragment order). Widths
+    5-8 read a row's table from its shared-memory slot as stage() writes it, for rows of both
+    parities."""
     gen = torch.Generator().manual_seed(B)
-    labels = torch.randint(0, 1 << B, (1, 32), generator=gen)
-    P = [int(w) & 0xFFFFFFFF for w in pack_planes(labels, B)[:, 0, 0]]
-    table = [int(v) for v in torch.randint(0, 1 << 16, (1 << B,), generator=gen)]
-    lab = labels[0].tolist()
-    for C in range(4):
-        words = _decode(P, table, B, C)
-        for j, w in enumerate(words):
-            assert w & 0xFFFF == table[lab[C + 8 * j]], (C, j)
-            assert w >> 16 == table[lab[C + 8 * j + 4]], (C, j)
+    for g in (0, 1) if B > 4 else (0,):
+        labels = torch.randint(0, 1 << B, (1, 32), generator=gen)
+        P = [int(w) & 0xFFFFFFFF for w in pack_planes(labels, B)[:, 0, 0]]
+        table = [int(v) for v in torch.randint(0, 1 << 16, (1 << B,), generator=gen)]
+        staged = table
+        if B > 4:  # the row's slot: 256 entries, the table from _table_shift on
+            staged = [0] * 256
+            staged[_table_shift(B, g) : _table_shift(B, g) + len(table)] = table
+        lab = labels[0].tolist()
+        for C in range(4):
+            words = _decode(P, staged, B, C, g)
+            for j, w in enumerate(words):
+                assert w & 0xFFFF == table[lab[C + 8 * j]], (g, C, j)
+                assert w >> 16 == table[lab[C + 8 * j + 4]], (g, C, j)
+
+
+@pytest.mark.parametrize("B", range(5, 9))
+def test_wide_tables_of_one_shared_load_cover_every_bank(B):
+    """The 8 rows one shared load meets (rows g = 0..7, slots of 128 words) spread their tables
+    over all 32 banks, 5 bits included (16 words a table: table_shift)."""
+    banks = {
+        (128 * g + (_table_shift(B, g) + e) // 2) % 32 for g in range(8) for e in range(1 << B)
+    }
+    assert banks == set(range(32))
 
 
 # --- the one-token kernels' arithmetic (cuda/moe.cu gate_up_p1 / down_p1; pwctl/runtime/popc.py)
@@ -310,8 +334,8 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     gives x's pieces to the prep launch (8 more blocks a piece) and takes gate_up_p1,
     popc_planes (h of both groups: a warp a k-step of the longest piece), down_p1, or their
     3-bit builds when no block of the layer is wider than 3 bits; calls of up to POPC_MAX_TOKENS
-    tokens take gate_up_pn / down_pn (pnb3); more tokens, or the flag off, no pieces and the
-    lookup kernels."""
+    tokens take gate_up_pn / down_pn (pnb3); more tokens, the flag off, or no block of the layer
+    at 4 bits or less, no pieces and the lookup kernels."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch", record)
@@ -358,7 +382,17 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     assert [n for n, _, _ in two] == ["decode_prep", "gate_up_pn", "popc_planes", "down_pn"]
     assert two[0][1] == (decode(2, False)[0][1][0] + 2 * x_blocks,)
     assert two[2][1][1] == 2 * rows_h
-    names = [n for n, _, _ in decode(kernels.POPC_MAX_TOKENS + 1, True)]
+    past = kernels.POPC_MAX_TOKENS + 1
+    names = [n for n, _, _ in decode(past, True)]
+    n = f"n{kernels.n_tiles(past)}"
+    assert names == ["decode_prep", f"gate_up_{n}", f"down_{n}"]
+    # no block of the layer the binary mma reads (all wider than 4 bits): the lookup kernels
+    widths[:] = 5
+    widths[moe._layer_blocks[0][0]] = 4
+    layer.set_widths(widths)
+    assert [n for n, _, _ in decode(2, True)][1] == "gate_up_pn"
+    layer.set_widths(np.full(layer.table.n_blocks, 5))
+    names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
 
 
@@ -914,7 +948,9 @@ def test_one_token_kernels_by_default_where_a_token_reads_enough(monkeypatch, sh
     reads = 2 * 3 * 768 * 4096 + (3 * 768 * 256 if shared else 0)  # hidden 768
     for bar, on in ((reads, True), (reads + 1, False)):
         monkeypatch.setattr(fused_moe, "POPC_MIN_WEIGHTS", bar)
-        moe = synthetic_layer(spec, device="cpu", seed=0).moe
+        layer = synthetic_layer(spec, device="cpu", seed=0)
+        layer.set_widths(np.full(layer.table.n_blocks, 4))  # blocks the binary mma reads
+        moe = layer.moe
         assert moe._weights_a_token(0) == reads
         assert (moe._x_pieces(0, 1, torch.device("cpu")) is not None) == on
         assert (moe._x_pieces(0, kernels.POPC_MAX_TOKENS, torch.device("cpu")) is not None) == on

@@ -404,6 +404,7 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 # weights a token; 1.14-1.23x at 2-4 tokens, session 16), lose on Qwen1.5-MoE (69M) and Qwen3-MoE
 # (38M). docs/PERF.md, sessions 11 and 16.
 POPC_MIN_WEIGHTS = 128 << 20
+POPC_MAX_BITS = 4  # widest block the popc kernels' binary mma reads (wider: their lookup)
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 
@@ -451,7 +452,8 @@ class FusedMoE:
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
-        self._popc_kinds: dict[int, tuple[int, bool]] = {}  # layer -> (width_version, <= 3 bits)
+        # layer -> (width_version, (narrowest, widest) block): `_widths`
+        self._width_spans: dict[int, tuple[int, tuple[int, int]]] = {}
         # layers whose rows the popc kernels can read (16-byte plane loads: words % 4 == 0)
         self.popc_rows: dict[int, bool] = {
             layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
@@ -652,13 +654,18 @@ class FusedMoE:
         bits, 5 CTAs an SM against 4) when no block of the layer is wider than 3 bits in the
         widths the kernels read (the last `DeviceTable.sync`). Every build reads every width
         (wider blocks take the lookup), so a graph captured before the pager widens a block stays
-        correct, only slower. Cached until the next width upload."""
-        version, narrow = self._popc_kinds.get(layer, (-1, False))
-        if version != self.dt.width_version:  # a numpy gather per call is host time on decode
-            widest = int(self.dt.synced_width[self._layer_blocks[layer]].max())
-            version, narrow = self.dt.width_version, widest <= 3
-            self._popc_kinds[layer] = (version, narrow)
-        return ("p1" if T == 1 else "pn") + ("b3" if narrow else "")
+        correct, only slower."""
+        return ("p1" if T == 1 else "pn") + ("b3" if self._widths(layer)[1] <= 3 else "")
+
+    def _widths(self, layer: int) -> tuple[int, int]:
+        """(narrowest, widest) block of `layer` in the widths the kernels read, cached until the
+        next width upload (a numpy gather per call is host time on decode)."""
+        version, span = self._width_spans.get(layer, (-1, (0, 0)))
+        if version != self.dt.width_version:
+            w = self.dt.synced_width[self._layer_blocks[layer]]
+            version, span = self.dt.width_version, (int(w.min()), int(w.max()))
+            self._width_spans[layer] = (version, span)
+        return span
 
     def _weights_a_token(self, layer: int) -> int:
         """Expert weights one token reads in `layer`: top-k routed experts and the shared one."""
@@ -674,6 +681,8 @@ class FusedMoE:
         on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
         if T > kernels.POPC_MAX_TOKENS or not on or not self.popc_rows[layer]:
             return None
+        if self._widths(layer)[0] > POPC_MAX_BITS:  # no block on the binary mma: the lookup
+            return None  # kernels, no pieces (Mixtral, 5 bits, 1 token: 304 against 317 us)
         words = self.proj[(layer, False, "gate")].words
         if (words, T) not in self._x_pieces_made:
             buf = self._pieces("x", T, words, device)
