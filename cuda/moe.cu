@@ -157,15 +157,16 @@ __device__ __forceinline__ void lut16(const u32 (&L)[8], u32 s, u32 q, u32& h0, 
 // all 32 banks (Nsight Compute, Mixtral: 4.1 -> 3.0 wavefronts a load). Wider tables cover every
 // bank already. Tried and not kept (docs/PERF.md, session 17): a copy of each row a lane (one
 // bank a lane, no conflicts) cost more integer work than it saved; labels as bytes (a PRMT an
-// index) were 0-9% faster at 6-8 bits but made the one-token lookup kernels spill, 4% slower on
-// Qwen3-MoE at 4 bits.
+// index, `decode`'s BYTES) were 0-9% faster at 6-8 bits but made the one-token lookup kernels
+// spill, 4% slower on Qwen3-MoE at 4 bits: only the prefill kernels take them.
 __host__ __device__ constexpr int table_shift(int B, int row) { return B == 5 ? (row & 1) << 5 : 0; }
 
 // (tests/test_kernels.py replays gather / lut_from / lut8 / lut16 / decode / table_shift in Python
 // on the CPU.)
 // The A-fragment halves of column phase C of one row's plane words: A[0], A[1] for k-step 2C
-// (columns C + {0, 4} and C + {8, 12}), A[2], A[3] for step 2C + 1 (the same plus 16).
-template <int B, int C>
+// (columns C + {0, 4} and C + {8, 12}), A[2], A[3] for step 2C + 1 (the same plus 16). BYTES
+// (widths 5-8; the prefill kernels): the labels turned into bytes, one PRMT a table index.
+template <int B, int C, bool BYTES = false>
 __device__ __forceinline__ void decode(const u32 (&P)[8], const u32 (&L)[8],
                                        const unsigned short* tbl, u32 (&A)[4]) {
 #ifdef PWCTL_LOAD_ONLY
@@ -190,11 +191,19 @@ __device__ __forceinline__ void decode(const u32 (&P)[8], const u32 (&L)[8],
     } else {  // wider: shared-memory table, label = hi nibble (planes 0..B-5) : lo nibble
         const u32 lo = gather<C, B - 1, 4>(P), hi = gather<C, B - 5, B - 4>(P);
         tbl += table_shift(B, threadIdx.x >> 2);  // the parity of g: the same for row g + 8
-        u32 v[8];
-        #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = tbl[((lo >> (4 * k)) & 15u) | (((hi >> (4 * k)) & 15u) << 4)];
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) A[j] = v[2 * j] | (v[2 * j + 1] << 16);
+        if constexpr (BYTES) {  // even labels k in ev, odd in od (byte j: labels 2j, 2j + 1)
+            const u32 ev = (lo & 0x0F0F0F0Fu) | ((hi << 4) & 0xF0F0F0F0u);
+            const u32 od = ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u);
+            #pragma unroll
+            for (int j = 0; j < 4; ++j)
+                A[j] = prmt(tbl[prmt(ev, 0u, 0x4440u + j)], tbl[prmt(od, 0u, 0x4440u + j)], 0x5410u);
+        } else {
+            u32 v[8];
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = tbl[((lo >> (4 * k)) & 15u) | (((hi >> (4 * k)) & 15u) << 4)];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) A[j] = v[2 * j] | (v[2 * j + 1] << 16);
+        }
     }
 }
 
@@ -206,14 +215,14 @@ __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, 
 
 // The A fragments (mma.m16n8k16 register order) of k-steps 2C and 2C + 1 of one plane word:
 // rows g (P0) and g + 8 (P1), column phase C (see `decode`).
-template <int B, int C>
+template <int B, int C, bool BYTES = false>
 __device__ __forceinline__ void decode_frags(const u32 (&P0)[8], const u32 (&P1)[8],
                                              const u32 (&L0)[8], const u32 (&L1)[8],
                                              const unsigned short* tbl0, const unsigned short* tbl1,
                                              u32 (&a)[2][4]) {
     u32 A0[4], A1[4];
-    decode<B, C>(P0, L0, tbl0, A0);
-    decode<B, C>(P1, L1, tbl1, A1);
+    decode<B, C, BYTES>(P0, L0, tbl0, A0);
+    decode<B, C, BYTES>(P1, L1, tbl1, A1);
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         a[h][0] = A0[2 * h], a[h][1] = A1[2 * h];
@@ -1051,8 +1060,8 @@ __device__ void decode_chunk(const Stage& st, int it, int words, uint4 (&a)[PF_S
 #define PHASE(C)                                                                                  \
         {                                                                                         \
             u32 A0[4], A1[4];                                                                     \
-            decode<B, C>(P[0][u], L0, st.tbl[g], A0);                                             \
-            decode<B, C>(P[1][u], L1, st.tbl[g + 8], A1);                                         \
+            decode<B, C, true>(P[0][u], L0, st.tbl[g], A0);                                       \
+            decode<B, C, true>(P[1][u], L1, st.tbl[g + 8], A1);                                   \
             a[(4 * u + C) * 2][lane] = make_uint4(A0[0], A1[0], A0[1], A1[1]);                    \
             a[(4 * u + C) * 2 + 1][lane] = make_uint4(A0[2], A1[2], A0[3], A1[3]);                \
         }
@@ -1369,10 +1378,10 @@ __device__ __forceinline__ void decode_word(const u32 (&P0)[8], const u32 (&P1)[
                                             u32 (&A)[WG_KSTEPS][4]) {
     const int g = (threadIdx.x & 31) >> 2;
     u32 f[4][2][4];  // [phase C][k-step 2C + h]
-    decode_frags<B, 0>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[0]);
-    decode_frags<B, 1>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[1]);
-    decode_frags<B, 2>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[2]);
-    decode_frags<B, 3>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[3]);
+    decode_frags<B, 0, true>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[0]);
+    decode_frags<B, 1, true>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[1]);
+    decode_frags<B, 2, true>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[2]);
+    decode_frags<B, 3, true>(P0, P1, L0, L1, st.tbl[g], st.tbl[g + 8], f[3]);
     #pragma unroll
     for (int s = 0; s < WG_KSTEPS; ++s)
         #pragma unroll

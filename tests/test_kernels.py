@@ -209,13 +209,20 @@ def _table_shift(B: int, row: int) -> int:
     return (row & 1) << 5 if B == 5 else 0
 
 
-def _decode(P: list[int], table: list[int], B: int, C: int, g: int = 0) -> list[int]:
-    """decode<B, C>: four half2 words (as u32) from plane words P and an fp16 table; for B > 4
-    `table` is the row's shared-memory slot (256 entries) as stage() writes it for a row of
-    8-row group g (`_table_shift`)."""
+def _decode(
+    P: list[int], table: list[int], B: int, C: int, g: int = 0, as_bytes: bool = False
+) -> list[int]:
+    """decode<B, C, BYTES>: four half2 words (as u32) from plane words P and an fp16 table; for
+    B > 4 `table` is the row's shared-memory slot (256 entries) as stage() writes it for a row
+    of 8-row group g (`_table_shift`), and `as_bytes` takes the prefill's byte lookup."""
     if B > 4:  # shared-memory table: label = high nibble (planes 0..B-5) : low nibble
         lo, hi = _gather(P, C, B - 1, 4), _gather(P, C, B - 5, B - 4)
         row = table[_table_shift(B, g) :]
+        if as_bytes:  # even labels in ev, odd in od: byte j holds labels 2j, 2j + 1
+            ev = (lo & 0x0F0F0F0F) | ((hi << 4) & 0xF0F0F0F0)
+            od = ((lo >> 4) & 0x0F0F0F0F) | (hi & 0xF0F0F0F0)
+            pick = [(_prmt(ev, 0, 0x4440 + j), _prmt(od, 0, 0x4440 + j)) for j in range(4)]
+            return [_prmt(row[a], row[b], 0x5410) for a, b in pick]
         v = [row[(lo >> 4 * k) & 15 | ((hi >> 4 * k) & 15) << 4] for k in range(8)]
         return [v[2 * j] | v[2 * j + 1] << 16 for j in range(4)]
     W = [table[2 * i] | table[2 * i + 1] << 16 if 2 * i < len(table) else 0 for i in range(8)]
@@ -247,7 +254,7 @@ def test_label_decode_twin_matches_format(B):
     """The kernels' label decode, replayed in Python on random planes: half2 j of phase C holds
     the table entries of columns C + 8j and C + 8j + 4 (the k-steps of fragment order). Widths
     5-8 read a row's table from its shared-memory slot as stage() writes it, for rows of both
-    parities."""
+    parities, by nibbles (decode kernels) and by bytes (prefill kernels)."""
     gen = torch.Generator().manual_seed(B)
     for g in (0, 1) if B > 4 else (0,):
         labels = torch.randint(0, 1 << B, (1, 32), generator=gen)
@@ -258,11 +265,11 @@ def test_label_decode_twin_matches_format(B):
             staged = [0] * 256
             staged[_table_shift(B, g) : _table_shift(B, g) + len(table)] = table
         lab = labels[0].tolist()
-        for C in range(4):
-            words = _decode(P, staged, B, C, g)
+        for C, as_bytes in itertools.product(range(4), (False, True) if B > 4 else (False,)):
+            words = _decode(P, staged, B, C, g, as_bytes)
             for j, w in enumerate(words):
-                assert w & 0xFFFF == table[lab[C + 8 * j]], (g, C, j)
-                assert w >> 16 == table[lab[C + 8 * j + 4]], (g, C, j)
+                assert w & 0xFFFF == table[lab[C + 8 * j]], (g, C, as_bytes, j)
+                assert w >> 16 == table[lab[C + 8 * j + 4]], (g, C, as_bytes, j)
 
 
 @pytest.mark.parametrize("B", range(5, 9))
