@@ -165,7 +165,8 @@ __host__ __device__ constexpr int table_shift(int B, int row) { return B == 5 ? 
 // on the CPU.)
 // The A-fragment halves of column phase C of one row's plane words: A[0], A[1] for k-step 2C
 // (columns C + {0, 4} and C + {8, 12}), A[2], A[3] for step 2C + 1 (the same plus 16). BYTES
-// (widths 5-8; the prefill kernels): the labels turned into bytes, one PRMT a table index.
+// (widths 5-8; the prefill kernels): the labels turned into bytes, one PRMT a table index. tbl is
+// `Stage::tbl` of row g or g + 8, g = lane / 4, as in every caller: `table_shift` takes g's parity.
 template <int B, int C, bool BYTES = false>
 __device__ __forceinline__ void decode(const u32 (&P)[8], const u32 (&L)[8],
                                        const unsigned short* tbl, u32 (&A)[4]) {

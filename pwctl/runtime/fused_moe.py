@@ -404,7 +404,6 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 # weights a token; 1.14-1.23x at 2-4 tokens, session 16), lose on Qwen1.5-MoE (69M) and Qwen3-MoE
 # (38M). docs/PERF.md, sessions 11 and 16.
 POPC_MIN_WEIGHTS = 128 << 20
-POPC_MAX_BITS = 4  # widest block the popc kernels' binary mma reads (wider: their lookup)
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 
@@ -681,7 +680,7 @@ class FusedMoE:
         on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
         if T > kernels.POPC_MAX_TOKENS or not on or not self.popc_rows[layer]:
             return None
-        if self._widths(layer)[0] > POPC_MAX_BITS:  # no block on the binary mma: the lookup
+        if self._widths(layer)[0] > kernels.POPC_MAX_BITS:  # none on the binary mma: the lookup
             return None  # kernels, no pieces (Mixtral, 5 bits, 1 token: 304 against 317 us)
         words = self.proj[(layer, False, "gate")].words
         if (words, T) not in self._x_pieces_made:

@@ -26,6 +26,7 @@ POPC_SPLIT = 8  # popc_planes CTAs a piece: one for each word of a k-step
 # slots of one token on the binary mma, larger slots on the lookup in one n-tile (<= 8 tokens).
 # Mixtral, H200: 1.15x the lookup kernels at 6 tokens and 4 bits, even at 8 (docs/PERF.md s17)
 POPC_MAX_TOKENS = 8
+POPC_MAX_BITS = 4  # widest block their binary mma reads (gate_up_popc<4>; wider: their lookup)
 DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu ENTRY)
 PREFILL_TOKENS = 128  # tokens of one slot per prefill pass (cuda/moe.cu PF_TOKENS)
 PREFILL_ROWS = {"gate_up": 32, "down": 64}  # block rows per prefill CTA (both prefill kernels)
