@@ -2060,11 +2060,12 @@ extern "C" __global__ void prefill_prep(const i64* index, const float* weights, 
 // small launches (linear, softmax, top-k, normalization, scaling, the shared expert's gate):
 // docs/PERF.md, session 8.
 //
-// Every block takes a share of the logits (one warp a (token, row) dot product over H in fp32,
-// rounded to fp16 as the reference's fp16 linear rounds them; row `experts` is the shared
-// expert's gate when there is one), of x's fragment-order copy and of the output's zeroing. The
-// last block to finish (a counter it resets) picks each token's top-k in the recipe's order,
-// writes index / weights / the shared gate, and groups the pairs (`group_pairs`).
+// Every block but x's piece blocks (popc calls) takes a share of the logits (one warp a (token,
+// row) dot product over H in fp32, rounded to fp16 as the reference's fp16 linear rounds them;
+// row `experts` is the shared expert's gate when there is one), of x's fragment-order copy and of
+// the output's zeroing. The last of them to finish (a counter it resets) picks each token's top-k
+// in the recipe's order, writes index / weights / the shared gate, and groups the pairs
+// (`group_pairs`).
 
 __device__ __forceinline__ float hsum2(u32 a, u32 b) {  // a.lo b.lo + a.hi b.hi, fp32
     return h2f(a & 0xffff) * h2f(b & 0xffff) + h2f(a >> 16) * h2f(b >> 16);
@@ -2164,23 +2165,22 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     const int rows = experts + (shared_gate_w != nullptr);
     const int warps = blockDim.x / 32, warp = blockIdx.x * warps + threadIdx.x / 32;
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
-    if ((int)blockIdx.x >= blocks) {
-        x_piece(x, T, H, words, px, blockIdx.x - blocks);
-    } else {
-        for (int d = warp; d < T * rows; d += blocks * warps) {
-            const int t = d / rows, e = d % rows;
-            const unsigned short* w = e < experts ? gate_w + (i64)e * H : shared_gate_w;
-            const float s = row_dot(x + (i64)t * H, w, H);
-            if ((threadIdx.x & 31) == 0) logits[d] = h2f(f2h(s));
-        }
-        const int stride = blocks * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
-        lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
+    // x's pieces need no routing, nor the routing them: it does not wait for their blocks (it did
+    // until session 18: Mixtral, 1 token, 0.2-0.4 us a layer, docs/PERF.md)
+    if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
+    for (int d = warp; d < T * rows; d += blocks * warps) {
+        const int t = d / rows, e = d % rows;
+        const unsigned short* w = e < experts ? gate_w + (i64)e * H : shared_gate_w;
+        const float s = row_dot(x + (i64)t * H, w, H);
+        if ((threadIdx.x & 31) == 0) logits[d] = h2f(f2h(s));
     }
-    // the last block to get here routes: every other block's logits are written by then
+    const int stride = blocks * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
+    lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
+    // the last logits block to get here routes: every other block's logits are written by then
     __shared__ bool last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == (unsigned)blocks - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
