@@ -2,11 +2,14 @@
 the CUDA-graph replay time of the whole layer and an eager call's time (host work included: the
 engine decodes eagerly), per shape and token count (4 bits). Graph minus kernels is what gaps
 between dependent kernels cost; eager minus graph is the host's share. `popc`: one-token calls on
-the binary tensor-core kernels too (FusedMoE.popc_decode). Usage (GPU machine):
-  python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1,4,16 [popc]"""
+the binary tensor-core kernels too (FusedMoE.popc_decode). `routed`: each call also with its router
+in the first launch (`FusedMoE.routed`, random fp16 router weights x 0.05: route_prep instead of
+decode_prep) on the launcher's choice of kernels. Usage (GPU machine):
+  python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1,4,16 [popc | routed]"""
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import defaultdict
 
@@ -29,13 +32,28 @@ def kernel_times(call, reps: int = 20) -> dict[str, float]:
     return dict(total)
 
 
+def routed_call(call):
+    """The same layer and token count as a decode `call` (a partial of FusedMoE.__call__), with a
+    random fp16 router in the first launch instead of given routing."""
+    moe, x = call.func, call.args[1]
+    spec, gen = moe.spec, torch.Generator(device="cuda").manual_seed(0)
+    gw = (torch.randn(spec.num_experts, spec.hidden, generator=gen, device="cuda") * 0.05).half()
+    sgw = None
+    if spec.has_shared:
+        sgw = (torch.randn(1, spec.hidden, generator=gen, device="cuda") * 0.05).half()
+    return functools.partial(moe.routed, 0, x.half(), gw, sgw)
+
+
 def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
     paths = [False, True] if sys.argv[3:] == ["popc"] else [False]
     for name, T, call in decode_calls(shapes, tokens):
-        for popc in paths if T == 1 else [False]:
-            call.func.popc_decode = popc
-            label = f"{name}/popc" if popc else name
+        moe = call.func
+        runs = [(f"{name}/popc" if p else name, p, call) for p in paths if T == 1 or not p]
+        if sys.argv[3:] == ["routed"]:  # the launcher's own choice of kernels (popc_decode None)
+            runs.append((f"{name}/routed", None, routed_call(call)))
+        for label, popc, call in runs:
+            moe.popc_decode = popc
             graph_us, eager_us = _graph_time(call) * 1e6, _event_time(call) * 1e6
             times = kernel_times(call)
             parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
