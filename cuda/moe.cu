@@ -2165,8 +2165,8 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     const int rows = experts + (shared_gate_w != nullptr);
     const int warps = blockDim.x / 32, warp = blockIdx.x * warps + threadIdx.x / 32;
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
-    // x's pieces need no routing, nor the routing them: it does not wait for their blocks (it did
-    // until session 18: Mixtral, 1 token, 0.2-0.4 us a layer, docs/PERF.md)
+    // x's pieces and the routing need nothing of each other, so the routing does not wait for the
+    // piece blocks (it did until session 18: Mixtral, 1 token, 0.2-0.4 us a layer, docs/PERF.md)
     if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
     for (int d = warp; d < T * rows; d += blocks * warps) {
         const int t = d / rows, e = d % rows;

@@ -52,10 +52,10 @@ def main() -> None:
         runs = [(f"{name}/popc" if p else name, p, call) for p in paths if T == 1 or not p]
         if sys.argv[3:] == ["routed"]:  # the launcher's own choice of kernels (popc_decode None)
             runs.append((f"{name}/routed", None, routed_call(call)))
-        for label, popc, call in runs:
+        for label, popc, fn in runs:
             moe.popc_decode = popc
-            graph_us, eager_us = _graph_time(call) * 1e6, _event_time(call) * 1e6
-            times = kernel_times(call)
+            graph_us, eager_us = _graph_time(fn) * 1e6, _event_time(fn) * 1e6
+            times = kernel_times(fn)
             parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
             head = f"{label:16s} T{T:3d} eager {eager_us:6.1f} us  graph {graph_us:6.1f} us"
             print(f"{head}  kernels {sum(times.values()):6.1f} us: {parts}", flush=True)
