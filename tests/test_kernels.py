@@ -345,7 +345,7 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     at 4 bits or less, no pieces and the lookup kernels."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
-    monkeypatch.setattr(kernels, "launch", record)
+    monkeypatch.setattr(kernels, "launch_packed", record)
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)  # the H200's (no device here)
     spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
     layer = synthetic_layer(spec, device="cpu", seed=0)
@@ -719,7 +719,8 @@ def test_route_prep_matches_torch_router(E, k, order, norm, scaling, shared, H, 
 def test_routed_decode_matches_reference(shape, T):
     """`FusedMoE.routed` (router folded into the decode launch) against the torch path on the
     routing it chose, eager and replayed from a CUDA graph on new tokens. One token: on the
-    binary tensor-core kernels, x's pieces built by route_prep."""
+    binary tensor-core kernels, x's pieces built by route_prep. The eager calls reuse their
+    launches (`_routed_plans`): new x and router tensors, and new widths, must reach them."""
     layer = synthetic_layer(SHAPES[shape], seed=3)
     layer.set_widths(np.full(layer.table.n_blocks, 3))
     spec, gen = layer.spec, torch.Generator(device="cuda").manual_seed(0)
@@ -731,12 +732,20 @@ def test_routed_decode_matches_reference(shape, T):
 
     def check(out: torch.Tensor, case: str) -> None:
         r = layer.moe._routing[(T, sgw is not None)]
+        logits = F.linear(x, gw).float()  # the router read this call's x and weights
+        torch.testing.assert_close(r.logits[:, : spec.num_experts], logits, rtol=2e-3, atol=2e-3)
         want = layer.moe(0, x, r.weights, r.index, r.scale, reference=True)
         err = float((out - want).norm() / want.norm())
         assert err < 1e-3, f"{shape} T {T} {case}: relative error {err:.2e}"
 
     _poison(layer.moe)
     check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager")
+    x = torch.randn(T, spec.hidden, generator=gen, device="cuda").half()  # new tensors
+    gw = (torch.randn(spec.num_experts, spec.hidden, generator=gen, device="cuda") * 0.05).half()
+    check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager, new x and router")
+    layer.set_widths(np.full(layer.table.n_blocks, 4))  # one token: p1b3 -> p1
+    check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager, 4 bits")
+    assert len(layer.moe._routed_plans) == (2 if T == 1 else 1)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -911,6 +920,51 @@ def test_kernel_parameters_pack_at_their_natural_alignment():
     assert [pointers[0], pointers[2], pointers[4]] == [1, 2, None]  # the driver's markers
     assert pointers[1] == ctypes.addressof(params.data)
     assert pointers[3] == ctypes.addressof(params.size)
+
+
+def test_prepared_launch_fills_its_holes_each_call(monkeypatch):
+    """A Prepared launch packs its arguments once; each call writes its pointers into the holes,
+    and the driver gets the bytes `launch` packs for the same arguments."""
+    seen = []
+
+    def record(name, grid, block, extra, *args, **kw):
+        seen.append(kernels._params.data.raw[: kernels._params.size.value])
+
+    monkeypatch.setattr(kernels, "launch_packed", record)
+    u, i = np.uint64, np.int32
+    args = (u(0), i(7), u(0), np.int64(-2), np.float32(0.5), u(99))
+    prepared = kernels.Prepared("k", (1,), (32,), args, holes=(0, 2))
+    for a, b in ((11, 22), (2**63 + 1, 0)):
+        prepared(a, b)
+        kernels.launch("k", (1,), (32,), (u(a), i(7), u(b), np.int64(-2), np.float32(0.5), u(99)))
+    assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
+    with pytest.raises(ValueError, match="pointers"):
+        kernels.Prepared("k", (1,), (32,), args, holes=(1,))
+
+
+def _kernel_params(name: str) -> list[str]:
+    """The parameter names of kernel `name` in cuda/moe.cu."""
+    src = kernels.CUDA_SRC.read_text()
+    sig = src[src.index(f" {name}(") :].split(")", 1)[0]
+    return [p.split()[-1].lstrip("*") for p in sig.split("(", 1)[1].split(",")]
+
+
+def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
+    """route_prep's launch keeps its buffers and takes x, the router's weights, the shared gate's
+    and out at each call: its holes must be those parameters of the kernel (cuda/moe.cu), and
+    it must pass as many arguments as the kernel declares."""
+    from pwctl.runtime.fused_moe import decode_buffers, route_launch, routing_buffers
+
+    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    cpu = torch.device("cpu")
+    spec = MoESpec(8, 2, 64, 256, "softmax_topk", False, 1.0, 64, True, "silu")
+    pairs, xf = decode_buffers(3, 2, 8, 8, cpu)
+    routing = routing_buffers(3, spec, True, cpu)
+    done = torch.zeros(1, dtype=torch.int32)
+    launch = route_launch(3, 256, spec, True, 8, done, pairs, xf, routing, None)
+    names = _kernel_params("route_prep")
+    assert launch.count == len(names)
+    assert [names[i] for i in launch.holes] == ["x", "gate_w", "shared_gate_w", "out"]
 
 
 def test_reload_forgets_the_module_and_its_handles(monkeypatch):

@@ -11,6 +11,7 @@ every path."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -245,30 +246,54 @@ def prepare_routed(
     x in fragment order, `out` zeroed and x's `pieces`. x, gate weights: fp16 (`can_route`).
     `done`: an int32 counter, zero between launches (the kernel's last block resets it)."""
     T, H = x.shape
-    E, k = spec.num_experts, spec.top_k
-    slots, shared = min(E, T * k), shared_gate_weight is not None
-    pairs, xf = buffers or decode_buffers(T, k, E, wpad, x.device)
+    shared = shared_gate_weight is not None
+    pairs, xf = buffers or decode_buffers(T, spec.top_k, spec.num_experts, wpad, x.device)
     routing = routing or routing_buffers(T, spec, shared, x.device)
-    x, gw = x.contiguous(), gate_weight.contiguous()
-    sgw = shared_gate_weight.reshape(-1).contiguous() if shared else None
-    units = max(xf.numel(), out.numel())
+    launch = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces)
+    launch(*routed_pointers(x, gate_weight, shared_gate_weight, out))
+    return pairs, xf, routing
+
+
+def routed_pointers(
+    x: torch.Tensor, gate_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, out
+) -> tuple[int, int, int, int]:
+    """What a `route_launch` takes at each call: x, the router's and the shared gate's weights
+    (0: none), out."""
+    sgw = 0 if shared_gate_weight is None else shared_gate_weight.contiguous().data_ptr()
+    return x.contiguous().data_ptr(), gate_weight.contiguous().data_ptr(), sgw, out.data_ptr()
+
+
+def route_launch(
+    T: int,
+    H: int,
+    spec: MoESpec,
+    shared: bool,
+    wpad: int,
+    done: torch.Tensor,
+    pairs: Pairs,
+    xf: torch.Tensor,
+    routing: Routing,
+    pieces: XPieces | None,
+) -> kernels.Prepared:
+    """`prepare_routed`'s launch for T tokens of H into these buffers: `routed_pointers` fill
+    its holes (x, router weights, shared gate weights, out [T, H] float32) at each call."""
+    E, k = spec.num_experts, spec.top_k
+    slots, units = min(E, T * k), max(xf.numel(), T * H)
     blocks = min(2 * kernels.sm_count(), max(-(-T * (E + shared) // 8), -(-units // 1024)))
     px = pieces or _NO_X_PIECES
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
-        "route_prep",
-        (blocks + px.blocks,),
-        (kernels.PREP_THREADS,),
-        (p(x), i(T), i(H), p(gw), i(E), np.uint64(sgw.data_ptr() if shared else 0), i(k))
+    p, i, hole = kernels.ptr, np.int32, np.uint64(0)
+    head = (
+        (hole, i(T), i(H), hole, i(E), hole, i(k))  # x, its shape, router and shared gate
         + (i(ROUTE_ORDERS[spec.order]), i(spec.norm_topk_prob), np.float32(spec.routed_scaling))
         + (p(routing.logits), p(done), p(routing.index), p(routing.weights))
         + (np.uint64(routing.scale.data_ptr() if shared else 0), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
-        + (i(wpad), p(xf), p(out), i(out.numel()))
-        + px.args,
-        shared_mem=kernels.group_smem(E),
+        + (i(wpad), p(xf))
     )
-    return pairs, xf, routing
+    args = head + (hole, i(T * H)) + px.args  # out
+    holes = (0, 3, 5, len(head))
+    grid, smem = (blocks + px.blocks,), kernels.group_smem(E)
+    return kernels.Prepared("route_prep", grid, (kernels.PREP_THREADS,), args, holes, smem)
 
 
 @functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
@@ -449,6 +474,8 @@ class FusedMoE:
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
+        # `routed`'s launches by (layer, T, shared gate, kernels): made once, their buffers reused
+        self._routed_plans: dict[tuple, tuple] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
         # layer -> (width_version, (narrowest, widest) block): `_widths`
@@ -522,20 +549,35 @@ class FusedMoE:
         overwrites. On the CPU: torch's router (`route`), then the torch path."""
         if not x.is_cuda:  # the reference: torch's router, then the torch path
             return self._routed_torch(layer, x, gate_weight, shared_gate_weight)
-        T, E = x.shape[0], self.spec.num_experts
-        wpad = self.proj[(layer, False, "gate")].wpad
+        T = x.shape[0]
         out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
-        shared = shared_gate_weight is not None
-        if (T, shared) not in self._routing:
-            self._routing[(T, shared)] = routing_buffers(T, self.spec, shared, x.device)
-        routing = self._routing[(T, shared)]
-        buffers = self._buffers(T, self.spec.top_k, wpad, x.device)
-        args = (x, gate_weight, shared_gate_weight, self.spec, wpad, out, self._done)
         px = self._x_pieces(layer, T, x.device)
-        pairs, xf, routing = prepare_routed(*args, buffers, routing, px)
-        shared = all_tokens(T, routing.scale, E, x.device) if self.spec.has_shared else None
-        self._decode(layer, xf, pairs, out, shared, px)
+        key = (layer, T, shared_gate_weight is not None, self._kind(layer, T, px))
+        plan = self._routed_plans.get(key)
+        if plan is None:
+            plan = self._routed_plan(layer, T, x.shape[1], key[2], px)
+            if not torch.cuda.is_current_stream_capturing():  # see all_tokens: made, not filled
+                self._routed_plans[key] = plan
+        route, gate_up, down, routing = plan
+        route(*routed_pointers(x, gate_weight, shared_gate_weight, out))
+        gate_up()
+        down(out.data_ptr())
         return out, routing
+
+    def _routed_plan(
+        self, layer: int, T: int, H: int, shared: bool, px: XPieces | None
+    ) -> tuple[kernels.Prepared, kernels.Prepared, kernels.Prepared, Routing]:
+        """The three launches of a `routed` call of T tokens (route_prep, gate_up, down) into
+        this object's buffers for such calls, and the routing buffers they fill."""
+        wpad = self.proj[(layer, False, "gate")].wpad
+        if (T, shared) not in self._routing:
+            self._routing[(T, shared)] = routing_buffers(T, self.spec, shared, self.dt.device)
+        routing = self._routing[(T, shared)]
+        pairs, xf = self._buffers(T, self.spec.top_k, wpad, self.dt.device)
+        route = route_launch(T, H, self.spec, shared, wpad, self._done, pairs, xf, routing, px)
+        E = self.spec.num_experts
+        one = all_tokens(T, routing.scale, E, self.dt.device) if self.spec.has_shared else None
+        return (route, *self._decode_launches(layer, xf, pairs, one, px), routing)
 
     def _routed_torch(
         self,
@@ -612,6 +654,15 @@ class FusedMoE:
         shared expert's slot in one launch (cuda/moe.cu ENTRY): the shared expert streams beside
         the routed ones, its CTAs numbered through grid rows after the routed slots'. With x's
         pieces (`_x_pieces`, built by the prep launch) the popc kernels run instead."""
+        gate_up, down = self._decode_launches(layer, xf, pairs, shared, px)
+        gate_up()
+        down(out.data_ptr())
+
+    def _decode_launches(
+        self, layer: int, xf: torch.Tensor, pairs: Pairs, shared: Pairs | None, px: XPieces | None
+    ) -> tuple[Callable[[], None], kernels.Prepared]:
+        """`_decode`'s launches into these buffers: gate_up (with popc_planes after it when x's
+        pieces are given) and down, whose one hole is `out`."""
         key = (layer, pairs.expert.numel(), shared is not None)
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key)
@@ -620,11 +671,10 @@ class FusedMoE:
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
-        popc_on, T = px is not None, xf.shape[0]
-        kind = self._popc_kind(layer, T) if popc_on else f"n{kernels.n_tiles(T)}"
+        kind = self._kind(layer, xf.shape[0], px)
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         xpx, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
-        if popc_on:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
+        if px is not None:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
             hps = [
                 self._pieces(t, h.shape[0], d.words, xf.device)
@@ -632,19 +682,29 @@ class FusedMoE:
             ]
             xpx, hpx = (ptr(px.buf),), (ptr(hps[0]), ptr(hps[-1]))
         gate_up = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
-        kernels.launch(
-            f"gate_up_{kind}", plan.gate_up_grid, (32 * kernels.WARPS,), common + gate_up + xpx,
-            early=True,
-        )  # fmt: skip
-        if popc_on:
-            self._planes(list(zip(hp, dn, hps, strict=True)))
-        kernels.launch(
-            f"down_{kind}",
-            plan.down_grid,
-            (32 * kernels.WARPS,),
-            common + (ptr(hp[0]), ptr(out)) + plan.down_routed + second + plan.down_shared + hpx,
-            early=True,  # stages while gate_up finishes; waits before it reads h
+        block = (32 * kernels.WARPS,)
+        gate_up = kernels.Prepared(
+            f"gate_up_{kind}", plan.gate_up_grid, block, common + gate_up + xpx, early=True
         )
+        planes = self._planes(list(zip(hp, dn, hps, strict=True))) if px is not None else None
+        down = common + (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared
+        # down stages while gate_up finishes and waits before it reads h
+        down = kernels.Prepared(
+            f"down_{kind}", plan.down_grid, block, down + hpx, (len(common) + 1,), early=True
+        )
+        if planes is None:
+            return gate_up, down
+
+        def gate_up_then_planes() -> None:
+            gate_up()
+            planes()
+
+        return gate_up_then_planes, down
+
+    def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
+        """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
+        are given (`_x_pieces`), else the lookup kernels of T's n-tiles."""
+        return self._popc_kind(layer, T) if px is not None else f"n{kernels.n_tiles(T)}"
 
     def _popc_kind(self, layer: int, T: int) -> str:
         """The popc kernels for a call of T tokens in `layer`: "p1" for one token, "pn" for up to
@@ -699,7 +759,7 @@ class FusedMoE:
             self._piece_buffers[key] = torch.empty(n, dtype=torch.uint8, device=device)
         return self._piece_buffers[key]
 
-    def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> None:
+    def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> kernels.Prepared:
         """popc_planes over one or two groups of fragment-order fp16 rows: (the rows, their
         projection, the pieces they become). A warp a k-step of the longest piece."""
         (s0, p0, d0), (s1, p1, d1) = jobs[0], jobs[-1]
@@ -709,7 +769,7 @@ class FusedMoE:
         grid = (max(popc.pieces(p.words) for _, p, _ in jobs), sum(s.shape[0] for s, _, _ in jobs))
         grid += (kernels.POPC_SPLIT,)
         steps = min(popc.PIECE_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
-        kernels.launch("popc_planes", grid, (32 * steps,), args, early=True)
+        return kernels.Prepared("popc_planes", grid, (32 * steps,), args, early=True)
 
     def _decode_launch(self, layer: int, n_routed: int, with_shared: bool) -> DecodeLaunch:
         """Grids and shape arguments of a decode call's two launches (cuda/moe.cu ENTRY): fixed

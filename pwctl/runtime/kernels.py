@@ -117,6 +117,7 @@ class _Params(threading.local):
 
 
 _params = _Params()
+_POINTER = struct.Struct("@Q")
 
 
 def launch(
@@ -132,12 +133,69 @@ def launch(
     may start before the previous kernel on the stream has finished (programmatic dependent
     launch, Hopper on): it waits (`griddepcontrol.wait`) before it reads what that kernel wrote.
     Only while a CUDA graph is being captured, where it was measured (docs/PERF.md)."""
+    launch_packed(name, grid, block, _params.pack(args), shared_mem, early)
+
+
+class Prepared:
+    """A launch whose parameters are packed once: `launch`'s arguments, of which those at
+    positions `holes` (pointers) are given anew at each call. For launches a call repeats with
+    the same buffers: an eager decode is host-bound, and building and packing ~30 arguments a
+    launch was most of its Python (docs/PERF.md, session 18)."""
+
+    def __init__(
+        self,
+        name: str,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        args: tuple,
+        holes: tuple[int, ...] = (),
+        shared_mem: int = 0,
+        early: bool = False,
+    ) -> None:
+        types = tuple(map(type, args))
+        if any(types[i] is not np.uint64 for i in holes):
+            raise ValueError("a launch's holes must be pointers (np.uint64)")
+        layout = param_layout(types)
+        self.data, self.size = layout.pack(*args), layout.size
+        self.count, self.holes = len(args), holes  # (the tests check them against the kernel)
+        self.offsets = tuple(_offset(types, i) for i in holes)
+        self.name, self.grid, self.block = name, grid, block
+        self.shared_mem, self.early = shared_mem, early
+
+    def __call__(self, *pointers: int) -> None:
+        """Launch with `pointers` (ints: `Tensor.data_ptr()`, 0 for none) in the holes."""
+        p = _params
+        ctypes.memmove(p.data, self.data, self.size)
+        for off, v in zip(self.offsets, pointers, strict=True):
+            _POINTER.pack_into(p.data, off, v)
+        p.size.value = self.size
+        launch_packed(self.name, self.grid, self.block, p.address, self.shared_mem, self.early)
+
+
+@functools.lru_cache(maxsize=256)
+def _offset(types: tuple[type, ...], i: int) -> int:
+    """Byte offset of parameter i in `param_layout(types)` (native alignment, no end padding)."""
+    return struct.calcsize("@" + "".join(_CODES[t] for t in types[: i + 1])) - struct.calcsize(
+        "@" + _CODES[types[i]]
+    )
+
+
+def launch_packed(
+    name: str,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    extra: int,
+    shared_mem: int = 0,
+    early: bool = False,
+) -> None:
+    """Where every launch ends (`launch`, `Prepared`): `extra` is cuLaunchKernel's array, which
+    points at this thread's packed parameters (`_params`)."""
     device = torch.cuda.current_device()
     func = _handle(name, device)
     if shared_mem > 48 << 10:
         _opt_in(name, shared_mem, device)
     grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
-    extra, stream = _params.pack(args), _current_stream(device)
+    stream = _current_stream(device)
     if early and has_pdl() and torch.cuda.is_current_stream_capturing():
         _launch_pdl(func, grid, block, extra, shared_mem, stream)
     else:
