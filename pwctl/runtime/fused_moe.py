@@ -255,7 +255,10 @@ def prepare_routed(
 
 
 def routed_pointers(
-    x: torch.Tensor, gate_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, out
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    shared_gate_weight: torch.Tensor | None,
+    out: torch.Tensor,
 ) -> tuple[int, int, int, int]:
     """What a `route_launch` takes at each call: x, the router's and the shared gate's weights
     (0: none), out."""
@@ -566,7 +569,7 @@ class FusedMoE:
 
     def _routed_plan(
         self, layer: int, T: int, H: int, shared: bool, px: XPieces | None
-    ) -> tuple[kernels.Prepared, kernels.Prepared, kernels.Prepared, Routing]:
+    ) -> tuple[kernels.Prepared, Callable[[], None], kernels.Prepared, Routing]:
         """The three launches of a `routed` call of T tokens (route_prep, gate_up, down) into
         this object's buffers for such calls, and the routing buffers they fill."""
         wpad = self.proj[(layer, False, "gate")].wpad
