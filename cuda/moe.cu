@@ -1986,6 +1986,42 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
     }
 }
 
+// group_pairs for at most 32 pairs, by one warp, without shared memory or barriers: a bitonic
+// sort of the lanes' keys (expert, pair), so that an expert's pairs keep their order as
+// group_pairs places them. A decode call of a few tokens has this few (one token: k pairs), and
+// group_pairs' pass over every expert and its barriers were most of its prep (docs/PERF.md,
+// session 18).
+#define GROUP_FEW 32
+__device__ void group_few(const i64* index, const float* weights, int pairs, int k, int slots,
+                          int* token, float* weight, int* s_expert, int* s_lo, int* s_hi) {
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const bool in = lane < pairs;
+    const float w = in ? weights[lane] : 0.f;
+    int key = in ? (int)index[lane] * 32 + lane : 0x7fffffff;  // past the pairs: last
+    for (int size = 2; size <= 32; size <<= 1)
+        for (int j = size >> 1; j > 0; j >>= 1) {
+            const int other = __shfl_xor_sync(all, key, j);
+            key = ((lane & j) == 0) == ((lane & size) == 0) ? min(key, other) : max(key, other);
+        }
+    const int e = key >> 5, p = key & 31;  // lane: the sorted position of pair p
+    const int before = __shfl_up_sync(all, e, 1);
+    const unsigned firsts = __ballot_sync(all, in && (lane == 0 || e != before));
+    const float wp = __shfl_sync(all, w, p);
+    if (in) token[lane] = p / k, weight[lane] = wp;
+    const unsigned upto = (2u << lane) - 1;  // lanes 0..lane (all of them for lane 31)
+    if ((firsts >> lane) & 1) {
+        const int slot = __popc(firsts & upto) - 1;
+        const unsigned after = firsts & ~upto;
+        if (slot < slots) {
+            s_expert[slot] = e;
+            s_lo[slot] = lane;
+            s_hi[slot] = after ? __ffs(after) - 1 : pairs;
+        }
+    }
+    for (int r = __popc(firsts) + lane; r < slots; r += 32) s_expert[r] = s_lo[r] = s_hi[r] = 0;
+}
+
 // Threads first, first + stride, ...: x in fragment order (zero-padded), the output zeroed.
 __device__ void lay_out_x(const unsigned short* x, int T, int H, int wpad, unsigned short* xf,
                           float* out, int out_n, int first, int stride) {
@@ -2008,7 +2044,11 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
     if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
     if (blockIdx.x == 0) {
-        group_pairs<1>(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
+        if (pairs > GROUP_FEW)
+            group_pairs<1>(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo,
+                           s_hi);
+        else if (threadIdx.x < 32)
+            group_few(index, weights, pairs, k, slots, token, weight, s_expert, s_lo, s_hi);
         return;
     }
     const int stride = (blocks - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
@@ -2194,5 +2234,8 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     }
     if (threadIdx.x == 0) *done = 0u;  // for the next launch
     __syncthreads();  // index and weights, written by this block, are visible to it
-    group_pairs<1>(index, weights, T * k, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
+    if (T * k > GROUP_FEW)
+        group_pairs<1>(index, weights, T * k, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
+    else if (threadIdx.x < 32)
+        group_few(index, weights, T * k, k, slots, token, weight, s_expert, s_lo, s_hi);
 }

@@ -589,8 +589,13 @@ def test_decode_graph_replay_matches_reference(shape):
         assert err < 1e-3, f"{shape} replay {seed}: relative error {err:.2e}"
 
 
+# up to 32 pairs one warp sorts them (group_few): 2, 12, 32 of them (16 x 2 on 8 experts: many
+# a slot); past 32, group_pairs
+DECODE_PREP_CASES = [(1, 2, 8), (3, 4, 60), (4, 8, 128), (16, 2, 8), (8, 8, 128), (64, 8, 128)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, k, E", [(1, 2, 8), (3, 4, 60), (8, 8, 128), (64, 8, 128)])
+@pytest.mark.parametrize("T, k, E", DECODE_PREP_CASES)
 def test_decode_prep_matches_torch(T, k, E):
     """One launch: `group`'s pairs, x in fragment order, and the output zeroed (poisoned first)."""
     from pwctl.runtime.fused_moe import prepare_decode
@@ -671,6 +676,7 @@ def test_prep_launches_build_x_pieces_as_the_twin(H):
 
 ROUTER_CASES = [  # experts, top-k, order, norm, scaling, shared gate, hidden, tokens
     (8, 2, "softmax_topk", True, 1.0, False, 4096, 1),  # Mixtral
+    (8, 2, "softmax_topk", True, 1.0, False, 4096, 16),  # 32 pairs: the most group_few sorts
     (60, 4, "softmax_topk", False, 1.0, True, 2048, 5),  # Qwen1.5-MoE
     (128, 8, "softmax_topk", True, 1.0, False, 2048, 64),  # Qwen3-MoE
     (256, 8, "topk_softmax", False, 2.5, True, 1024, 17),
