@@ -174,10 +174,10 @@ class Prepared:
 
 @functools.lru_cache(maxsize=256)
 def _offset(types: tuple[type, ...], i: int) -> int:
-    """Byte offset of parameter i in `param_layout(types)` (native alignment, no end padding)."""
-    return struct.calcsize("@" + "".join(_CODES[t] for t in types[: i + 1])) - struct.calcsize(
-        "@" + _CODES[types[i]]
-    )
+    """Byte offset of parameter i in `param_layout(types)`: the size up to and including it (native
+    alignment pads before a field, never after the last) less its own size."""
+    codes = "".join(_CODES[t] for t in types[: i + 1])
+    return struct.calcsize("@" + codes) - struct.calcsize("@" + codes[-1])
 
 
 def launch_packed(
