@@ -33,6 +33,8 @@ from pwctl.runtime.fused_moe import (
     FusedMoE,
     Pairs,
     XPieces,
+    all_tokens,
+    decode_buffers,
     fragment_order,
     group,
     prepare_decode,
@@ -949,17 +951,20 @@ def test_prepared_launch_fills_its_holes_each_call(monkeypatch):
 
 
 def _kernel_params(name: str) -> list[str]:
-    """The parameter names of kernel `name` in cuda/moe.cu."""
-    src = kernels.CUDA_SRC.read_text()
-    sig = src[src.index(f" {name}(") :].split(")", 1)[0]
-    return [p.split()[-1].lstrip("*") for p in sig.split("(", 1)[1].split(",")]
+    """The parameter names of kernel `name` in cuda/moe.cu (`down_##NAME`: the decode kernels'
+    ENTRY macro), its argument-list macros expanded."""
+    src = kernels.CUDA_SRC.read_text().replace("\\\n", " ")
+    sig = src[src.index(f" {name}(") :].split(")", 1)[0].split("(", 1)[1]
+    for macro in ("PAGED_ARGS", "SHARED_SLOT_ARGS", "SLOT_ARGS"):
+        sig = sig.replace(macro, src.split(f"#define {macro} ", 1)[1].split("\n", 1)[0])
+    return [p.split()[-1].lstrip("*") for p in sig.split(",")]
 
 
 def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
     """route_prep's launch keeps its buffers and takes x, the router's weights, the shared gate's
     and out at each call: its holes must be those parameters of the kernel (cuda/moe.cu), and
     it must pass as many arguments as the kernel declares."""
-    from pwctl.runtime.fused_moe import decode_buffers, route_launch, routing_buffers
+    from pwctl.runtime.fused_moe import route_launch, routing_buffers
 
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)
     cpu = torch.device("cpu")
@@ -971,6 +976,26 @@ def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
     names = _kernel_params("route_prep")
     assert launch.count == len(names)
     assert [names[i] for i in launch.holes] == ["x", "gate_w", "shared_gate_w", "out"]
+
+
+@pytest.mark.parametrize("popc_on", [False, True])
+def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
+    """The decode launches are packed once for `routed`: gate_up has no hole, down one, its
+    `out` parameter; both pass as many arguments as the kernels declare."""
+    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256, True, "silu")
+    layer = synthetic_layer(spec, device="cpu", seed=0)
+    layer.set_widths(np.full(layer.table.n_blocks, 4))  # the popc kernels read 4 bits
+    moe = layer.moe
+    moe.popc_decode = popc_on
+    gu = moe.proj[(0, False, "gate")]
+    px = moe._x_pieces(0, 1, torch.device("cpu"))
+    assert (px is not None) == popc_on
+    pairs, xf = decode_buffers(1, 2, 4, gu.wpad, torch.device("cpu"))
+    one = all_tokens(1, None, 4, torch.device("cpu"))
+    _, down = moe._decode_launches(0, xf, pairs, one, px)
+    names = _kernel_params("down_##NAME")
+    assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
 
 
 def test_reload_forgets_the_module_and_its_handles(monkeypatch):

@@ -684,17 +684,18 @@ class FusedMoE:
                 for (t, _), h, d in zip(groups, hp, dn, strict=True)
             ]
             xpx, hpx = (ptr(px.buf),), (ptr(hps[0]), ptr(hps[-1]))
-        gate_up = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
+        gu_args = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
         block = (32 * kernels.WARPS,)
         gate_up = kernels.Prepared(
-            f"gate_up_{kind}", plan.gate_up_grid, block, common + gate_up + xpx, early=True
+            f"gate_up_{kind}", plan.gate_up_grid, block, common + gu_args + xpx, early=True
         )
         planes = self._planes(list(zip(hp, dn, hps, strict=True))) if px is not None else None
-        down = common + (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared
+        dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
         # down stages while gate_up finishes and waits before it reads h
         down = kernels.Prepared(
-            f"down_{kind}", plan.down_grid, block, down + hpx, (len(common) + 1,), early=True
-        )
+            f"down_{kind}", plan.down_grid, block, common + dn_args + hpx, (len(common) + 1,),
+            early=True,
+        )  # fmt: skip
         if planes is None:
             return gate_up, down
 
