@@ -2022,6 +2022,17 @@ __device__ void group_few(const i64* index, const float* weights, int pairs, int
     for (int r = __popc(firsts) + lane; r < slots; r += 32) s_expert[r] = s_lo[r] = s_hi[r] = 0;
 }
 
+// The decode preps' grouping (every thread of the block calls it): one warp's sort up to
+// GROUP_FEW pairs, group_pairs past that.
+__device__ void group_decode(const i64* index, const float* weights, int pairs, int k, int experts,
+                             int slots, int* token, float* weight, int* s_expert, int* s_lo,
+                             int* s_hi) {
+    if (pairs > GROUP_FEW)
+        group_pairs<1>(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
+    else if (threadIdx.x < 32)
+        group_few(index, weights, pairs, k, slots, token, weight, s_expert, s_lo, s_hi);
+}
+
 // Threads first, first + stride, ...: x in fragment order (zero-padded), the output zeroed.
 __device__ void lay_out_x(const unsigned short* x, int T, int H, int wpad, unsigned short* xf,
                           float* out, int out_n, int first, int stride) {
@@ -2043,14 +2054,8 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
     start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
     if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
-    if (blockIdx.x == 0) {
-        if (pairs > GROUP_FEW)
-            group_pairs<1>(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo,
-                           s_hi);
-        else if (threadIdx.x < 32)
-            group_few(index, weights, pairs, k, slots, token, weight, s_expert, s_lo, s_hi);
-        return;
-    }
+    if (blockIdx.x == 0)
+        return group_decode(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
     const int stride = (blocks - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
     lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
 }
@@ -2100,12 +2105,12 @@ extern "C" __global__ void prefill_prep(const i64* index, const float* weights, 
 // small launches (linear, softmax, top-k, normalization, scaling, the shared expert's gate):
 // docs/PERF.md, session 8.
 //
-// Every block but x's piece blocks (popc calls) takes a share of the logits (one warp a (token,
-// row) dot product over H in fp32, rounded to fp16 as the reference's fp16 linear rounds them;
-// row `experts` is the shared expert's gate when there is one), of x's fragment-order copy and of
-// the output's zeroing. The last of them to finish (a counter it resets) picks each token's top-k
-// in the recipe's order, writes index / weights / the shared gate, and groups the pairs
-// (`group_pairs`).
+// Every block but x's piece blocks (popc calls) takes a share of the logits (`router_logits`:
+// `slices` warps a (token, row) dot product over H in fp32, rounded to fp16 as the reference's
+// fp16 linear rounds them; row `experts` is the shared expert's gate when there is one), of x's
+// fragment-order copy and of the output's zeroing. The last of them to finish (a counter it
+// resets) picks each token's top-k in the recipe's order, writes index / weights / the shared
+// gate, and groups the pairs (`group_decode`).
 
 __device__ __forceinline__ float hsum2(u32 a, u32 b) {  // a.lo b.lo + a.hi b.hi, fp32
     return h2f(a & 0xffff) * h2f(b & 0xffff) + h2f(a >> 16) * h2f(b >> 16);
@@ -2117,36 +2122,82 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// This warp's dot product of two fp16 rows of H values (H % 8 == 0, 16-byte aligned rows).
-__device__ float row_dot(const unsigned short* a, const unsigned short* b, int H) {
-    const uint4 *a4 = (const uint4*)a, *b4 = (const uint4*)b;
+// This warp's share of a dot product of two fp16 rows: uint4s [lo, hi) of them (16-byte aligned
+// rows). A lane issues its ROUTE_LOADS pairs of loads before it adds any: with a warp a row and
+// two loads in flight, a lane's 8-16 loads were 4-8 round trips, most of route_prep's time.
+#define ROUTE_LOADS 4
+__device__ float slice_dot(const uint4* a, const uint4* b, int lo, int hi) {
     float s = 0.f;
-    for (int i = threadIdx.x & 31; i < H / 8; i += 32) {
-        const uint4 u = __ldg(a4 + i), v = __ldg(b4 + i);
-        s += hsum2(u.x, v.x) + hsum2(u.y, v.y) + hsum2(u.z, v.z) + hsum2(u.w, v.w);
+    for (int i0 = lo + (threadIdx.x & 31); i0 < hi; i0 += 32 * ROUTE_LOADS) {
+        uint4 u[ROUTE_LOADS], v[ROUTE_LOADS];
+        #pragma unroll
+        for (int j = 0; j < ROUTE_LOADS; ++j) {
+            const int i = i0 + 32 * j;
+            u[j] = i < hi ? __ldg(a + i) : make_uint4(0u, 0u, 0u, 0u);
+            v[j] = i < hi ? __ldg(b + i) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        #pragma unroll
+        for (int j = 0; j < ROUTE_LOADS; ++j)
+            s += hsum2(u[j].x, v[j].x) + hsum2(u[j].y, v[j].y) + hsum2(u[j].z, v[j].z) + hsum2(u[j].w, v[j].w);
     }
     return warp_sum(s);
+}
+
+// Logits row d = (token d / rows, router row d % rows) over H, in fp16 as the reference's fp16
+// linear rounds them. `slices` warps of a block (a power of two <= the block's warps) take a
+// contiguous share of H each and add up in shared memory in slice order: the same sum on every
+// launch. The block's warps take warps / slices rows at a time; every thread of the block calls.
+__device__ void router_logits(const unsigned short* x, int T, int H, const unsigned short* gate_w,
+                              int experts, const unsigned short* shared_gate_w, int slices,
+                              float* logits, int blocks) {
+    __shared__ float part[PREP_THREADS / 32];
+    const int rows = experts + (shared_gate_w != nullptr), warps = blockDim.x / 32;
+    const int wib = threadIdx.x / 32, per = warps / slices, n = H / 8, len = (n + slices - 1) / slices;
+    const int sl = wib % slices, lo = sl * len, hi = min(n, lo + len);
+    for (int grp = blockIdx.x; grp * per < T * rows; grp += blocks) {
+        const int d = grp * per + wib / slices, t = d / rows, e = d % rows;
+        float s = 0.f;
+        if (d < T * rows) {
+            const unsigned short* w = e < experts ? gate_w + (i64)e * H : shared_gate_w;
+            s = slice_dot((const uint4*)(x + (i64)t * H), (const uint4*)w, lo, hi);
+        }
+        if ((threadIdx.x & 31) == 0) part[wib] = s;
+        __syncthreads();
+        if (threadIdx.x % (32 * slices) == 0 && d < T * rows) {
+            float sum = 0.f;
+            for (int j = 0; j < slices; ++j) sum += part[wib + j];
+            logits[d] = h2f(f2h(sum));
+        }
+        __syncthreads();  // part is rewritten by the next rows
+    }
 }
 
 #define ROUTE_MAX_EXPERTS 256
 #define ROUTE_PER_LANE (ROUTE_MAX_EXPERTS / 32)
 #define NEG_INF __int_as_float(0xff800000)
 
-// The lane holding the largest of the warp's live values (ties: the lowest expert), broadcast.
+// Floats as unsigned ints in the same order, and back.
+__device__ __forceinline__ unsigned float_order(float f) {
+    const unsigned u = __float_as_uint(f + 0.f);  // -0 + 0 = +0: they tie, as in comparisons
+    return u ^ (u >> 31 ? 0xffffffffu : 0x80000000u);
+}
+__device__ __forceinline__ float order_float(unsigned u) {
+    return __uint_as_float(u ^ (u >> 31 ? 0x80000000u : 0xffffffffu));
+}
+
+// The largest of the warp's values v (ties: the lowest expert e), broadcast: two warp
+// reductions (REDUX) where a shuffle tree took ten shuffles.
 __device__ __forceinline__ void warp_argmax(float v, int e, float& best, int& at) {
-    #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, d);
-        const int oe = __shfl_xor_sync(0xffffffffu, e, d);
-        if (ov > v || (ov == v && oe < e)) v = ov, e = oe;
-    }
-    best = v, at = e;
+    const unsigned top = __reduce_max_sync(0xffffffffu, float_order(v));
+    at = (int)__reduce_min_sync(0xffffffffu, float_order(v) == top ? (unsigned)e : 0xffffffffu);
+    best = order_float(top);
 }
 
 // Token t's top-k from its logits row (one warp): order 0 = softmax over all experts, then top-k
-// (renormalized when `norm`); order 1 = top-k of the logits, then softmax over those k.
+// (renormalized when `norm`); order 1 = top-k of the logits, then softmax over those k. Written to
+// index / weights and to index2 / weights2 (the same pointers, or a copy in shared memory).
 __device__ void route_token(const float* logits, int experts, int k, int order, int norm,
-                            float scaling, i64* index, float* weights) {
+                            float scaling, i64* index, float* weights, i64* index2, float* weights2) {
     const int lane = threadIdx.x & 31;
     float v[ROUTE_PER_LANE];
     float m = NEG_INF;
@@ -2184,12 +2235,12 @@ __device__ void route_token(const float* logits, int experts, int k, int order, 
             if (lane + 32 * j == be) v[j] = NEG_INF;  // taken
         top[i] = order == 0 ? bv : expf(bv - m);
         total += top[i];
-        if (lane == 0) index[i] = be;
+        if (lane == 0) index[i] = index2[i] = be;
     }
     if (lane == 0)
         for (int i = 0; i < k; ++i) {
             const bool divide = order == 1 || norm;
-            weights[i] = (divide ? top[i] / total : top[i]) * scaling;
+            weights[i] = weights2[i] = (divide ? top[i] / total : top[i]) * scaling;
         }
 }
 
@@ -2200,20 +2251,14 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
                                       i64* index, float* weights, float* shared_scale, int slots,
                                       int* token, float* weight, int* s_expert, int* s_lo,
                                       int* s_hi, int wpad, unsigned short* xf, float* out,
-                                      int out_n, int words, PopcX* px, int px_blocks) {
+                                      int out_n, int words, PopcX* px, int px_blocks, int slices) {
     start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
-    const int rows = experts + (shared_gate_w != nullptr);
-    const int warps = blockDim.x / 32, warp = blockIdx.x * warps + threadIdx.x / 32;
+    const int rows = experts + (shared_gate_w != nullptr), warps = blockDim.x / 32;
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
     // x's pieces and the routing need nothing of each other, so the routing does not wait for the
     // piece blocks (it did until session 18: Mixtral, 1 token, 0.2-0.4 us a layer, docs/PERF.md)
     if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
-    for (int d = warp; d < T * rows; d += blocks * warps) {
-        const int t = d / rows, e = d % rows;
-        const unsigned short* w = e < experts ? gate_w + (i64)e * H : shared_gate_w;
-        const float s = row_dot(x + (i64)t * H, w, H);
-        if ((threadIdx.x & 31) == 0) logits[d] = h2f(f2h(s));
-    }
+    router_logits(x, T, H, gate_w, experts, shared_gate_w, slices, logits, blocks);
     const int stride = blocks * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
     lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
     // the last logits block to get here routes: every other block's logits are written by then
@@ -2224,9 +2269,14 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // a call of at most GROUP_FEW pairs hands them to the grouping in shared memory too
+    __shared__ i64 few_index[GROUP_FEW];
+    __shared__ float few_weights[GROUP_FEW];
+    const bool few = T * k <= GROUP_FEW;
     for (int t = threadIdx.x / 32; t < T; t += warps) {
-        route_token(logits + (i64)t * rows, experts, k, order, norm, scaling, index + (i64)t * k,
-                    weights + (i64)t * k);
+        const i64 at = (i64)t * k;
+        route_token(logits + (i64)t * rows, experts, k, order, norm, scaling, index + at,
+                    weights + at, few ? few_index + at : index + at, few ? few_weights + at : weights + at);
         if (shared_gate_w != nullptr && (threadIdx.x & 31) == 0) {
             const float g = __ldcg(logits + (i64)t * rows + experts);
             shared_scale[t] = h2f(f2h(1.f / (1.f + expf(-g))));  // an fp16 sigmoid, as torch's
@@ -2234,8 +2284,6 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     }
     if (threadIdx.x == 0) *done = 0u;  // for the next launch
     __syncthreads();  // index and weights, written by this block, are visible to it
-    if (T * k > GROUP_FEW)
-        group_pairs<1>(index, weights, T * k, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
-    else if (threadIdx.x < 32)
-        group_few(index, weights, T * k, k, slots, token, weight, s_expert, s_lo, s_hi);
+    group_decode(few ? few_index : index, few ? few_weights : weights, T * k, k, experts, slots,
+                 token, weight, s_expert, s_lo, s_hi);
 }

@@ -682,6 +682,8 @@ ROUTER_CASES = [  # experts, top-k, order, norm, scaling, shared gate, hidden, t
     (60, 4, "softmax_topk", False, 1.0, True, 2048, 5),  # Qwen1.5-MoE
     (128, 8, "softmax_topk", True, 1.0, False, 2048, 64),  # Qwen3-MoE
     (256, 8, "topk_softmax", False, 2.5, True, 1024, 17),
+    (16, 4, "softmax_topk", True, 1.0, True, 2056, 3),  # 4 slices, the last one shorter
+    (8, 2, "topk_softmax", True, 1.0, False, 16384, 2),  # 8 slices, two rounds of loads a lane
 ]
 
 
@@ -958,6 +960,20 @@ def _kernel_params(name: str) -> list[str]:
     for macro in ("PAGED_ARGS", "SHARED_SLOT_ARGS", "SLOT_ARGS"):
         sig = sig.replace(macro, src.split(f"#define {macro} ", 1)[1].split("\n", 1)[0])
     return [p.split()[-1].lstrip("*") for p in sig.split(",")]
+
+
+@pytest.mark.parametrize("H", [8, 1024, 1032, 2048, 4096, 7168, 8192, 16384, 65536])
+def test_route_slices_bound_a_lanes_loads(H):
+    """A router dot product takes the fewest warps (a power of two, at most a block's) that
+    leave each lane ROUTE_LOADS 16-byte loads or fewer, and every warp of it some columns."""
+    from pwctl.runtime.fused_moe import ROUTE_LOADS, route_slices
+
+    s, warps = route_slices(H), kernels.PREP_THREADS // 32
+    assert s & (s - 1) == 0 and 1 <= s <= warps and warps % s == 0
+    per_warp = -(-(H // 8) // s)  # cuda/moe.cu router_logits: uint4s a slice
+    assert per_warp <= 32 * ROUTE_LOADS or s == warps
+    assert s == 1 or -(-(H // 8) // (s // 2)) > 32 * ROUTE_LOADS  # no fewer would do
+    assert (s - 1) * per_warp < H // 8  # the last slice is not empty
 
 
 def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):

@@ -208,6 +208,16 @@ def routing_buffers(T: int, spec: MoESpec, shared_gate: bool, device: torch.devi
 
 ROUTE_MAX_EXPERTS, ROUTE_MAX_K = 256, 8  # cuda/moe.cu route_prep
 ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
+ROUTE_LOADS = 4  # cuda/moe.cu slice_dot: 16-byte loads a lane issues together, on each row
+
+
+def route_slices(H: int) -> int:
+    """Warps of one router dot product over H (cuda/moe.cu router_logits): the fewest, a power
+    of two up to a block's warps, that leave each lane at most ROUTE_LOADS loads a row."""
+    slices, warps = 1, kernels.PREP_THREADS // 32
+    while slices < warps and -(-H // (8 * slices)) > 32 * ROUTE_LOADS:
+        slices *= 2
+    return slices
 
 
 def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
@@ -281,8 +291,11 @@ def route_launch(
     """`prepare_routed`'s launch for T tokens of H into these buffers: `routed_pointers` fill
     its holes (x, router weights, shared gate weights, out [T, H] float32) at each call."""
     E, k = spec.num_experts, spec.top_k
-    slots, units = min(E, T * k), max(xf.numel(), T * H)
-    blocks = min(2 * kernels.sm_count(), max(-(-T * (E + shared) // 8), -(-units // 1024)))
+    slots, units, slices = min(E, T * k), max(xf.numel(), T * H), route_slices(H)
+    warps = T * (E + shared) * slices
+    blocks = min(
+        2 * kernels.sm_count(), max(-(-warps // (kernels.PREP_THREADS // 32)), -(-units // 1024))
+    )
     px = pieces or _NO_X_PIECES
     p, i, hole = kernels.ptr, np.int32, np.uint64(0)
     head = (
@@ -293,7 +306,7 @@ def route_launch(
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (i(wpad), p(xf))
     )
-    args = head + (hole, i(T * H)) + px.args  # out
+    args = head + (hole, i(T * H)) + px.args + (i(slices),)  # out
     holes = (0, 3, 5, len(head))
     grid, smem = (blocks + px.blocks,), kernels.group_smem(E)
     return kernels.Prepared("route_prep", grid, (kernels.PREP_THREADS,), args, holes, smem)
