@@ -2033,14 +2033,29 @@ __device__ void group_decode(const i64* index, const float* weights, int pairs, 
         group_few(index, weights, pairs, k, slots, token, weight, s_expert, s_lo, s_hi);
 }
 
-// Threads first, first + stride, ...: x in fragment order (zero-padded), the output zeroed.
+// Threads first, first + stride, ...: x in fragment order (zero-padded), the output zeroed. A
+// thread issues LOADS loads before their stores (xf might alias x for all the compiler knows, so
+// with one at a time each load waits for the store before it): decode_prep takes 8 (2.6 -> 2.1 us
+// at one token), route_prep 1 (8 cost it 0.1-1.3 us; docs/PERF.md, session 19).
+template <int LOADS>
 __device__ void lay_out_x(const unsigned short* x, int T, int H, int wpad, unsigned short* xf,
                           float* out, int out_n, int first, int stride) {
-    for (int i = first; i < T * wpad * 32; i += stride) {
-        // [n][w][4 s + j] holds column 32 w + s / 2 + 16 (s % 2) + 4 j
-        const int n = i / (wpad * 32), w = i / 32 % wpad, s = i % 32 / 4, j = i % 4;
-        const int col = 32 * w + s / 2 + 16 * (s % 2) + 4 * j;
-        xf[i] = col < H ? x[(i64)n * H + col] : (unsigned short)0;
+    const int n_xf = T * wpad * 32;
+    for (int i0 = first; i0 < n_xf; i0 += LOADS * stride) {
+        unsigned short v[LOADS];
+        #pragma unroll
+        for (int u = 0; u < LOADS; ++u) {
+            const int i = i0 + u * stride;
+            v[u] = 0;
+            if (i >= n_xf) break;
+            // [n][w][4 s + j] holds column 32 w + s / 2 + 16 (s % 2) + 4 j
+            const int n = i / (wpad * 32), w = i / 32 % wpad, s = i % 32 / 4;
+            const int col = 32 * w + s / 2 + 16 * (s % 2) + 4 * (i % 4);
+            if (col < H) v[u] = __ldg(x + (i64)n * H + col);
+        }
+        #pragma unroll
+        for (int u = 0; u < LOADS; ++u)
+            if (i0 + u * stride < n_xf) xf[i0 + u * stride] = v[u];
     }
     for (int i = first; i < out_n; i += stride) out[i] = 0.f;
 }
@@ -2057,7 +2072,7 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
     if (blockIdx.x == 0)
         return group_decode(index, weights, pairs, k, experts, slots, token, weight, s_expert, s_lo, s_hi);
     const int stride = (blocks - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
-    lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
+    lay_out_x<8>(x, T, H, wpad, xf, out, out_n, first, stride);
 }
 
 // The sm_90a prefill's token tiles (`fused_moe.tile_plan`): per tile (slot, pass), each slot's
@@ -2259,8 +2274,10 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     // piece blocks (it did until session 18: Mixtral, 1 token, 0.2-0.4 us a layer, docs/PERF.md)
     if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
     router_logits(x, T, H, gate_w, experts, shared_gate_w, slices, logits, blocks);
+    // x's layout and out's zeroing: before the counter (after it, the last block's share of them
+    // followed the routing: Mixtral's route_prep, 4 blocks, 7.2 -> 9.4 us, docs/PERF.md session 19)
     const int stride = blocks * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
-    lay_out_x(x, T, H, wpad, xf, out, out_n, first, stride);
+    lay_out_x<1>(x, T, H, wpad, xf, out, out_n, first, stride);
     // the last logits block to get here routes: every other block's logits are written by then
     __shared__ bool last;
     __threadfence();
