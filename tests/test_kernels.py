@@ -1014,6 +1014,27 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
 
 
+@pytest.mark.parametrize("resident, early", [(10_000, False), (100, True)])
+def test_routed_gate_up_under_a_wave_starts_after_the_router(monkeypatch, resident, early):
+    """After route_prep, a gate_up grid of at most PDL_MAX_FILL of a wave launches plainly (it
+    starts once the router is done); a larger one with PDL, as down always does, and as every
+    gate_up after decode_prep does."""
+    from pwctl.runtime.fused_moe import PDL_MAX_FILL
+
+    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    monkeypatch.setattr(kernels, "resident_ctas", lambda name, threads, device: resident)
+    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256, True, "silu")
+    layer = synthetic_layer(spec, device="cpu", seed=0)
+    moe, cpu = layer.moe, torch.device("cpu")
+    pairs, xf = decode_buffers(1, 2, 4, moe.proj[(0, False, "gate")].wpad, cpu)
+    one = all_tokens(1, None, 4, cpu)
+    gate_up, down = moe._decode_launches(0, xf, pairs, one, None, after_router=True)
+    assert (np.prod(gate_up.grid) <= PDL_MAX_FILL * resident) != early
+    assert gate_up.early == early and down.early
+    gate_up, _ = moe._decode_launches(0, xf, pairs, one, None)  # after decode_prep
+    assert gate_up.early
+
+
 def test_reload_forgets_the_module_and_its_handles(monkeypatch):
     """An A/B of kernel variants in one process (recipes/perf_kernel_ab.py) must launch the newly
     loaded module's functions, not handles cached from the one before."""

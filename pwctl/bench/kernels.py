@@ -132,8 +132,8 @@ def decode_calls(shapes: list[str], tokens: list[int], width: int = 4):
 # --- timing ------------------------------------------------------------------------------------
 
 
-def _graph_time(fn, iters: int = 50) -> float:
-    """Seconds per call of `fn` replayed as a CUDA graph (launch overhead excluded)."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after three warm-up calls on a side stream."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -143,7 +143,12 @@ def _graph_time(fn, iters: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _event_time(graph.replay, iters)
+    return graph
+
+
+def _graph_time(fn, iters: int = 50) -> float:
+    """Seconds per call of `fn` replayed as a CUDA graph (launch overhead excluded)."""
+    return _event_time(capture_graph(fn).replay, iters)
 
 
 def _event_time(fn, iters: int = 50) -> float:

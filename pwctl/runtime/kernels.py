@@ -280,7 +280,7 @@ def _handle(name: str, device: int) -> int:
 def reload() -> None:
     """Forget the loaded module and every handle taken from it, so that the next launch loads
     `CUDA_SRC` or `PWCTL_CUBIN` afresh (development A/B of kernel variants in one process)."""
-    for cached in (module, _function, _handle, _opt_in):
+    for cached in (module, _function, _handle, _opt_in, resident_ctas):
         cached.cache_clear()
 
 
@@ -292,6 +292,19 @@ def _opt_in(name: str, shared_mem: int, device: int) -> None:
         f = _function(name)
         if f.max_dynamic_shared_size_bytes < shared_mem:
             f.max_dynamic_shared_size_bytes = shared_mem
+
+
+@functools.cache
+def resident_ctas(name: str, threads: int, device: int) -> int:
+    """CTAs of kernel `name` (blocks of `threads`, no dynamic shared memory) that the whole GPU
+    holds at once: the driver's occupancy for one SM, times the SMs."""
+    per_sm = ctypes.c_int()
+    err = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(per_sm), ctypes.c_void_p(_handle(name, device)), threads, ctypes.c_size_t(0)
+    )
+    if err != 0:
+        raise PwctlError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: driver error {err}")
+    return per_sm.value * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
