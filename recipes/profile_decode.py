@@ -11,7 +11,6 @@ the gap before the replay. Usage (GPU machine):
 
 from __future__ import annotations
 
-import functools
 import statistics
 import sys
 from collections import defaultdict
@@ -19,7 +18,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pwctl.bench.kernels import _event_time, _graph_time, capture_graph, decode_calls
+from pwctl.bench.kernels import _event_time, _graph_time, capture_graph, decode_calls, routed_call
 
 
 def kernel_times(call, reps: int = 20) -> dict[str, float]:
@@ -65,18 +64,6 @@ def replay_timeline(fn, reps: int = 20) -> str:
         for j in range(n)
     ]
     return f"  timeline (us): gap {gap:.1f} | " + " | ".join(parts)
-
-
-def routed_call(call):
-    """The same layer and token count as a decode `call` (a partial of FusedMoE.__call__), with a
-    random fp16 router in the first launch instead of given routing."""
-    moe, x = call.func, call.args[1]
-    spec, gen = moe.spec, torch.Generator(device="cuda").manual_seed(0)
-    gw = (torch.randn(spec.num_experts, spec.hidden, generator=gen, device="cuda") * 0.05).half()
-    sgw = None
-    if spec.has_shared:
-        sgw = (torch.randn(1, spec.hidden, generator=gen, device="cuda") * 0.05).half()
-    return functools.partial(moe.routed, 0, x.half(), gw, sgw)
 
 
 def main() -> None:

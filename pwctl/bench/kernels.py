@@ -129,6 +129,18 @@ def decode_calls(shapes: list[str], tokens: list[int], width: int = 4):
         torch.cuda.empty_cache()
 
 
+def routed_call(call):
+    """The same layer and token count as a `decode_calls` call, with a random fp16 router (x 0.05)
+    in the first launch instead of given routing (`FusedMoE.routed`)."""
+    moe, x = call.func, call.args[1]
+    spec, gen = moe.spec, torch.Generator(device="cuda").manual_seed(0)
+    gw = (torch.randn(spec.num_experts, spec.hidden, generator=gen, device="cuda") * 0.05).half()
+    sgw = None
+    if spec.has_shared:
+        sgw = (torch.randn(1, spec.hidden, generator=gen, device="cuda") * 0.05).half()
+    return functools.partial(moe.routed, 0, x.half(), gw, sgw)
+
+
 # --- timing ------------------------------------------------------------------------------------
 
 
