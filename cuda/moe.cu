@@ -2210,9 +2210,10 @@ __device__ __forceinline__ void warp_argmax(float v, int e, float& best, int& at
 
 // Token t's top-k from its logits row (one warp): order 0 = softmax over all experts, then top-k
 // (renormalized when `norm`); order 1 = top-k of the logits, then softmax over those k. Written to
-// index / weights and to index2 / weights2 (the same pointers, or a copy in shared memory).
+// index / weights and to copy_index / copy_weights (the same pointers, or a shared-memory copy).
 __device__ void route_token(const float* logits, int experts, int k, int order, int norm,
-                            float scaling, i64* index, float* weights, i64* index2, float* weights2) {
+                            float scaling, i64* index, float* weights, i64* copy_index,
+                            float* copy_weights) {
     const int lane = threadIdx.x & 31;
     float v[ROUTE_PER_LANE];
     float m = NEG_INF;
@@ -2250,12 +2251,12 @@ __device__ void route_token(const float* logits, int experts, int k, int order, 
             if (lane + 32 * j == be) v[j] = NEG_INF;  // taken
         top[i] = order == 0 ? bv : expf(bv - m);
         total += top[i];
-        if (lane == 0) index[i] = index2[i] = be;
+        if (lane == 0) index[i] = copy_index[i] = be;
     }
     if (lane == 0)
         for (int i = 0; i < k; ++i) {
             const bool divide = order == 1 || norm;
-            weights[i] = weights2[i] = (divide ? top[i] / total : top[i]) * scaling;
+            weights[i] = copy_weights[i] = (divide ? top[i] / total : top[i]) * scaling;
         }
 }
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from pwctl.bench import kernels as bench
 from pwctl.runtime import fused_moe, kernels
 
@@ -26,7 +28,7 @@ def wave_share(moe) -> str:
     if not isinstance(gate_up, kernels.Prepared):  # the popc kernels (a closure): several waves
         return "-"
     resident = kernels.resident_ctas(gate_up.name, gate_up.block[0], 0)
-    ctas = gate_up.grid[0] * (gate_up.grid[1] if len(gate_up.grid) > 1 else 1)
+    ctas = int(np.prod(gate_up.grid))
     return f"{ctas} CTAs, {100 * ctas / resident:.0f}%"
 
 
