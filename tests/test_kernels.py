@@ -1097,3 +1097,13 @@ def test_one_token_kernels_only_for_rows_they_can_read():
     assert moe.popc_rows == {0: False}
     moe.popc_decode = True
     assert moe._x_pieces(0, 1, torch.device("cpu")) is None
+
+
+def test_pdl_configs_are_built_once_a_grid():
+    """A PDL launch's CUlaunchConfig is made once per (grid, block, shared memory) and thread, with
+    its programmatic-serialization attribute; a launch only sets its stream."""
+    a = kernels._pdl_config((4, 1, 1), (128, 1, 1), 0)
+    assert kernels._pdl_config((4, 1, 1), (128, 1, 1), 0) is a
+    assert kernels._pdl_config((8, 1, 1), (128, 1, 1), 0) is not a
+    assert (a.grid[0], a.block[0], a.shared_mem, a.num_attrs) == (4, 128, 0, 1)
+    assert (a.attrs.contents.id, a.attrs.contents.value[0]) == (6, 1)

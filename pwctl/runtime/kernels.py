@@ -108,6 +108,7 @@ class _Params(threading.local):
         data, size = ctypes.addressof(self.data), ctypes.addressof(self.size)
         self.extra = (ctypes.c_void_p * 5)(1, data, 2, size, 0)  # BUFFER_POINTER, BUFFER_SIZE, END
         self.address = ctypes.addressof(self.extra)
+        self.pdl_configs: dict[tuple, _LaunchConfig] = {}  # by (grid, block, shared memory)
 
     def pack(self, args: tuple) -> int:
         layout = param_layout(tuple(map(type, args)))
@@ -196,7 +197,7 @@ def launch_packed(
         _opt_in(name, shared_mem, device)
     grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
     stream = _current_stream(device)
-    if early and has_pdl() and torch.cuda.is_current_stream_capturing():
+    if early and has_pdl() and (eager_pdl() or torch.cuda.is_current_stream_capturing()):
         _launch_pdl(func, grid, block, extra, shared_mem, stream)
     else:
         _launch_kernel()(func, *grid, *block, shared_mem, stream, 0, extra)
@@ -217,6 +218,12 @@ def has_pdl() -> bool:
     if os.environ.get("PWCTL_NO_PDL") == "1" or torch.cuda.get_device_capability()[0] < 9:
         return False
     return hasattr(_libcuda(), "cuLaunchKernelEx")
+
+
+@functools.cache
+def eager_pdl() -> bool:
+    """Whether eager launches use PDL too, not only graph captures (PWCTL_EAGER_PDL=1)."""
+    return os.environ.get("PWCTL_EAGER_PDL") == "1"
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, 64-byte value union
@@ -249,17 +256,23 @@ def _launch_kernel_ex():
     return fn
 
 
+def _pdl_config(grid: tuple, block: tuple, shared_mem: int) -> _LaunchConfig:
+    """This thread's launch configuration of a grid, made once: a launch sets only its stream."""
+    key = (grid, block, shared_mem)
+    config = _params.pdl_configs.get(key)
+    if config is None:
+        attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1  # programmaticStreamSerializationAllowed
+        g, b = (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block)
+        config = _LaunchConfig(g, b, shared_mem, None, ctypes.pointer(attr), 1)
+        config.attr = attr  # kept alive with the config that points at it
+        _params.pdl_configs[key] = config
+    return config
+
+
 def _launch_pdl(func: int, grid: tuple, block: tuple, extra: int, shared_mem: int, stream: int):
-    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed
-    config = _LaunchConfig(
-        (ctypes.c_uint * 3)(*grid),
-        (ctypes.c_uint * 3)(*block),
-        shared_mem,
-        stream,
-        ctypes.pointer(attr),
-        1,
-    )
+    config = _pdl_config(grid, block, shared_mem)
+    config.stream = stream
     err = _launch_kernel_ex()(ctypes.byref(config), ctypes.c_void_p(func), None, extra)
     if err != 0:
         raise PwctlError(f"cuLaunchKernelEx failed with CUDA driver error {err}")
