@@ -832,10 +832,11 @@ def test_kernel_targets_take_the_worst_covered_row():
         return KernelRow(shape, width, tokens, path, 1.0, 1, 1.0, pct, 1.0, floor, 1.0, grouped)
 
     rows = [
-        row("m", "4", 1, "decode", 75.0, 2.6, 3.0),
-        row("m", "3", 4, "decode", 65.0, 2.0, 3.0),  # the worst 3-4 bit row: 65% < 70%
-        row("m", "8", 1, "decode", 10.0, 0.1, 0.1),  # not covered (8 bits)
-        row("m", "4", 16, "decode", 10.0, 0.1, 0.1),  # not covered (16 tokens)
+        row("m", "4", 1, "routed", 75.0, 2.6, 3.0),
+        row("m", "3", 4, "routed", 65.0, 2.0, 3.0),  # the worst 3-4 bit row: 65% < 70%
+        row("m", "8", 1, "routed", 10.0, 0.1, 0.1),  # not covered (8 bits)
+        row("m", "4", 16, "routed", 10.0, 0.1, 0.1),  # not covered (16 tokens)
+        row("m", "4", 1, "decode", 10.0, 0.1, 0.1),  # not covered (routing given: no router)
         row("m", "4", 512, "prefill", 5.0, 0.2, 0.7),
         row("q", "4", 512, "prefill", 5.0, 0.2, 0.5),
     ]

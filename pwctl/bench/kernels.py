@@ -129,16 +129,21 @@ def decode_calls(shapes: list[str], tokens: list[int], width: int = 4):
         torch.cuda.empty_cache()
 
 
-def routed_call(call):
-    """The same layer and token count as a `decode_calls` call, with a random fp16 router (x 0.05)
-    in the first launch instead of given routing (`FusedMoE.routed`)."""
-    moe, x = call.func, call.args[1]
-    spec, gen = moe.spec, torch.Generator(device="cuda").manual_seed(0)
+def router_weights(spec: MoESpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random fp16 router (x 0.05) and, with a shared expert, its gate's row."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     gw = (torch.randn(spec.num_experts, spec.hidden, generator=gen, device="cuda") * 0.05).half()
     sgw = None
     if spec.has_shared:
         sgw = (torch.randn(1, spec.hidden, generator=gen, device="cuda") * 0.05).half()
-    return functools.partial(moe.routed, 0, x.half(), gw, sgw)
+    return gw, sgw
+
+
+def routed_call(call):
+    """The same layer and token count as a `decode_calls` call, with a random fp16 router in the
+    first launch instead of given routing (`FusedMoE.routed`)."""
+    moe, x = call.func, call.args[1]
+    return functools.partial(moe.routed, 0, x.half(), *router_weights(moe.spec))
 
 
 # --- timing ------------------------------------------------------------------------------------
@@ -257,7 +262,9 @@ class KernelRow:
     shape: str
     width: str
     tokens: int
-    path: str  # decode (graph-replayed, the launcher's kernels), popc / lookup (1 token), prefill
+    # decode (routing given, graph-replayed, the launcher's kernels), popc / lookup (the same, one
+    # kernel family), routed (the router in the first launch: the engine's call), prefill
+    path: str
     time_us: float
     bytes_read: int
     gb_s: float
@@ -291,10 +298,10 @@ class Target:
         )
 
 
-TARGETS = (
-    Target("1-4 tokens, 3-4 bits: % of copy bandwidth", "pct_copy", 70.0, "decode", ("3", "4"),
+TARGETS = (  # decode: the whole layer, its router included (the `routed` rows)
+    Target("1-4 tokens, 3-4 bits: % of copy bandwidth", "pct_copy", 70.0, "routed", ("3", "4"),
            (1, 4)),
-    Target("1-4 tokens, 4 bits: x FP16 floor", "speedup_vs_floor", 2.5, "decode", ("4",), (1, 4)),
+    Target("1-4 tokens, 4 bits: x FP16 floor", "speedup_vs_floor", 2.5, "routed", ("4",), (1, 4)),
     Target("prefill 512+ tokens: x FP16 grouped GEMM", "speedup_vs_grouped", 1 / 1.5, "prefill",
            None, (512, 1 << 30)),
 )  # fmt: skip
@@ -331,11 +338,11 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows). Up to
     POPC_MAX_TOKENS tokens `decode` is the launcher's choice (FusedMoE.popc_decode None) and both
     kernel families get a row of their own: `popc` (binary tensor cores for one-token slots)
-    where rows allow, and `lookup`."""
+    where rows allow, and `lookup`. Up to 64 tokens, `routed`: the whole layer with its router
+    (`_routed_row`), the rows the decode targets cover."""
     x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
     planes, fp16 = active_bytes(layer, index)
     tg = _median_time(GroupedFp16(layer, x, weights, index), 10)
-    floor = fp16 / copy_bw
     rows, popc = [], layer.moe.popc_decode
     forced = {"decode": None, "popc": True, "lookup": False}
     for path in ("decode", "popc", "lookup", "prefill"):
@@ -353,13 +360,29 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
 
         t = _median_time(call, 5) if path == "prefill" else _graph_time(call)
         layer.moe.popc_decode = popc  # as the caller had it
-        rows.append(
-            KernelRow(
-                name, width, T, path, t * 1e6, planes, planes / t / 1e9,
-                100 * planes / t / copy_bw, floor * 1e6, floor / t, tg * 1e6, tg / t,
-            )
-        )  # fmt: skip
+        rows.append(_row(name, width, T, path, t, planes, fp16, tg, copy_bw))
+    if T <= DECODE_MAX_TOKENS:
+        rows.append(_routed_row(layer, name, width, x, tg, copy_bw, seed))
     return rows
+
+
+def _row(name, width, T, path, t, planes, fp16, tg, copy_bw) -> KernelRow:
+    floor = fp16 / copy_bw
+    return KernelRow(
+        name, width, T, path, t * 1e6, planes, planes / t / 1e9, 100 * planes / t / copy_bw,
+        floor * 1e6, floor / t, tg * 1e6, tg / t,
+    )  # fmt: skip
+
+
+def _routed_row(layer: SyntheticLayer, name, width, x, tg, copy_bw, seed) -> KernelRow:
+    """The engine's call, the whole layer: a random fp16 router in the first launch
+    (`FusedMoE.routed`, the launcher's choice of kernels), graph-replayed. Its bytes and FP16
+    floor are those of the experts it routes to; `tg` is the grouped GEMM of the given routing
+    (as many tokens, other experts)."""
+    call = functools.partial(layer.moe.routed, 0, x.half(), *router_weights(layer.spec, seed))
+    _, routing = call()
+    planes, fp16 = active_bytes(layer, routing.index.clone())
+    return _row(name, width, x.shape[0], "routed", _graph_time(call), planes, fp16, tg, copy_bw)
 
 
 def run_kernel_bench(
