@@ -829,7 +829,8 @@ def test_device_table_sync_uploads_what_changed():
 
 def test_kernel_targets_take_the_worst_covered_row():
     def row(shape, width, tokens, path, pct, floor, grouped):
-        return KernelRow(shape, width, tokens, path, 1.0, 1, 1.0, pct, 1.0, floor, 1.0, grouped)
+        return KernelRow(shape, width, tokens, path, 1.0, 1, 1.0, pct, 1.0, floor, 1.0, grouped,
+                         1.0)  # fmt: skip
 
     rows = [
         row("m", "4", 1, "routed", 75.0, 2.6, 3.0),
@@ -870,7 +871,7 @@ def test_bench_kernels_streams_rows_then_prints_tables(monkeypatch, tmp_path):
 
     def measure(layer, name, width, T, copy_bw, seed):
         row = KernelRow(name, width, T, "decode", 10.0 * T, 2_000_000, 200.0, 5.0, 1.0, 0.1,
-                        2.0, 0.2)  # fmt: skip
+                        2.0, 0.2, 8.0 * T)  # fmt: skip
         measured.append(row)
         return [row]
 

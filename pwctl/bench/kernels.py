@@ -180,6 +180,32 @@ def _event_time(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
+@functools.cache
+def _l2_flush() -> torch.Tensor:
+    """A buffer 4x the GPU's L2 (at least 64 MB): reading it evicts whatever a call left there."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return torch.ones(max(4 * l2, 64 << 20), dtype=torch.uint8, device="cuda")
+
+
+def cold_time(fn, iters: int = 30) -> float:
+    """Median seconds of one call of `fn` with nothing of it in L2: each call is timed alone
+    after a read of `_l2_flush` (queued first, so the call does not wait for the host). What a
+    decode step finds of one layer, whose weights 40-odd other layers' have evicted: replayed
+    back to back, a small layer stays in L2 (a Qwen3-MoE token reads 20 MB; the H200 holds 50)
+    and took 27.8 us against 35.1 cold (docs/PERF.md, session 20)."""
+    flush = _l2_flush()
+    fn()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(iters)]  # fmt: skip
+    for start, end in pairs:
+        flush.sum(dtype=torch.int32)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
+
+
 def _median_time(fn, iters: int, repeats: int = 5) -> float:
     """The median of `repeats` event-timed runs of `iters` calls: one run of a few multi-ms calls
     moved by up to 10% between runs (Mixtral prefill, docs/PERF.md session 15)."""
@@ -265,7 +291,7 @@ class KernelRow:
     # decode (routing given, graph-replayed, the launcher's kernels), popc / lookup (the same, one
     # kernel family), routed (the router in the first launch: the engine's call), prefill
     path: str
-    time_us: float
+    time_us: float  # decode paths: L2 flushed before each call (`cold_time`); prefill: eager
     bytes_read: int
     gb_s: float
     pct_copy: float
@@ -273,6 +299,7 @@ class KernelRow:
     speedup_vs_floor: float
     fp16_grouped_us: float
     speedup_vs_grouped: float
+    warm_us: float  # decode paths: graph replays back to back (a small layer stays in L2)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -334,15 +361,17 @@ def active_bytes(layer: SyntheticLayer, index: torch.Tensor) -> tuple[int, int]:
 
 
 def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: float, seed: int):
-    """One row per path that takes T tokens: decode (CUDA-graph replay: launch overhead out) up to
-    8 tokens, prefill from 4 tokens on (the crossover is chosen from these rows). Up to
+    """One row per path that takes T tokens: decode (CUDA-graph replay: launch overhead out; timed
+    with L2 flushed, and back to back) up to 64 tokens, prefill from 4 tokens on (the crossover is
+    chosen from these rows; the FP16 grouped GEMM is timed as the rows' path is). Up to
     POPC_MAX_TOKENS tokens `decode` is the launcher's choice (FusedMoE.popc_decode None) and both
     kernel families get a row of their own: `popc` (binary tensor cores for one-token slots)
     where rows allow, and `lookup`. Up to 64 tokens, `routed`: the whole layer with its router
     (`_routed_row`), the rows the decode targets cover."""
     x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
     planes, fp16 = active_bytes(layer, index)
-    tg = _median_time(GroupedFp16(layer, x, weights, index), 10)
+    grouped = GroupedFp16(layer, x, weights, index)
+    tg = cold_time(grouped) if T <= DECODE_MAX_TOKENS else _median_time(grouped, 10)
     rows, popc = [], layer.moe.popc_decode
     forced = {"decode": None, "popc": True, "lookup": False}
     for path in ("decode", "popc", "lookup", "prefill"):
@@ -358,19 +387,29 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
             kind = "prefill" if path == "prefill" else "decode"
             return layer.moe(0, x, weights, index, scale, path=kind)
 
-        t = _median_time(call, 5) if path == "prefill" else _graph_time(call)
+        if path == "prefill":
+            t = warm = _median_time(call, 5)
+            tp = _median_time(grouped, 10) if T <= DECODE_MAX_TOKENS else tg  # warm, as t
+        else:
+            t, warm, tp = *_graph_times(call), tg
         layer.moe.popc_decode = popc  # as the caller had it
-        rows.append(_row(name, width, T, path, t, planes, fp16, tg, copy_bw))
+        rows.append(_row(name, width, T, path, t, warm, planes, fp16, tp, copy_bw))
     if T <= DECODE_MAX_TOKENS:
         rows.append(_routed_row(layer, name, width, x, tg, copy_bw, seed))
     return rows
 
 
-def _row(name, width, T, path, t, planes, fp16, tg, copy_bw) -> KernelRow:
+def _graph_times(call) -> tuple[float, float]:
+    """(cold, warm) seconds of one graph replay of `call`."""
+    replay = capture_graph(call).replay
+    return cold_time(replay), _event_time(replay)
+
+
+def _row(name, width, T, path, t, warm, planes, fp16, tg, copy_bw) -> KernelRow:
     floor = fp16 / copy_bw
     return KernelRow(
         name, width, T, path, t * 1e6, planes, planes / t / 1e9, 100 * planes / t / copy_bw,
-        floor * 1e6, floor / t, tg * 1e6, tg / t,
+        floor * 1e6, floor / t, tg * 1e6, tg / t, warm * 1e6,
     )  # fmt: skip
 
 
@@ -382,7 +421,8 @@ def _routed_row(layer: SyntheticLayer, name, width, x, tg, copy_bw, seed) -> Ker
     call = functools.partial(layer.moe.routed, 0, x.half(), *router_weights(layer.spec, seed))
     _, routing = call()
     planes, fp16 = active_bytes(layer, routing.index.clone())
-    return _row(name, width, x.shape[0], "routed", _graph_time(call), planes, fp16, tg, copy_bw)
+    t, warm = _graph_times(call)
+    return _row(name, width, x.shape[0], "routed", t, warm, planes, fp16, tg, copy_bw)
 
 
 def run_kernel_bench(
@@ -416,13 +456,13 @@ def run_kernel_bench(
     return copy_bw, rows
 
 
-ROW_COLUMNS = ("shape", "width", "tokens", "path", "us", "MB read", "GB/s", "% copy",
+ROW_COLUMNS = ("shape", "width", "tokens", "path", "us", "warm us", "MB read", "GB/s", "% copy",
                "x fp16 floor", "x fp16 grouped")  # fmt: skip
 
 
 def row_cells(r: KernelRow) -> tuple[str, ...]:
     """One row of the `bench --kernels` table (also its progress line)."""
-    return (r.shape, r.width, str(r.tokens), r.path, f"{r.time_us:.1f}",
+    return (r.shape, r.width, str(r.tokens), r.path, f"{r.time_us:.1f}", f"{r.warm_us:.1f}",
             f"{r.bytes_read / 1e6:.1f}", f"{r.gb_s:.0f}", f"{r.pct_copy:.0f}",
             f"{r.speedup_vs_floor:.2f}", f"{r.speedup_vs_grouped:.2f}")  # fmt: skip
 

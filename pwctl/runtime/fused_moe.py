@@ -210,8 +210,8 @@ ROUTE_MAX_EXPERTS, ROUTE_MAX_K = 256, 8  # cuda/moe.cu route_prep
 ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
 ROUTE_LOADS = 4  # cuda/moe.cu slice_dot: 16-byte loads a lane issues together, on each row
 # a routed call's gate_up grid up to this share of one wave starts after route_prep, not with
-# PDL (graph captures only: eager launches are plain): H200, grids at 48 / 65 / 81% of a wave
-# 1.7-3.0 us faster a layer, at 97% and past a wave 0.2-1.7 us slower (docs/PERF.md, session 19)
+# PDL: H200, graph replays, grids at 48 / 65 / 81% of a wave 1.7-3.0 us faster a layer, at 97%
+# and past a wave 0.2-1.7 us slower (docs/PERF.md, session 19)
 PDL_MAX_FILL = 0.9
 
 
