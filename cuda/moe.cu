@@ -50,6 +50,29 @@ __device__ __forceinline__ void start_next() {
 #endif
 }
 
+// Timing probe, never built by pwctl (`recipes/stamp_phases.py` builds it with -DPWCTL_STAMPS):
+// thread 0 of every CTA writes the global timer and its SM's clock at each phase of its kernel
+// (kind: 0 gate_up, 1 down, 2 the prep launch, 3 popc_planes), and its SM.
+#define STAMP_CTAS 16384
+#ifdef PWCTL_STAMPS
+__device__ unsigned long long pwctl_stamps[4][STAMP_CTAS][16];  // [kind][cta][timer 0-7, clock 8-15]
+__device__ unsigned pwctl_smid[4][STAMP_CTAS];
+__device__ __forceinline__ void stamp(int kind, int phase) {
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x != 0 || cta >= STAMP_CTAS) return;
+    unsigned long long t;
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    pwctl_stamps[kind][cta][phase] = t;
+    pwctl_stamps[kind][cta][8 + phase] = clock64();
+    pwctl_smid[kind][cta] = sm;
+}
+#define STAMP(kind, phase) stamp(kind, phase)
+#else
+#define STAMP(kind, phase)
+#endif
+
 struct Paged {
     const unsigned char* arena;  // [n_slabs, 1 << slab_shift]
     const int* slab_map;         // slab id of every (block, plane, page)
@@ -518,6 +541,7 @@ __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, con
         }
         int wg, wu;
         const bool flat = stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu);
+        STAMP(0, 2);
         // gate, then up, each on all 4 warps (running them side by side on 2 warps each was
         // 10-20% slower on Mixtral and no faster on Qwen3-MoE: docs/PERF.md); one copy of the
         // loops for both blocks (two inlined copies spilled the second's accumulators)
@@ -525,7 +549,9 @@ __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, con
         for (int m = 0; m < 2; ++m) {
             float acc[NT][4], sum[2][NT];
             mma_block<NT>(st[m], m ? wu : wg, flat, words_in, wpad_in, xf, xrow, c.live, warp, WARPS, acc);
+            STAMP(0, 3 + 2 * m);
             reduce_units<NT>(acc, red, WARPS, sum);
+            STAMP(0, 4 + 2 * m);
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt) (m ? us : gs)[nt] = sum[0][nt];
         }
@@ -544,11 +570,14 @@ __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, u
                         const PopcX*) {
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
+    STAMP(0, 0);
     wait_previous();  // the slots and x come from decode_prep (or h's buffer is still being read)
     start_next();     // down may launch and stage while this grid runs
+    STAMP(0, 1);
     const Tile c = tile_of(s, ROWS, slot, tile);
     if (c.base >= c.T) return;
     gate_up_tile<NT>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt);
+    STAMP(0, 7);
 }
 
 // out[token] += weight * (down h[pair]) for every pair of a slot (fp32 atomics, so the columns may
@@ -571,13 +600,17 @@ __device__ __forceinline__ void down_tile(const Paged& g, const Slots& s, const 
     }
     int wd;
     const bool flat = stage_down(g, s, e, bits_nbytes, words_in, rpt, c.row0, units, H, st, wd);
+    STAMP(1, 2);
     // everything above read what was final before gate_up started (slots, descriptors); h is not
     wait_previous();
+    STAMP(1, 1);
     float acc[NT][4] = {}, sum[2][NT];  // acc stays zero for a tile past H
     if (c.row0 + ROWS * unit < H)
         mma_block<NT>(st[unit], wd, flat, words_in, wpad_in, hp, xrow, c.live,
                       kz * parts + warp % parts, kn * parts, acc);
+    STAMP(1, 3);
     reduce_units<NT>(acc, red, parts, sum);
+    STAMP(1, 4);
     #pragma unroll
     for (int u = 0; u < 2; ++u) {
         const int row = c.row0 + ROWS * u + (lane >> 2) + 8 * (warp >> 1);
@@ -597,9 +630,11 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
                      int units, const PopcX*) {
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
+    STAMP(1, 0);
     const Tile c = tile_of(s, ROWS * units, slot, tile);
     if (c.base >= c.T || c.row0 >= H) return;
     down_tile<NT>(g, s, c, kz, kn, st, red, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, units);
+    STAMP(1, 7);
 }
 
 // ---- one-token decode on binary tensor cores ---------------------------------------------------
@@ -717,8 +752,10 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst) {
 extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     const unsigned short* src, int wpad, int words, int rows, PopcX* dst,
     const unsigned short* t_src, int t_wpad, int t_words, PopcX* t_dst) {
+    STAMP(3, 0);
     wait_previous();  // h from gate_up
     start_next();
+    STAMP(3, 1);
     int row = blockIdx.y;
     if (row >= rows) row -= rows, src = t_src, wpad = t_wpad, words = t_words, dst = t_dst;
     const int pieces = popc_pieces(words);
@@ -730,6 +767,7 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     src += (i64)row * wpad * 32;
     popc_piece_of<1>([&](int w) { return h2f(src[32 * w + pos]); }, words, blockIdx.x, blockIdx.z,
                      dst + (i64)row * pieces + blockIdx.x);
+    STAMP(3, 7);
 }
 
 // Block b of a prep launch's x-piece blocks (256 threads): piece, token and word z as
@@ -920,8 +958,10 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
     __shared__ float rows[2][ROWS];
+    STAMP(0, 0);
     wait_previous();  // the slots and x's pieces come from the prep launch
     start_next();
+    STAMP(0, 1);
     const Tile c = tile_of(s, ROWS, slot, tile);
     if (c.T <= 0) return;
     // FEW (`gate_up_pn`: calls of up to POPC_MAX_TOKENS tokens): a slot of several tokens takes
@@ -937,6 +977,7 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
     if (nrows > 0) {
         int wg, wu;
         const bool flat = stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu);
+        STAMP(0, 2);
         const int ks = popc_steps(words_in);
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
         // gate, then up, each on all 4 warps (8-row group warp % 2, column half warp / 2); side by
@@ -951,7 +992,9 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
                     popc_piece<MAXB>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8,
                                      st[m].tbl + 8 * grp, words_in, k0, min(ks, k0 + POPC_STEPS),
                                      k0, part, 2, x + i, f);
+                STAMP(0, 3 + 2 * m);
                 popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
+                STAMP(0, 4 + 2 * m);
             } else {  // the lookup: token 0 of n-tile 0 is fragment register w of lanes 4i
                 int xrow[1] = {lane >> 2 == 0 ? token : -1};
                 float acc[1][4], sum[2][1];
@@ -965,6 +1008,7 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
     if (threadIdx.x < ROWS)
         store_h(hp, c.lo, c.row0 + threadIdx.x, I, wpad_out, nrows > 0 ? rows[0][threadIdx.x] : 0.f,
                 nrows > 0 ? rows[1][threadIdx.x] : 0.f);
+    STAMP(0, 7);
 }
 
 // down for one-token slots: `units` m-tiles of 16 rows (8-row groups over the warps, which
@@ -977,6 +1021,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
     __shared__ float rows[2 * ROWS];
+    STAMP(1, 0);
     const Tile c = tile_of(s, ROWS * units, slot, tile);
     if (c.T <= 0 || c.row0 >= H) return;
     if constexpr (FEW)  // as in gate_up_popc: the lookup, on h from gate_up_tile
@@ -987,6 +1032,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     const int e = __ldg(s.expert + c.slot);
     int wd;
     const bool flat = stage_down(g, s, e, bits_nbytes, words_in, rpt, c.row0, units, H, st, wd);
+    STAMP(1, 2);
     const int nrows = ROWS * units;
     if (wd <= MAXB) {
         const int groups = 2 * units, parts = WARPS / groups;
@@ -997,6 +1043,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         const int lo = min(ks, kz * per), hi = min(ks, lo + per);
         const PopcX* x = hpx + (i64)c.lo * popc_pieces(words_in);
         wait_previous();  // h's pieces come from popc_planes
+        STAMP(1, 1);
         double f[2] = {};
         if (c.row0 + ROWS * unit < H)
             for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
@@ -1005,7 +1052,9 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
                                  i * POPC_STEPS, part, parts, x + i, f);
                 k0 = k1;
             }
+        STAMP(1, 3);
         popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows, nrows);
+        STAMP(1, 4);
     } else {  // the lookup, as `down` does it for n-tile 0
         const int parts = WARPS / units, unit = warp / parts;
         int xrow[1] = {lane >> 2 == 0 ? c.lo : -1};
@@ -1022,6 +1071,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     if (threadIdx.x < nrows && c.row0 + threadIdx.x < H)
         atomicAdd(out + (i64)__ldg(s.token + c.lo) * H + c.row0 + threadIdx.x,
                   __ldg(s.weight + c.lo) * rows[threadIdx.x]);
+    STAMP(1, 7);
 }
 
 // ---- prefill: decode once into shared memory, multiply with every token -----------------------
@@ -2066,6 +2116,7 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
                                        const unsigned short* x, int T, int H, int wpad,
                                        unsigned short* xf, float* out, int out_n, int words,
                                        PopcX* px, int px_blocks) {
+    STAMP(2, 0);
     start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
     if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
@@ -2236,6 +2287,7 @@ __device__ void route_token(const float* logits, int experts, int k, int order, 
         #pragma unroll
         for (int j = 0; j < ROUTE_PER_LANE; ++j) v[j] = v[j] >= 0.f ? v[j] / s : -1.f;
     }
+    STAMP(2, 6);
     float top[8], total = 0.f;  // k <= 8
     for (int i = 0; i < k; ++i) {
         float bv = NEG_INF;
@@ -2268,6 +2320,7 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
                                       int* token, float* weight, int* s_expert, int* s_lo,
                                       int* s_hi, int wpad, unsigned short* xf, float* out,
                                       int out_n, int words, PopcX* px, int px_blocks, int slices) {
+    STAMP(2, 0);
     start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
     const int rows = experts + (shared_gate_w != nullptr), warps = blockDim.x / 32;
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
@@ -2275,10 +2328,12 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     // piece blocks (it did until session 18: Mixtral, 1 token, 0.2-0.4 us a layer, docs/PERF.md)
     if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
     router_logits(x, T, H, gate_w, experts, shared_gate_w, slices, logits, blocks);
+    STAMP(2, 1);
     // x's layout and out's zeroing: before the counter (after it, the last block's share of them
     // followed the routing: Mixtral's route_prep, 4 blocks, 7.2 -> 9.4 us, docs/PERF.md session 19)
     const int stride = blocks * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
     lay_out_x<1>(x, T, H, wpad, xf, out, out_n, first, stride);
+    STAMP(2, 2);
     // the last logits block to get here routes: every other block's logits are written by then
     __shared__ bool last;
     __threadfence();
@@ -2286,7 +2341,9 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     if (threadIdx.x == 0) last = atomicAdd(done, 1u) == (unsigned)blocks - 1;
     __syncthreads();
     if (!last) return;
+    STAMP(2, 3);
     __threadfence();
+    STAMP(2, 5);
     // a call of at most GROUP_FEW pairs hands them to the grouping in shared memory too
     __shared__ i64 few_index[GROUP_FEW];
     __shared__ float few_weights[GROUP_FEW];
@@ -2301,7 +2358,9 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
         }
     }
     if (threadIdx.x == 0) *done = 0u;  // for the next launch
+    STAMP(2, 4);
     __syncthreads();  // index and weights, written by this block, are visible to it
     group_decode(few ? few_index : index, few ? few_weights : weights, T * k, k, experts, slots,
                  token, weight, s_expert, s_lo, s_hi);
+    STAMP(2, 7);
 }

@@ -1,0 +1,101 @@
+"""Where each CTA of a decode layer's kernels spends its time (a timing probe). With a cubin built
+with -DPWCTL_STAMPS, thread 0 of every CTA writes the global timer, its SM's clock and its SM id
+at each phase of its kernel (`STAMP` in cuda/moe.cu). This replays the layer's CUDA graph once
+and prints, per kernel: its CTAs, when they enter and end (us from the replay's first stamp),
+and each phase's median / p90 length (us, from the SM clocks). `routed`: the engine's call (router
+in the first launch) instead of given routing; `cold`: L2 flushed (a 256 MB read) before the
+replay, as a step through many layers finds it. Usage (GPU machine):
+  nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
+  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe 1,4 [routed] [cold]"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy
+import numpy as np
+import torch
+
+from pwctl.bench.kernels import capture_graph, decode_calls, routed_call
+from pwctl.runtime import kernels
+
+CTAS = 16384  # STAMP_CTAS
+KINDS = {  # kind: (name, its phases in the order a CTA passes them)
+    0: ("gate_up", ((0, "entry"), (1, "waited"), (2, "staged"), (3, "gate streamed"),
+                    (4, "gate summed"), (5, "up streamed"), (6, "up summed"), (7, "stored"))),
+    1: ("down", ((0, "entry"), (2, "staged"), (1, "waited"), (3, "streamed"), (4, "summed"),
+                 (7, "added"))),
+    2: ("prep", ((0, "entry"), (1, "logits"), (2, "x laid out"), (3, "last block"),
+                 (5, "fenced"), (6, "softmax"), (4, "routed"), (7, "grouped"))),
+    3: ("popc_planes", ((0, "entry"), (1, "waited"), (7, "built"))),
+}  # fmt: skip
+
+
+def stamps() -> tuple[cupy.ndarray, cupy.ndarray]:
+    mod = kernels.module()
+    t = cupy.ndarray((4, CTAS, 16), cupy.uint64, memptr=mod.get_global("pwctl_stamps"))
+    sm = cupy.ndarray((4, CTAS), cupy.uint32, memptr=mod.get_global("pwctl_smid"))
+    return t, sm
+
+
+def summary(t: np.ndarray, sm: np.ndarray) -> list[str]:
+    entered = t[:, :, 0] > 0
+    t0 = t[:, :, 0][entered].min()
+    lines = []
+    for kind, (name, phases) in KINDS.items():
+        rows = np.flatnonzero(entered[kind])
+        if len(rows) == 0:
+            continue
+        k = t[kind, rows].astype(np.int64)
+        timer, clock = k[:, :8] - int(t0), k[:, 8:]
+        done = [p for p, _ in phases if (k[:, p] > 0).any()]
+        last = done[-1]
+        full = k[:, last] > 0  # CTAs that reached the kernel's last phase (not an early exit)
+        # the SM clock's rate, from CTAs long enough to see it
+        span_t, span_c = k[full, last] - k[full, 0], clock[full, last] - clock[full, 0]
+        ok = span_t > 2000
+        ghz = float(np.median(span_c[ok] / span_t[ok])) if ok.any() else 1.98
+        enter, end = timer[:, 0] / 1e3, timer[full, last] / 1e3
+        per_sm = np.bincount(sm[kind, rows]).max()
+        lines.append(
+            f"  {name}: {len(rows)} CTAs ({full.sum()} to '{dict(phases)[last]}', most on one SM "
+            f"{per_sm}); entry {enter.min():.1f} / {np.median(enter):.1f} / {enter.max():.1f}; "
+            f"end {end.min():.1f} / {np.median(end):.1f} / {end.max():.1f} us (min / median / max)"
+        )
+        parts, prev = [], phases[0]
+        for p, label in phases[1:]:
+            have = full & (k[:, p] > 0) & (k[:, prev[0]] > 0)
+            if have.any():
+                d = (clock[have, p] - clock[have, prev[0]]) / ghz / 1e3
+                parts.append(f"{label} {np.median(d):.2f}/{np.percentile(d, 90):.2f}")
+                prev = (p, label)
+        lines.append(f"    phases, us median/p90 (clock {ghz:.2f} GHz): " + ", ".join(parts))
+    return lines
+
+
+def main() -> None:
+    shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
+    routed, cold = "routed" in sys.argv[3:], "cold" in sys.argv[3:]
+    buf, smid = stamps()
+    flush = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+    for name, T, call in decode_calls(shapes, tokens):
+        fn = routed_call(call) if routed else call
+        graph = capture_graph(fn)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        for rep in range(2):
+            buf.fill(0)
+            smid.fill(0)
+            cupy.cuda.Device().synchronize()
+            if cold:
+                flush.sum(dtype=torch.int32)
+            graph.replay()
+            torch.cuda.synchronize()
+            how = ("routed" if routed else "given routing") + (", cold L2" if cold else "")
+            print(f"{name} T={T} {how}, replay {rep}:")
+            print("\n".join(summary(buf.get(), smid.get())), flush=True)
+
+
+if __name__ == "__main__":
+    main()
