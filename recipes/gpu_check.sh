@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # First device call of a session: every GPU-marked test (kernels, grouping, pager, paged engine,
 # shared KV/plane arena), then a short kernel bench (its rows in $OUT/kernels.json) and the
-# one-token profile. ~6 min on an H200, of which the NVRTC compile ~2.5 (give the call 600 s).
+# one-token profile. ~7-8 min on an H200, of which the NVRTC compile ~2.5 (give the call 600 s).
 # The test files are named: collecting the others needs openai/fastapi, absent on the GPU machine.
 # Usage (device tool): bash recipes/gpu_check.sh
 set -uo pipefail
@@ -10,7 +10,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 330 python3 -m pytest -q -s -m gpu -o faulthandler_timeout=200 tests/test_kernels.py tests/test_paged_engine.py tests/test_pager.py \
     -p no:cacheprovider 2>&1 | grep -v "Writing model" | tail -25
-timeout 150 pwctl bench --kernels --shape mixtral --shape qwen-moe --shape qwen3-moe --width 3 --width 4 \
+timeout 210 pwctl bench --kernels --shape mixtral --shape qwen-moe --shape qwen3-moe --width 3 --width 4 \
     --tokens 1 --tokens 2 --tokens 4 --json "${OUT:-/tmp}/kernels.json" 2>&1 | tail -8
 # one-token layers, lookup and binary tensor cores (FusedMoE.popc_decode), kernel by kernel
 timeout 90 python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1 popc 2>&1 | grep -v "Writing model"
