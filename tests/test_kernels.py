@@ -1109,3 +1109,25 @@ def test_pdl_configs_are_built_once_a_grid():
     assert kernels._pdl_config((8, 1, 1), (128, 1, 1), 0) is not a
     assert (a.grid[0], a.block[0], a.shared_mem, a.num_attrs) == (4, 128, 0, 1)
     assert (a.attrs.contents.id, a.attrs.contents.value[0]) == (6, 1)
+
+
+@pytest.mark.gpu
+def test_bench_rows_time_cold_and_warm_and_route():
+    """`bench --kernels`' rows of a small synthetic layer (a shared expert, 2 tokens): every path
+    timed with L2 flushed and back to back, and a `routed` row (the engine's call) whose bytes and
+    FP16 floor are those of the experts its own router chose."""
+    from pwctl.bench import kernels as kb
+
+    spec = kb._spec(512, 256, 16, 4, shared=512)
+    layer = kb.synthetic_layer(spec, seed=0)
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
+    rows = kb._measure(layer, "tiny", "4", 2, kb.copy_bandwidth(1 << 26), seed=0)
+    paths = [r.path for r in rows]
+    assert paths[-1] == "routed" and {"decode", "lookup"} <= set(paths), paths
+    for r in rows:
+        assert r.time_us > 0 and r.warm_us > 0 and r.fp16_grouped_us > 0, r
+        assert r.speedup_vs_floor == pytest.approx(r.fp16_floor_us / r.time_us)
+    routed = rows[-1]
+    x = random_routing(spec, 2, seed=2)[0].half()
+    _, routing = layer.moe.routed(0, x, *kb.router_weights(spec, 0))
+    assert routed.bytes_read == kb.active_bytes(layer, routing.index)[0]
