@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import sys
 
-from pwctl.bench.kernels import _graph_time, capture_graph, cold_time, decode_calls, routed_call
+from pwctl.bench.kernels import decode_calls, graph_times, routed_call
 
 
 def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
     for name, T, call in decode_calls(shapes, tokens):
         for label, fn in (("given routing", call), ("routed", routed_call(call))):
-            warm, cold = _graph_time(fn) * 1e6, cold_time(capture_graph(fn).replay) * 1e6
+            cold, warm = (t * 1e6 for t in graph_times(fn))
             print(f"{name} T={T} {label}: warm {warm:.1f} us, cold {cold:.1f} us", flush=True)
 
 

@@ -3,7 +3,7 @@ with -DPWCTL_STAMPS, thread 0 of every CTA writes the global timer, its SM's clo
 at each phase of its kernel (`STAMP` in cuda/moe.cu). This replays the layer's CUDA graph once
 and prints, per kernel: its CTAs, when they enter and end (us from the replay's first stamp),
 and each phase's median / p90 length (us, from the SM clocks). `routed`: the engine's call (router
-in the first launch) instead of given routing; `cold`: L2 flushed (a 256 MB read) before the
+in the first launch) instead of given routing; `cold`: L2 flushed (`l2_flush` read) before the
 replay, as a step through many layers finds it. Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe 1,4 [routed] [cold]"""
@@ -16,7 +16,7 @@ import cupy
 import numpy as np
 import torch
 
-from pwctl.bench.kernels import capture_graph, decode_calls, routed_call
+from pwctl.bench.kernels import capture_graph, decode_calls, l2_flush, routed_call
 from pwctl.runtime import kernels
 
 CTAS = 16384  # STAMP_CTAS
@@ -77,7 +77,7 @@ def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
     routed, cold = "routed" in sys.argv[3:], "cold" in sys.argv[3:]
     buf, smid = stamps()
-    flush = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = l2_flush()
     for name, T, call in decode_calls(shapes, tokens):
         fn = routed_call(call) if routed else call
         graph = capture_graph(fn)

@@ -996,21 +996,27 @@ def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
     assert [names[i] for i in launch.holes] == ["x", "gate_w", "shared_gate_w", "out"]
 
 
+def _one_token_call():
+    """A CPU layer (4 experts top-2, a shared expert) and the buffers of its one-token decode
+    call: the layer, pairs, x in fragment order, the shared expert's one-token slot."""
+    cpu = torch.device("cpu")
+    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256, True, "silu")
+    layer = synthetic_layer(spec, device="cpu", seed=0)
+    pairs, xf = decode_buffers(1, 2, 4, layer.moe.proj[(0, False, "gate")].wpad, cpu)
+    return layer, pairs, xf, all_tokens(1, None, 4, cpu)
+
+
 @pytest.mark.parametrize("popc_on", [False, True])
 def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     """The decode launches are packed once for `routed`: gate_up has no hole, down one, its
     `out` parameter; both pass as many arguments as the kernels declare."""
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)
-    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256, True, "silu")
-    layer = synthetic_layer(spec, device="cpu", seed=0)
+    layer, pairs, xf, one = _one_token_call()
     layer.set_widths(np.full(layer.table.n_blocks, 4))  # the popc kernels read 4 bits
     moe = layer.moe
     moe.popc_decode = popc_on
-    gu = moe.proj[(0, False, "gate")]
     px = moe._x_pieces(0, 1, torch.device("cpu"))
     assert (px is not None) == popc_on
-    pairs, xf = decode_buffers(1, 2, 4, gu.wpad, torch.device("cpu"))
-    one = all_tokens(1, None, 4, torch.device("cpu"))
     _, down = moe._decode_launches(0, xf, pairs, one, px)
     names = _kernel_params("down_##NAME")
     assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
@@ -1025,11 +1031,8 @@ def test_routed_gate_up_under_a_wave_starts_after_the_router(monkeypatch, reside
 
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)
     monkeypatch.setattr(kernels, "resident_ctas", lambda name, threads, device: resident)
-    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256, True, "silu")
-    layer = synthetic_layer(spec, device="cpu", seed=0)
-    moe, cpu = layer.moe, torch.device("cpu")
-    pairs, xf = decode_buffers(1, 2, 4, moe.proj[(0, False, "gate")].wpad, cpu)
-    one = all_tokens(1, None, 4, cpu)
+    layer, pairs, xf, one = _one_token_call()
+    moe = layer.moe
     gate_up, down = moe._decode_launches(0, xf, pairs, one, None, after_router=True)
     assert (np.prod(gate_up.grid) <= PDL_MAX_FILL * resident) != early
     assert gate_up.early == early and down.early

@@ -181,7 +181,7 @@ def _event_time(fn, iters: int = 50) -> float:
 
 
 @functools.cache
-def _l2_flush() -> torch.Tensor:
+def l2_flush() -> torch.Tensor:
     """A buffer 4x the GPU's L2 (at least 64 MB): reading it evicts whatever a call left there."""
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     return torch.ones(max(4 * l2, 64 << 20), dtype=torch.uint8, device="cuda")
@@ -189,11 +189,11 @@ def _l2_flush() -> torch.Tensor:
 
 def cold_time(fn, iters: int = 30) -> float:
     """Median seconds of one call of `fn` with nothing of it in L2: each call is timed alone
-    after a read of `_l2_flush` (queued first, so the call does not wait for the host). What a
+    after a read of `l2_flush` (queued first, so the call does not wait for the host). What a
     decode step finds of one layer, whose weights 40-odd other layers' have evicted: replayed
     back to back, a small layer stays in L2 (a Qwen3-MoE token reads 20 MB; the H200 holds 50)
     and took 27.8 us against 35.1 cold (docs/PERF.md, session 20)."""
-    flush = _l2_flush()
+    flush = l2_flush()
     fn()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
              for _ in range(iters)]  # fmt: skip
@@ -391,7 +391,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
             t = warm = _median_time(call, 5)
             tp = _median_time(grouped, 10) if T <= DECODE_MAX_TOKENS else tg  # warm, as t
         else:
-            t, warm, tp = *_graph_times(call), tg
+            t, warm, tp = *graph_times(call), tg
         layer.moe.popc_decode = popc  # as the caller had it
         rows.append(_row(name, width, T, path, t, warm, planes, fp16, tp, copy_bw))
     if T <= DECODE_MAX_TOKENS:
@@ -399,7 +399,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     return rows
 
 
-def _graph_times(call) -> tuple[float, float]:
+def graph_times(call) -> tuple[float, float]:
     """(cold, warm) seconds of one graph replay of `call`."""
     replay = capture_graph(call).replay
     return cold_time(replay), _event_time(replay)
@@ -420,8 +420,8 @@ def _routed_row(layer: SyntheticLayer, name, width, x, tg, copy_bw, seed) -> Ker
     (as many tokens, other experts)."""
     call = functools.partial(layer.moe.routed, 0, x.half(), *router_weights(layer.spec, seed))
     _, routing = call()
-    planes, fp16 = active_bytes(layer, routing.index.clone())
-    t, warm = _graph_times(call)
+    planes, fp16 = active_bytes(layer, routing.index)
+    t, warm = graph_times(call)
     return _row(name, width, x.shape[0], "routed", t, warm, planes, fp16, tg, copy_bw)
 
 
