@@ -36,7 +36,7 @@ def main() -> None:
         def call(layer=layer, x=x, w=w, idx=idx, sc=sc):
             return layer.moe(0, x, w, idx, sc, path="prefill")
 
-        gemm = GroupedFp16(layer, x, w, idx)
+        gemm = GroupedFp16(layer, x, w, idx, sc)
         times = (_event_time(call, 10), host_time(call, 20), _graph_time(call, 10))
         ours = [t * 1e6 for t in times]
         base = [t * 1e6 for t in (_event_time(gemm, 10), host_time(gemm, 20))]

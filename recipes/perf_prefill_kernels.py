@@ -25,7 +25,7 @@ def main() -> None:
             layer.set_widths(np.full(layer.table.n_blocks, width))
             for T in tokens:
                 x, w, idx, sc = random_routing(layer.spec, T, seed=T)
-                grouped = _event_time(GroupedFp16(layer, x, w, idx), 10)
+                grouped = _event_time(GroupedFp16(layer, x, w, idx, sc), 10)
                 line = f"{name:10s} w{width} T{T:5d} grouped {grouped * 1e6:7.0f} us"
                 for kind in kinds:
                     layer.moe.prefill_kernel = kind

@@ -26,7 +26,7 @@ def main() -> None:
         layer = synthetic_layer(SHAPES[name], seed=0)
         layer.set_widths(np.full(layer.table.n_blocks, 4))
         x, w, idx, sc = random_routing(layer.spec, T, seed=T)
-        grouped = _event_time(GroupedFp16(layer, x, w, idx), 10)
+        grouped = _event_time(GroupedFp16(layer, x, w, idx, sc), 10)
         call = functools.partial(layer.moe, 0, x, w, idx, sc, path="prefill")
         best: dict[str, float] = {}
         for _ in range(2):

@@ -842,13 +842,30 @@ def test_kernel_targets_take_the_worst_covered_row():
         row("q", "4", 512, "prefill", 5.0, 0.2, 0.5),
     ]
     got = {(c["target"], c["shape"]): (c["worst"], c["met"]) for c in against_targets(rows)}
-    copy, floor, prefill = (t.name for t in TARGETS)
+    copy, floor, grouped, prefill = (t.name for t in TARGETS)
     assert got == {
         (copy, "m"): (65.0, False),
         (floor, "m"): (2.6, True),
+        (grouped, "m"): (3.0, True),
         (prefill, "m"): (0.7, True),
         (prefill, "q"): (0.5, False),
     }
+
+
+def test_fp16_baseline_computes_the_layer_with_its_shared_expert():
+    """The bench's FP16 grouped GEMM is the same MoE layer as the kernels' reference: routed
+    experts and the shared expert times its gate (CPU: the loop of matmuls or grouped_mm)."""
+    from pwctl.bench.kernels import GroupedFp16, _spec
+
+    spec = _spec(256, 128, 8, 2, shared=192)
+    layer = synthetic_layer(spec, device="cpu", seed=1)
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
+    x, weights, index, scale = random_routing(spec, 5, device="cpu", seed=5)
+    want = layer.moe(0, x, weights, index, scale, reference=True)
+    got = GroupedFp16(layer, x, weights, index, scale)().float()
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    with pytest.raises(ValueError, match="shared expert"):
+        GroupedFp16(layer, x, weights, index)
 
 
 def test_bench_kernels_streams_rows_then_prints_tables(monkeypatch, tmp_path):

@@ -234,10 +234,13 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 class GroupedFp16:
     """The FP16 baseline: the same experts as dense fp16 weights, torch._grouped_mm over the
-    pairs sorted by expert (falls back to a loop of matmuls where grouped_mm is missing)."""
+    pairs sorted by expert (falls back to a loop of matmuls where grouped_mm is missing), and a
+    shared expert's two dense GEMMs times `scale` (its gate), as an FP16 MoE layer serves."""
 
-    def __init__(self, layer: SyntheticLayer, x, weights, index):
+    def __init__(self, layer: SyntheticLayer, x, weights, index, scale=None):
         spec, dt = layer.spec, layer.dt
+        if spec.has_shared and scale is None:
+            raise ValueError("a layer with a shared expert needs its gate's scale")
         self.x = x.half()
         self.T, self.k = index.shape
         flat = index.reshape(-1)
@@ -248,13 +251,17 @@ class GroupedFp16:
         self.offs = counts.cumsum(0).to(torch.int32)
         ids = layer.moe.block_ids[0]
 
-        def stack(j):
-            return torch.stack([dt.weight(int(ids[e, j])).half() for e in experts])
+        def stack(es, j):
+            return torch.stack([dt.weight(int(ids[e, j])).half() for e in es])
 
-        self.gu = torch.cat([stack(0), stack(1)], dim=1).transpose(1, 2)  # [n, H, 2I]
-        self.dn = stack(2).transpose(1, 2)  # [n, I, H]
+        self.gu = torch.cat([stack(experts, 0), stack(experts, 1)], dim=1).transpose(1, 2)
+        self.dn = stack(experts, 2).transpose(1, 2)  # gu: [n, H, 2I], dn: [n, I, H]
         self.I = spec.intermediate
-        self.fp16_bytes = (self.gu.numel() + self.dn.numel()) * 2
+        self.shared = None  # (gate and up [H, 2I'], down [I', H], scale [T, 1])
+        if spec.has_shared:
+            e = [spec.num_experts]
+            gu = torch.cat([stack(e, 0), stack(e, 1)], dim=1)[0].T
+            self.shared = (gu, stack(e, 2)[0].T, scale.reshape(-1, 1).half())
         self.grouped = hasattr(torch, "_grouped_mm")
 
     def _mm(self, a, b):
@@ -278,9 +285,15 @@ class GroupedFp16:
         xs = self.x[self.tok]
         gu = self._mm(xs, self.gu)
         h = F.silu(gu[:, : self.I]) * gu[:, self.I :]
-        y = self._mm(h, self.dn) * self.w[:, None].half()
-        out = torch.zeros(self.T, self.x.shape[1], device="cuda", dtype=y.dtype)
-        return out.index_add_(0, self.tok, y)
+        y = self._mm(h, self.dn) * self.w[:, None].to(gu.dtype)
+        out = torch.zeros(self.T, self.x.shape[1], device=y.device, dtype=y.dtype)
+        out.index_add_(0, self.tok, y)
+        if self.shared is not None:
+            gu_s, dn_s, scale = self.shared
+            g = self.x.to(gu_s.dtype) @ gu_s
+            i = dn_s.shape[0]
+            out += ((F.silu(g[:, :i]) * g[:, i:]) @ dn_s * scale).to(out.dtype)
+        return out
 
 
 @dataclass
@@ -329,6 +342,8 @@ TARGETS = (  # decode: the whole layer, its router included (the `routed` rows)
     Target("1-4 tokens, 3-4 bits: % of copy bandwidth", "pct_copy", 70.0, "routed", ("3", "4"),
            (1, 4)),
     Target("1-4 tokens, 4 bits: x FP16 floor", "speedup_vs_floor", 2.5, "routed", ("4",), (1, 4)),
+    Target("1-4 tokens, 4 bits: x FP16 grouped GEMM", "speedup_vs_grouped", 2.5, "routed", ("4",),
+           (1, 4)),
     Target("prefill 512+ tokens: x FP16 grouped GEMM", "speedup_vs_grouped", 1 / 1.5, "prefill",
            None, (512, 1 << 30)),
 )  # fmt: skip
@@ -370,8 +385,8 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     (`_routed_row`), the rows the decode targets cover."""
     x, weights, index, scale = random_routing(layer.spec, T, seed=seed + T)
     planes, fp16 = active_bytes(layer, index)
-    grouped = GroupedFp16(layer, x, weights, index)
-    tg = cold_time(grouped) if T <= DECODE_MAX_TOKENS else _median_time(grouped, 10)
+    grouped = GroupedFp16(layer, x, weights, index, scale)
+    tg = grouped_time(grouped)
     rows, popc = [], layer.moe.popc_decode
     forced = {"decode": None, "popc": True, "lookup": False}
     for path in ("decode", "popc", "lookup", "prefill"):
@@ -395,8 +410,20 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
         layer.moe.popc_decode = popc  # as the caller had it
         rows.append(_row(name, width, T, path, t, warm, planes, fp16, tp, copy_bw))
     if T <= DECODE_MAX_TOKENS:
-        rows.append(_routed_row(layer, name, width, x, tg, copy_bw, seed))
+        rows.append(_routed_row(layer, name, width, x, copy_bw, seed))
     return rows
+
+
+def grouped_time(grouped: GroupedFp16) -> float:
+    """Seconds a call of the FP16 baseline, timed as the rows it is set against: decode sizes
+    graph-replayed with L2 cold, as the decode rows are (eagerly the call is host-bound: 230-860
+    us for what the GPU does in less, docs/PERF.md session 20), prefill sizes eagerly."""
+    if grouped.T > DECODE_MAX_TOKENS:
+        return _median_time(grouped, 10)
+    grouped()  # settles fp16, bf16 or the loop of matmuls before any capture
+    if not grouped.grouped:  # the loop reads its offsets on the host: no graph
+        return cold_time(grouped)
+    return graph_times(grouped)[0]
 
 
 def graph_times(call) -> tuple[float, float]:
@@ -413,14 +440,14 @@ def _row(name, width, T, path, t, warm, planes, fp16, tg, copy_bw) -> KernelRow:
     )  # fmt: skip
 
 
-def _routed_row(layer: SyntheticLayer, name, width, x, tg, copy_bw, seed) -> KernelRow:
+def _routed_row(layer: SyntheticLayer, name, width, x, copy_bw, seed) -> KernelRow:
     """The engine's call, the whole layer: a random fp16 router in the first launch
-    (`FusedMoE.routed`, the launcher's choice of kernels), graph-replayed. Its bytes and FP16
-    floor are those of the experts it routes to; `tg` is the grouped GEMM of the given routing
-    (as many tokens, other experts)."""
+    (`FusedMoE.routed`, the launcher's choice of kernels), graph-replayed. Its bytes, FP16 floor
+    and FP16 grouped GEMM are those of the experts it routes to."""
     call = functools.partial(layer.moe.routed, 0, x.half(), *router_weights(layer.spec, seed))
     _, routing = call()
     planes, fp16 = active_bytes(layer, routing.index)
+    tg = grouped_time(GroupedFp16(layer, x, routing.weights, routing.index, routing.scale))
     t, warm = graph_times(call)
     return _row(name, width, x.shape[0], "routed", t, warm, planes, fp16, tg, copy_bw)
 
