@@ -51,7 +51,9 @@ __device__ __forceinline__ void subset_mma(int (&acc)[1 << B][4], const uint4& a
 // XORed into one accumulator); MODE 2 (`popc_mma*`): the mma on words made from the lane and
 // chunk, no plane loads; MODE 3 (`popc_one*`): one chunk in flight a warp, not two; MODE 4
 // (`popc_planes_only*`): the plane loads only, not even x's fragments.
-template <int B, int T, int MODE = 0, bool ROT = false>
+// ADD (`popc_add*`): additive tables (c_S = 0 for every subset of 2 or more planes), so one mma a
+// plane and k-step (B, not 2^B - 1) and no ANDs: what such a table format would let decode read.
+template <int B, int T, int MODE = 0, bool ROT = false, bool ADD = false>
 __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int quads = words / 4, chunks = words / 16;
@@ -60,7 +62,8 @@ __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
     int c1 = min(chunks, c0 + per);
     const uint4* base = planes + (long long)(r0 + g) * quads + t;
     const long long pstride = (long long)R * quads;
-    int acc[T][1 << B][4] = {};
+    constexpr int NS = ADD ? B + 1 : 1 << B;  // accumulators: ADD, plane p at p + 1
+    int acc[T][NS][4] = {};
     // ROT: warp (row group) i walks its chunks from chunk i % n on, so that at any moment the
     // warps of the GPU read different offsets of their rows (otherwise all read offset 64 c)
     const int n_c = max(1, c1 - c0), rot = ROT ? (r0 >> 3) % n_c : 0;
@@ -86,6 +89,9 @@ __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
                 if (MODE == 1 || MODE == 4) {
                     #pragma unroll
                     for (int p = 0; p < B; ++p) acc[k][1][0] ^= lo[p] ^ hi[p] ^ (MODE == 1 ? a.x : 0u);
+                } else if constexpr (ADD) {
+                    #pragma unroll
+                    for (int p = 0; p < B; ++p) mma_popc(acc[k][p + 1], a, lo[p], hi[p]);
                 } else {
                     subset_mma<B, 1>(acc[k], a, lo, hi);
                 }
@@ -117,9 +123,10 @@ __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
     for (int k = 0; k < T; ++k) {
         double f0 = 0.0, f1 = 0.0;
         #pragma unroll
-        for (int S = 1; S < (1 << B); ++S) {
-            f0 += (double)cr[S] * (double)(wg * acc[k][S][0] + w8 * acc[k][S][2]);
-            f1 += (double)cr[16 + S] * (double)(wg * acc[k][S][1] + w8 * acc[k][S][3]);
+        for (int j = 1; j < NS; ++j) {
+            const int S = ADD ? 1 << (j - 1) : j;
+            f0 += (double)cr[S] * (double)(wg * acc[k][j][0] + w8 * acc[k][j][2]);
+            f1 += (double)cr[16 + S] * (double)(wg * acc[k][j][1] + w8 * acc[k][j][3]);
         }
         #pragma unroll
         for (int m = 4; m < 32; m <<= 1) {
@@ -134,11 +141,11 @@ __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
     }
 }
 
-template <int B, int T, int MODE = 0, bool ROT = false>
+template <int B, int T, int MODE = 0, bool ROT = false, bool ADD = false>
 __device__ void popc_gemv(GEMV_PARAMS) {
     const int warps = gridDim.x * (blockDim.x >> 5);
     for (int rg = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); rg * 8 < R; rg += warps)
-        popc_rows<B, T, MODE, ROT>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
+        popc_rows<B, T, MODE, ROT, ADD>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
 }
 
 // Every GEMV kernel takes the same arguments; KERNEL names one and the template it runs, at
@@ -164,6 +171,97 @@ KERNEL(popc_planes_rot4, 128, 4, popc_gemv<4, 1, 4, true>)
 KERNEL(popc_at4_3, 128, 4, popc_gemv<3, 1>)
 KERNEL(popc_at5_3, 128, 5, popc_gemv<3, 1>)
 KERNEL(popc_at6_3, 128, 6, popc_gemv<3, 1>)
+
+// Additive tables at 4, 6 and 8 CTAs an SM, 1, 2 and 4 tokens (`popc_add{B}_{T}_{CTAs}`)
+#define ADD_KERNELS(B, T)                                                                        \
+    KERNEL(popc_add##B##_##T##_4, 128, 4, popc_gemv<B, T, 0, false, true>)                       \
+    KERNEL(popc_add##B##_##T##_6, 128, 6, popc_gemv<B, T, 0, false, true>)                       \
+    KERNEL(popc_add##B##_##T##_8, 128, 8, popc_gemv<B, T, 0, false, true>)
+ADD_KERNELS(3, 1)
+ADD_KERNELS(4, 1)
+ADD_KERNELS(3, 2)
+ADD_KERNELS(4, 2)
+ADD_KERNELS(3, 4)
+ADD_KERNELS(4, 4)
+
+// Additive tables, one token, D chunks in flight a warp (a ring of registers: chunk c + D is
+// loaded into the registers chunk c leaves) and persistent warps (row groups gridDim.x * warps
+// apart): how many bytes in flight the format would let a warp keep (`popc_deep{B}_{D}_{CTAs}`);
+// ADD false (`popc_deepf*`): today's tables, every plane subset, the same loop.
+template <int B, int D, bool ADD = true>
+__device__ void popc_deep(GEMV_PARAMS) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int quads = words / 4, chunks = words / 16;
+    const int per = (chunks + gridDim.y - 1) / gridDim.y;
+    const int c0 = blockIdx.y * per, c1 = min(chunks, c0 + per);
+    const long long pstride = (long long)R * quads;
+    const int warps = gridDim.x * (blockDim.x >> 5);
+    for (int rg = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); rg * 8 < R; rg += warps) {
+        const int r0 = rg * 8;
+        const uint4* base = planes + (long long)(r0 + g) * quads + t;
+        constexpr int NS = ADD ? B + 1 : 1 << B;
+        int acc[NS][4] = {};
+        uint4 q[D][B];
+        #pragma unroll
+        for (int d = 0; d < D; ++d)
+            #pragma unroll
+            for (int p = 0; p < B; ++p)
+                q[d][p] = c0 + d < c1 ? __ldg(base + p * pstride + 4 * (c0 + d)) : make_uint4(0, 0, 0, 0);
+        for (int c = c0; c < c1; c += D) {
+            #pragma unroll
+            for (int d = 0; d < D; ++d) {
+                if (c + d < c1) {
+                    #pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        const uint4 a = __ldg(xa + ((long long)(c + d) * 32 + lane) * 2 + s);
+                        u32 lo[B], hi[B];
+                        #pragma unroll
+                        for (int p = 0; p < B; ++p) lo[p] = s ? q[d][p].z : q[d][p].x, hi[p] = s ? q[d][p].w : q[d][p].y;
+                        if constexpr (ADD) {
+                            #pragma unroll
+                            for (int p = 0; p < B; ++p) mma_popc(acc[p + 1], a, lo[p], hi[p]);
+                        } else {
+                            subset_mma<B, 1>(acc, a, lo, hi);
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int p = 0; p < B; ++p)
+                    q[d][p] = c + d + D < c1 ? __ldg(base + p * pstride + 4 * (c + d + D))
+                                             : make_uint4(0, 0, 0, 0);
+            }
+        }
+        const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
+        const float* cr = coef + (long long)(r0 + 2 * t) * 16;
+        double f0 = 0.0, f1 = 0.0;
+        #pragma unroll
+        for (int j = 1; j < NS; ++j) {
+            const int S = ADD ? 1 << (j - 1) : j;
+            f0 += (double)cr[S] * (double)(wg * acc[j][0] + w8 * acc[j][2]);
+            f1 += (double)cr[16 + S] * (double)(wg * acc[j][1] + w8 * acc[j][3]);
+        }
+        #pragma unroll
+        for (int m = 4; m < 32; m <<= 1) {
+            f0 += __shfl_xor_sync(0xffffffffu, f0, m);
+            f1 += __shfl_xor_sync(0xffffffffu, f1, m);
+        }
+        if (g == 0) {
+            const float e = blockIdx.y == 0 ? sumxi[0] : 0.f;
+            atomicAdd(y + r0 + 2 * t, sx[0] * (float)(f0 + cr[0] * (double)e));
+            atomicAdd(y + r0 + 2 * t + 1, sx[0] * (float)(f1 + cr[16] * (double)e));
+        }
+    }
+}
+KERNEL(popc_deep4_2_4, 128, 4, popc_deep<4, 2>)
+KERNEL(popc_deep4_4_4, 128, 4, popc_deep<4, 4>)
+KERNEL(popc_deep4_4_5, 128, 5, popc_deep<4, 4>)
+KERNEL(popc_deep4_8_3, 128, 3, popc_deep<4, 8>)
+KERNEL(popc_deep3_4_5, 128, 5, popc_deep<3, 4>)
+KERNEL(popc_deep3_8_4, 128, 4, popc_deep<3, 8>)
+KERNEL(popc_deepf4_1_4, 128, 4, popc_deep<4, 1, false>)
+KERNEL(popc_deepf4_2_4, 128, 4, popc_deep<4, 2, false>)
+KERNEL(popc_deepf3_2_4, 128, 4, popc_deep<3, 2, false>)
+KERNEL(popc_deepf3_2_5, 128, 5, popc_deep<3, 2, false>)
 
 // The plane loads only, as session 9's streaming kernel issues them: 16 rows a warp (rows g and
 // g + 8 of lane (g, t)), a chunk of both rows and every plane in flight (4 KB a warp).

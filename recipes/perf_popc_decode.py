@@ -10,7 +10,10 @@ Hopper's bulk copies (cp.async.bulk) before any mma: `tma`, a copy per (row, pla
 and `tma_rows`, a copy per (plane, 8-row group), the whole row (docs/PERF.md, session 12).
 `ring` times the persistent ring of bulk copies (`popc_ring`, session 13) at one token, `pair`
 the ring shared by two warps that split the plane subsets (`popc_pair`).
-Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick | probes | ring | pair]
+`additive` times the GEMV on additive tables (no products of planes: `popc_add*`, session 21),
+`deep` the same with D chunks in flight a warp and persistent CTAs (`popc_deep*`).
+Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick | probes | ring | pair | additive
+| deep]
 (quick: one token only; probes: `probes` below)"""
 
 from __future__ import annotations
@@ -95,6 +98,48 @@ def subset_coefficients(levels: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
+def additive_levels(rng: np.random.Generator, rows: int, bits: int) -> np.ndarray:
+    """[rows, 2^bits] fp16 tables T[l] = c_0 + sum_p c_p bit_p(l) with the c multiples of 2^-13
+    and |T| < 0.25, so that fp16 holds every level exactly and the subsets of 2 or more planes
+    have c_S = 0 exactly (what the `popc_add*` kernels assume)."""
+    step = 0.01 * 2.0 ** np.arange(bits)[::-1]  # plane p: bit bits-1-p of the label
+    c = np.round(step * (1 + 0.3 * rng.standard_normal((rows, bits))) * 2**13)
+    c0 = -np.round(c.sum(1) / 2)
+    label_bits = (np.arange(1 << bits)[:, None] >> np.arange(bits)[::-1]) & 1  # [2^b, planes]
+    return ((c0[:, None] + (label_bits @ c.T).T) / 2**13).astype(np.float16)
+
+
+def additive(mod, copy_bw: float) -> None:
+    """The GEMV with additive tables (`popc_add*`): one mma a plane and k-step, no ANDs, at 4, 6
+    and 8 CTAs an SM, 1, 2 and 4 tokens: how far a table format with no products of planes
+    would let decode go."""
+    for name, rows, cols, splits in SHAPES:
+        for bits, tokens, ctas in itertools.product((3, 4), (1, 2, 4), (4, 6, 8)):
+            cells = run_shape(
+                mod, name, rows, cols, bits, tokens, splits[-1], False, copy_bw, add_ctas=ctas
+            )
+            print("| " + " | ".join(cells) + " |", flush=True)
+            cp.get_default_memory_pool().free_all_blocks()
+
+
+DEEP = (  # bits, D, CTAs, additive tables (else today's: `popc_deepf*`)
+    (4, 2, 4, True), (4, 4, 4, True), (3, 4, 5, True),
+    (4, 1, 4, False), (4, 2, 4, False), (3, 2, 4, False), (3, 2, 5, False),
+)  # fmt: skip
+
+
+def deep(mod, copy_bw: float) -> None:
+    """One token, D chunks in flight a warp, persistent CTAs, additive tables (`popc_deep*`) or
+    every subset (`popc_deepf*`)."""
+    for name, rows, cols, splits in SHAPES:
+        for bits, d, ctas, add in DEEP:
+            cells = run_shape(
+                mod, name, rows, cols, bits, 1, splits[-1], False, copy_bw, deep=(d, ctas, add)
+            )
+            print("| " + " | ".join(cells) + " |", flush=True)
+            cp.get_default_memory_pool().free_all_blocks()
+
+
 def x_fragments(xi: np.ndarray) -> np.ndarray:
     """The A fragments of xi's 16 bit planes: [chunks, 32 lanes, 2 k-steps, 4] u32, where lane
     (g, t) of chunk c holds, for k-step s, planes g and g + 8 at words 16c + 4t + 2s and + 1."""
@@ -129,6 +174,8 @@ def run_shape(
     probe: str = "",
     pad_smem: int = 0,
     ring: tuple[int, int, int, str] | None = None,
+    add_ctas: int = 0,
+    deep: tuple[int, int, bool] | None = None,
 ) -> list[str]:
     rng = np.random.default_rng(rows + cols + bits)
     words = cols // 32
@@ -137,6 +184,8 @@ def run_shape(
     planes = cp.random.randint(0, 256, size=copies * nbytes, dtype=cp.uint8)
     planes = planes.view(cp.uint32).reshape(copies, bits, rows, words)
     levels = np.sort(rng.standard_normal((rows, 1 << bits)) * 0.02, 1).astype(np.float16)
+    if add_ctas or (deep and deep[2]):  # additive tables, exact in fp16 (2^-13 steps below 0.25)
+        levels = additive_levels(rng, rows, bits)
     coef = cp.asarray(subset_coefficients(levels.astype(np.float64), bits))
     x = rng.standard_normal((tokens, cols))
     for k in range(tokens):
@@ -147,7 +196,11 @@ def run_shape(
     sxd, sumd = cp.asarray(sx, dtype=cp.float32), cp.asarray(xi.sum(1), dtype=cp.float32)
     y = cp.zeros((tokens, rows), dtype=cp.float32)
     kernel = mod.get_function(
-        f"popc_pair{bits}_{ring[1]}_{32 * ring[0]}"
+        f"popc_deep{'' if deep[2] else 'f'}{bits}_{deep[0]}_{deep[1]}"
+        if deep
+        else f"popc_add{bits}_{tokens}_{add_ctas}"
+        if add_ctas
+        else f"popc_pair{bits}_{ring[1]}_{32 * ring[0]}"
         if ring and ring[3] == "pair"
         else f"popc_ring{ring[3]}{bits}_{ring[1]}"
         if ring
@@ -174,6 +227,9 @@ def run_shape(
     smem = max(smem, pad_smem)  # pad_smem: fewer CTAs an SM, whatever the registers allow
     if smem:
         kernel.max_dynamic_shared_size_bytes = smem
+    if deep:  # persistent: the CTAs that fit at once (launch bounds), row groups strided
+        sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+        grid = (min(grid[0], -(-sms * deep[1] // splits)), splits)
     if persist:  # as many CTAs as fit at once (launch bounds in the .cu), the warps loop
         sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
         fit = {1: 4, 2: 3 if bits == 3 else 2}[tokens]
@@ -233,6 +289,12 @@ def run_shape(
     )
     if tma or probe:
         cells = (f"{name} ({tma or probe}, {smem >> 10} KB)",) + cells[1:]
+    if add_ctas:
+        cells = (f"{name} (additive tables, {add_ctas} CTAs an SM)",) + cells[1:]
+    if deep:
+        kind = "additive" if deep[2] else "every subset"
+        cells = (f"{name} ({kind}, {deep[0]} chunks in flight a warp, persistent, "
+                 f"{deep[1]} CTAs an SM)",) + cells[1:]  # fmt: skip
     if ring:
         warps, stages, ch, kind = ring
         what = {
@@ -327,6 +389,12 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     if sys.argv[1:] == ["probes"]:
         probes(mod, copy_bw)
+        return
+    if sys.argv[1:] == ["additive"]:
+        additive(mod, copy_bw)
+        return
+    if sys.argv[1:] == ["deep"]:
+        deep(mod, copy_bw)
         return
     if sys.argv[1:] in (["ring"], ["pair"]):
         rings(mod, copy_bw, RINGS if sys.argv[1] == "ring" else PAIRS)

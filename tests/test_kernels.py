@@ -853,8 +853,8 @@ def test_kernel_targets_take_the_worst_covered_row():
 
 
 def test_fp16_baseline_computes_the_layer_with_its_shared_expert():
-    """The bench's FP16 grouped GEMM is the same MoE layer as the kernels' reference: routed
-    experts and the shared expert times its gate (CPU: the loop of matmuls or grouped_mm)."""
+    """The bench's FP16 baseline is the same MoE layer as the kernels' reference: routed experts
+    and the shared expert times its gate, in both its forms (grouped_mm, a GEMM an expert)."""
     from pwctl.bench.kernels import GroupedFp16, _spec
 
     spec = _spec(256, 128, 8, 2, shared=192)
@@ -862,8 +862,11 @@ def test_fp16_baseline_computes_the_layer_with_its_shared_expert():
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     x, weights, index, scale = random_routing(spec, 5, device="cpu", seed=5)
     want = layer.moe(0, x, weights, index, scale, reference=True)
-    got = GroupedFp16(layer, x, weights, index, scale)().float()
-    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    fp16 = GroupedFp16(layer, x, weights, index, scale)
+    for grouped in (fp16.grouped, False):  # grouped_mm where torch has it, and the loop
+        fp16.grouped = grouped
+        got = fp16().float()
+        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()), grouped
     with pytest.raises(ValueError, match="shared expert"):
         GroupedFp16(layer, x, weights, index)
 

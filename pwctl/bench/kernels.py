@@ -234,8 +234,10 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 class GroupedFp16:
     """The FP16 baseline: the same experts as dense fp16 weights, torch._grouped_mm over the
-    pairs sorted by expert (falls back to a loop of matmuls where grouped_mm is missing), and a
-    shared expert's two dense GEMMs times `scale` (its gate), as an FP16 MoE layer serves."""
+    pairs sorted by expert (`grouped` False: a loop of one cuBLAS GEMM an expert, also where
+    grouped_mm is missing), and a shared expert's two dense GEMMs times `scale` (its gate), as an
+    FP16 MoE layer serves. The routing is read on the host once, here, so both forms replay from
+    a CUDA graph."""
 
     def __init__(self, layer: SyntheticLayer, x, weights, index, scale=None):
         spec, dt = layer.spec, layer.dt
@@ -249,6 +251,7 @@ class GroupedFp16:
         experts = flat.unique().tolist()
         counts = torch.bincount(flat, minlength=spec.num_experts)[experts]
         self.offs = counts.cumsum(0).to(torch.int32)
+        self.bounds = [0] + self.offs.tolist()
         ids = layer.moe.block_ids[0]
 
         def stack(es, j):
@@ -275,11 +278,8 @@ class GroupedFp16:
                     return out
                 except (RuntimeError, TypeError):
                     self.grouped = False
-        out, lo = [], 0
-        for i, hi in enumerate(self.offs.tolist()):
-            out.append(a[lo:hi] @ b[i])
-            lo = hi
-        return torch.cat(out)
+        bounds = self.bounds
+        return torch.cat([a[bounds[i] : bounds[i + 1]] @ b[i] for i in range(len(bounds) - 1)])
 
     def __call__(self):
         xs = self.x[self.tok]
@@ -415,15 +415,21 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
 
 
 def grouped_time(grouped: GroupedFp16) -> float:
-    """Seconds a call of the FP16 baseline, timed as the rows it is set against: decode sizes
-    graph-replayed with L2 cold, as the decode rows are (eagerly the call is host-bound: 230-860
-    us for what the GPU does in less, docs/PERF.md session 20), prefill sizes eagerly."""
+    """Seconds a call of the FP16 baseline, timed as the rows it is set against. Prefill sizes:
+    grouped_mm eagerly, warm. Decode sizes, L2 cold as the decode rows are: the fastest of
+    grouped_mm eagerly, grouped_mm replayed from a graph, and the loop of per-expert GEMMs replayed
+    from a graph. None wins everywhere on the H200 (docs/PERF.md, session 21): eagerly the call is
+    host-bound on many experts (Qwen3-MoE one token 479 us, its kernels 64), and graph-replayed
+    grouped_mm took 1910 us on Mixtral's one token against 301 eagerly; the loop took 197."""
     if grouped.T > DECODE_MAX_TOKENS:
         return _median_time(grouped, 10)
-    grouped()  # settles fp16, bf16 or the loop of matmuls before any capture
-    if not grouped.grouped:  # the loop reads its offsets on the host: no graph
-        return cold_time(grouped)
-    return graph_times(grouped)[0]
+    grouped()  # settles fp16, bf16 or the loop before any capture
+    times = [cold_time(grouped), graph_times(grouped)[0]]
+    if grouped.grouped:
+        grouped.grouped = False
+        times.append(graph_times(grouped)[0])
+        grouped.grouped = True
+    return min(times)
 
 
 def graph_times(call) -> tuple[float, float]:
