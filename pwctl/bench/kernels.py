@@ -233,17 +233,20 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 class GroupedFp16:
-    """The FP16 baseline: the same experts as dense fp16 weights, torch._grouped_mm over the
+    """The FP16 baseline: the same experts as dense 16-bit weights, torch._grouped_mm over the
     pairs sorted by expert (`grouped` False: a loop of one cuBLAS GEMM an expert, also where
-    grouped_mm is missing), and a shared expert's two dense GEMMs times `scale` (its gate), as an
-    FP16 MoE layer serves. The routing is read on the host once, here, so both forms replay from
-    a CUDA graph."""
+    grouped_mm is missing or refuses), and a shared expert's two dense GEMMs times `scale` (its
+    gate), as an FP16 MoE layer serves. On CUDA the weights are bf16 (the same bytes): torch
+    2.11's grouped_mm runs its fused kernel for bf16 on the H200, and for fp16 a host loop of
+    GEMMs at 512 tokens (Qwen3-MoE: 4.0 ms of host time a call; docs/PERF.md, session 21). The
+    routing is read on the host once, here, so both forms replay from a CUDA graph."""
 
     def __init__(self, layer: SyntheticLayer, x, weights, index, scale=None):
         spec, dt = layer.spec, layer.dt
         if spec.has_shared and scale is None:
             raise ValueError("a layer with a shared expert needs its gate's scale")
-        self.x = x.half()
+        dtype = torch.bfloat16 if x.is_cuda else torch.float16
+        self.x = x.to(dtype)
         self.T, self.k = index.shape
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -255,7 +258,7 @@ class GroupedFp16:
         ids = layer.moe.block_ids[0]
 
         def stack(es, j):
-            return torch.stack([dt.weight(int(ids[e, j])).half() for e in es])
+            return torch.stack([dt.weight(int(ids[e, j])).to(dtype) for e in es])
 
         self.gu = torch.cat([stack(experts, 0), stack(experts, 1)], dim=1).transpose(1, 2)
         self.dn = stack(experts, 2).transpose(1, 2)  # gu: [n, H, 2I], dn: [n, I, H]
@@ -264,20 +267,15 @@ class GroupedFp16:
         if spec.has_shared:
             e = [spec.num_experts]
             gu = torch.cat([stack(e, 0), stack(e, 1)], dim=1)[0].T
-            self.shared = (gu, stack(e, 2)[0].T, scale.reshape(-1, 1).half())
+            self.shared = (gu, stack(e, 2)[0].T, scale.reshape(-1, 1).to(dtype))
         self.grouped = hasattr(torch, "_grouped_mm")
 
     def _mm(self, a, b):
         if self.grouped:
-            try:  # fp16 where supported, else bf16 (same bytes; sm90 kernels are bf16-only)
+            try:
                 return torch._grouped_mm(a, b, offs=self.offs)
             except (RuntimeError, TypeError):
-                try:
-                    out = torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=self.offs)
-                    self.x, self.gu, self.dn = (t.bfloat16() for t in (self.x, self.gu, self.dn))
-                    return out
-                except (RuntimeError, TypeError):
-                    self.grouped = False
+                self.grouped = False
         bounds = self.bounds
         return torch.cat([a[bounds[i] : bounds[i + 1]] @ b[i] for i in range(len(bounds) - 1)])
 
@@ -290,7 +288,7 @@ class GroupedFp16:
         out.index_add_(0, self.tok, y)
         if self.shared is not None:
             gu_s, dn_s, scale = self.shared
-            g = self.x.to(gu_s.dtype) @ gu_s
+            g = self.x @ gu_s
             i = dn_s.shape[0]
             out += ((F.silu(g[:, :i]) * g[:, i:]) @ dn_s * scale).to(out.dtype)
         return out
@@ -415,20 +413,22 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
 
 
 def grouped_time(grouped: GroupedFp16) -> float:
-    """Seconds a call of the FP16 baseline, timed as the rows it is set against. Prefill sizes:
-    grouped_mm eagerly, warm. Decode sizes, L2 cold as the decode rows are: the fastest of
-    grouped_mm eagerly, grouped_mm replayed from a graph, and the loop of per-expert GEMMs replayed
-    from a graph. None wins everywhere on the H200 (docs/PERF.md, session 21): eagerly the call is
-    host-bound on many experts (Qwen3-MoE one token 479 us, its kernels 64), and graph-replayed
-    grouped_mm took 1910 us on Mixtral's one token against 301 eagerly; the loop took 197."""
-    if grouped.T > DECODE_MAX_TOKENS:
-        return _median_time(grouped, 10)
-    grouped()  # settles fp16, bf16 or the loop before any capture
-    times = [cold_time(grouped), graph_times(grouped)[0]]
-    if grouped.grouped:
-        grouped.grouped = False
-        times.append(graph_times(grouped)[0])
-        grouped.grouped = True
+    """Seconds a call of the FP16 baseline, timed as the rows it is set against: the fastest of
+    its two forms (grouped_mm, a GEMM an expert), prefill sizes eagerly and warm, decode sizes
+    with L2 cold as the decode rows are, each eagerly and replayed from a graph. No one way wins
+    everywhere on the H200 (docs/PERF.md, session 21): eagerly a call is host-bound on many
+    experts (Qwen3-MoE one token: 479 us, its kernels 64), and fp16 grouped_mm replayed from a
+    graph took 1910 us on Mixtral's one token against 301 eagerly; the loop's graph took 197."""
+    grouped()  # settles grouped_mm or the loop before any capture
+    forms = [True, False] if grouped.grouped else [False]
+    times = []
+    for form in forms:
+        grouped.grouped = form
+        if grouped.T > DECODE_MAX_TOKENS:
+            times.append(_median_time(grouped, 10))
+        else:
+            times += [cold_time(grouped), graph_times(grouped)[0]]
+    grouped.grouped = forms[0]
     return min(times)
 
 
