@@ -402,7 +402,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
 
         if path == "prefill":
             t = warm = _median_time(call, 5)
-            tp = _median_time(grouped, 10) if T <= DECODE_MAX_TOKENS else tg  # warm, as t
+            tp = grouped_time(grouped, decode=False) if T <= DECODE_MAX_TOKENS else tg
         else:
             t, warm, tp = *graph_times(call), tg
         layer.moe.popc_decode = popc  # as the caller had it
@@ -412,19 +412,22 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     return rows
 
 
-def grouped_time(grouped: GroupedFp16) -> float:
+def grouped_time(grouped: GroupedFp16, decode: bool | None = None) -> float:
     """Seconds a call of the FP16 baseline, timed as the rows it is set against: the fastest of
-    its two forms (grouped_mm, a GEMM an expert), prefill sizes eagerly and warm, decode sizes
-    with L2 cold as the decode rows are, each eagerly and replayed from a graph. No one way wins
-    everywhere on the H200 (docs/PERF.md, session 21): eagerly a call is host-bound on many
-    experts (Qwen3-MoE one token: 479 us, its kernels 64), and fp16 grouped_mm replayed from a
-    graph took 1910 us on Mixtral's one token against 301 eagerly; the loop's graph took 197."""
+    its two forms (grouped_mm, a GEMM an expert), for prefill rows eagerly and warm, for decode
+    rows (default: up to DECODE_MAX_TOKENS tokens) with L2 cold as they are, each eagerly and
+    replayed from a graph. No one way wins everywhere on the H200 (docs/PERF.md, session 21):
+    eagerly a call is host-bound on many experts (Qwen3-MoE one token: 479 us, its kernels 64),
+    and fp16 grouped_mm replayed from a graph took 1910 us on Mixtral's one token against 301
+    eagerly; the loop's graph took 197."""
+    if decode is None:
+        decode = grouped.T <= DECODE_MAX_TOKENS
     grouped()  # settles grouped_mm or the loop before any capture
     forms = [True, False] if grouped.grouped else [False]
     times = []
     for form in forms:
         grouped.grouped = form
-        if grouped.T > DECODE_MAX_TOKENS:
+        if not decode:
             times.append(_median_time(grouped, 10))
         else:
             times += [cold_time(grouped), graph_times(grouped)[0]]
@@ -449,7 +452,7 @@ def _row(name, width, T, path, t, warm, planes, fp16, tg, copy_bw) -> KernelRow:
 def _routed_row(layer: SyntheticLayer, name, width, x, copy_bw, seed) -> KernelRow:
     """The engine's call, the whole layer: a random fp16 router in the first launch
     (`FusedMoE.routed`, the launcher's choice of kernels), graph-replayed. Its bytes, FP16 floor
-    and FP16 grouped GEMM are those of the experts it routes to."""
+    and FP16 baseline are those of the experts it routes to."""
     call = functools.partial(layer.moe.routed, 0, x.half(), *router_weights(layer.spec, seed))
     _, routing = call()
     planes, fp16 = active_bytes(layer, routing.index)
