@@ -7,9 +7,8 @@ I = 1280) and ds-lite (64 top-6, I = 1408, a 2816-wide shared expert). Usage (GP
 
 from __future__ import annotations
 
+import math
 import sys
-
-import numpy as np
 
 from pwctl.bench import kernels as bench
 from pwctl.runtime import fused_moe, kernels
@@ -27,9 +26,8 @@ def wave_share(moe) -> str:
     gate_up = next(iter(moe._routed_plans.values()))[1]
     if not isinstance(gate_up, kernels.Prepared):  # the popc kernels (a closure): several waves
         return "-"
-    resident = kernels.resident_ctas(gate_up.name, gate_up.block[0], 0)
-    ctas = int(np.prod(gate_up.grid))
-    return f"{ctas} CTAs, {100 * ctas / resident:.0f}%"
+    share = kernels.wave_share(gate_up.name, gate_up.grid, gate_up.block[0], 0)
+    return f"{math.prod(gate_up.grid)} CTAs, {100 * share:.0f}%"
 
 
 def main() -> None:

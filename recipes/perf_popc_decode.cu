@@ -32,6 +32,47 @@ __device__ __forceinline__ void subset_mma(int (&acc)[1 << B][4], const uint4& a
     }
 }
 
+// One k-step of a lane's 8 rows: acc[S] for every plane subset S (2^B - 1 mma), or with ADD
+// (additive tables: c_S = 0 for every subset of 2 or more planes) acc[p + 1] for each plane p.
+template <int B, bool ADD, int NS>
+__device__ __forceinline__ void step_mma(int (&acc)[NS][4], const uint4& a, const u32 (&lo)[B],
+                                         const u32 (&hi)[B]) {
+    if constexpr (ADD) {
+        #pragma unroll
+        for (int p = 0; p < B; ++p) mma_popc(acc[p + 1], a, lo[p], hi[p]);
+    } else {
+        subset_mma<B, 1>(acc, a, lo, hi);
+    }
+}
+
+// A lane's sums of one token into y[r0 + 2t], y[r0 + 2t + 1] (cr: row r0 + 2t's coefficients;
+// e: the token's sum of xi where this k-split adds the empty subset's term, else 0). acc[j]:
+// c0 (x plane g, row 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1). A lane's two planes
+// of two's-complement x cancel across lanes by up to ~2^15 / |x|: the lane sums go to fp64
+// before the reduction.
+template <bool ADD, int NS>
+__device__ __forceinline__ void fold_rows(const int (&acc)[NS][4], const float* cr, float sx,
+                                          float e, float* y, int r0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
+    double f0 = 0.0, f1 = 0.0;
+    #pragma unroll
+    for (int j = 1; j < NS; ++j) {
+        const int S = ADD ? 1 << (j - 1) : j;
+        f0 += (double)cr[S] * (double)(wg * acc[j][0] + w8 * acc[j][2]);
+        f1 += (double)cr[16 + S] * (double)(wg * acc[j][1] + w8 * acc[j][3]);
+    }
+    #pragma unroll
+    for (int m = 4; m < 32; m <<= 1) {
+        f0 += __shfl_xor_sync(0xffffffffu, f0, m);
+        f1 += __shfl_xor_sync(0xffffffffu, f1, m);
+    }
+    if (g == 0) {
+        atomicAdd(y + r0 + 2 * t, sx * (float)(f0 + cr[0] * (double)e));
+        atomicAdd(y + r0 + 2 * t + 1, sx * (float)(f1 + cr[16] * (double)e));
+    }
+}
+
 // The GEMVs' parameters: their bodies' (__restrict__), and the kernels' (`KERNEL`), which leave
 // it out: with it on the entries too, ptxas turns some plane loads into LDG.CONSTANT, and the
 // measured builds had plain loads.
@@ -89,11 +130,8 @@ __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
                 if (MODE == 1 || MODE == 4) {
                     #pragma unroll
                     for (int p = 0; p < B; ++p) acc[k][1][0] ^= lo[p] ^ hi[p] ^ (MODE == 1 ? a.x : 0u);
-                } else if constexpr (ADD) {
-                    #pragma unroll
-                    for (int p = 0; p < B; ++p) mma_popc(acc[k][p + 1], a, lo[p], hi[p]);
                 } else {
-                    subset_mma<B, 1>(acc[k], a, lo, hi);
+                    step_mma<B, ADD>(acc[k], a, lo, hi);
                 }
             }
         }
@@ -114,31 +152,10 @@ __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
         load(q, c + 2);
         run(n, c + 1);
     }
-    // acc[k][S]: c0 (x plane g, row 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1).
-    // A lane's two planes of two's-complement x cancel across lanes by up to ~2^15 / |x|: the
-    // lane sums go to fp64 before the reduction.
-    const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
     const float* cr = coef + (long long)(r0 + 2 * t) * 16;
     #pragma unroll
-    for (int k = 0; k < T; ++k) {
-        double f0 = 0.0, f1 = 0.0;
-        #pragma unroll
-        for (int j = 1; j < NS; ++j) {
-            const int S = ADD ? 1 << (j - 1) : j;
-            f0 += (double)cr[S] * (double)(wg * acc[k][j][0] + w8 * acc[k][j][2]);
-            f1 += (double)cr[16 + S] * (double)(wg * acc[k][j][1] + w8 * acc[k][j][3]);
-        }
-        #pragma unroll
-        for (int m = 4; m < 32; m <<= 1) {
-            f0 += __shfl_xor_sync(0xffffffffu, f0, m);
-            f1 += __shfl_xor_sync(0xffffffffu, f1, m);
-        }
-        if (g == 0) {
-            const float e = blockIdx.y == 0 ? sumxi[k] : 0.f;  // the empty subset's term, once
-            atomicAdd(y + (long long)k * R + r0 + 2 * t, sx[k] * (float)(f0 + cr[0] * (double)e));
-            atomicAdd(y + (long long)k * R + r0 + 2 * t + 1, sx[k] * (float)(f1 + cr[16] * (double)e));
-        }
-    }
+    for (int k = 0; k < T; ++k)  // the empty subset's term, once: in k-split 0
+        fold_rows<ADD>(acc[k], cr, sx[k], blockIdx.y == 0 ? sumxi[k] : 0.f, y + (long long)k * R, r0);
 }
 
 template <int B, int T, int MODE = 0, bool ROT = false, bool ADD = false>
@@ -217,12 +234,7 @@ __device__ void popc_deep(GEMV_PARAMS) {
                         u32 lo[B], hi[B];
                         #pragma unroll
                         for (int p = 0; p < B; ++p) lo[p] = s ? q[d][p].z : q[d][p].x, hi[p] = s ? q[d][p].w : q[d][p].y;
-                        if constexpr (ADD) {
-                            #pragma unroll
-                            for (int p = 0; p < B; ++p) mma_popc(acc[p + 1], a, lo[p], hi[p]);
-                        } else {
-                            subset_mma<B, 1>(acc, a, lo, hi);
-                        }
+                        step_mma<B, ADD>(acc, a, lo, hi);
                     }
                 }
                 #pragma unroll
@@ -231,25 +243,8 @@ __device__ void popc_deep(GEMV_PARAMS) {
                                              : make_uint4(0, 0, 0, 0);
             }
         }
-        const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
         const float* cr = coef + (long long)(r0 + 2 * t) * 16;
-        double f0 = 0.0, f1 = 0.0;
-        #pragma unroll
-        for (int j = 1; j < NS; ++j) {
-            const int S = ADD ? 1 << (j - 1) : j;
-            f0 += (double)cr[S] * (double)(wg * acc[j][0] + w8 * acc[j][2]);
-            f1 += (double)cr[16 + S] * (double)(wg * acc[j][1] + w8 * acc[j][3]);
-        }
-        #pragma unroll
-        for (int m = 4; m < 32; m <<= 1) {
-            f0 += __shfl_xor_sync(0xffffffffu, f0, m);
-            f1 += __shfl_xor_sync(0xffffffffu, f1, m);
-        }
-        if (g == 0) {
-            const float e = blockIdx.y == 0 ? sumxi[0] : 0.f;
-            atomicAdd(y + r0 + 2 * t, sx[0] * (float)(f0 + cr[0] * (double)e));
-            atomicAdd(y + r0 + 2 * t + 1, sx[0] * (float)(f1 + cr[16] * (double)e));
-        }
+        fold_rows<ADD>(acc, cr, sx[0], blockIdx.y == 0 ? sumxi[0] : 0.f, y, r0);
     }
 }
 KERNEL(popc_deep4_2_4, 128, 4, popc_deep<4, 2>)

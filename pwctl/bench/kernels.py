@@ -142,8 +142,12 @@ def router_weights(spec: MoESpec, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 def routed_call(call):
     """The same layer and token count as a `decode_calls` call, with a random fp16 router in the
     first launch instead of given routing (`FusedMoE.routed`)."""
-    moe, x = call.func, call.args[1]
-    return functools.partial(moe.routed, 0, x.half(), *router_weights(moe.spec))
+    return _routed(call.func, call.args[1])
+
+
+def _routed(moe: FusedMoE, x: torch.Tensor, seed: int = 0):
+    """`moe.routed` on layer 0's tokens x with `router_weights(seed)`."""
+    return functools.partial(moe.routed, 0, x.half(), *router_weights(moe.spec, seed))
 
 
 # --- timing ------------------------------------------------------------------------------------
@@ -453,7 +457,7 @@ def _routed_row(layer: SyntheticLayer, name, width, x, copy_bw, seed) -> KernelR
     """The engine's call, the whole layer: a random fp16 router in the first launch
     (`FusedMoE.routed`, the launcher's choice of kernels), graph-replayed. Its bytes, FP16 floor
     and FP16 baseline are those of the experts it routes to."""
-    call = functools.partial(layer.moe.routed, 0, x.half(), *router_weights(layer.spec, seed))
+    call = _routed(layer.moe, x, seed)
     _, routing = call()
     planes, fp16 = active_bytes(layer, routing.index)
     tg = grouped_time(GroupedFp16(layer, x, routing.weights, routing.index, routing.scale))

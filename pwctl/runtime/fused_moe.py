@@ -737,9 +737,7 @@ class FusedMoE:
         gate_up starts after route_prep ends instead of waiting through it on the SMs (PDL):
         launched early, a one-token Qwen3-MoE gate_up ran 2-3 us longer once the router's ~7 us
         were over (docs/PERF.md, session 19)."""
-        device = self.dt.device.index or 0
-        ctas = int(np.prod(grid))
-        return ctas <= PDL_MAX_FILL * kernels.resident_ctas(name, threads, device)
+        return kernels.wave_share(name, grid, threads, self.dt.device.index or 0) <= PDL_MAX_FILL
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces

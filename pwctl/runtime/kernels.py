@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import struct
 import threading
@@ -313,6 +314,11 @@ def resident_ctas(name: str, threads: int, device: int) -> int:
     if err != 0:
         raise PwctlError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: driver error {err}")
     return per_sm.value * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def wave_share(name: str, grid: tuple[int, ...], threads: int, device: int) -> float:
+    """The share of what the GPU holds at once (`resident_ctas`) that a grid of `name` fills."""
+    return math.prod(grid) / resident_ctas(name, threads, device)
 
 
 @functools.cache
