@@ -52,7 +52,8 @@ __device__ __forceinline__ void start_next() {
 
 // Timing probe, never built by pwctl (`recipes/stamp_phases.py` builds it with -DPWCTL_STAMPS):
 // thread 0 of every CTA writes the global timer and its SM's clock at each phase of its kernel
-// (kind: 0 gate_up, 1 down, 2 the prep launch, 3 popc_planes), and its SM.
+// (kind: 0 gate_up, 1 down, 2 the prep launch, 3 popc_planes; the sm_90a prefill kernels take
+// kinds 0 and 1 too, with phases of their own), and its SM.
 #define STAMP_CTAS 16384
 #ifdef PWCTL_STAMPS
 __device__ unsigned long long pwctl_stamps[4][STAMP_CTAS][16];  // [kind][cta][timer 0-7, clock 8-15]
@@ -69,8 +70,10 @@ __device__ __forceinline__ void stamp(int kind, int phase) {
     pwctl_smid[kind][cta] = sm;
 }
 #define STAMP(kind, phase) stamp(kind, phase)
+#define STAMP_KIND(job, k) (job).kind = (k)
 #else
 #define STAMP(kind, phase)
+#define STAMP_KIND(job, k)
 #endif
 
 struct Paged {
@@ -1341,6 +1344,29 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4],
                                            unsigned long long desc) {
 #define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),         \
               "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+// PWCTL_PREFILL_N = 32 or 64: a timing probe, never built by pwctl (wrong results): an N-token
+// wgmma on the tile's first tokens and B copies of N tokens' bytes, what a narrower tile for a
+// slot's few tokens could save at most (docs/PERF.md, session 22)
+#if PWCTL_PREFILL_N == 32
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : D8(0), D8(8)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    return;
+#elif PWCTL_PREFILL_N == 64
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : D8(0), D8(8), D8(16), D8(24)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    return;
+#endif
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
@@ -1379,7 +1405,11 @@ __device__ __forceinline__ void hold(const u32 (&A)[WG_KSTEPS][4]) {
 // no thread spends registers or issue slots on it.
 __device__ __forceinline__ void load_b(PrefillWG& sm, int buf, const unsigned short* tile, int hc) {
     if (threadIdx.x != 0) return;
+#ifdef PWCTL_PREFILL_N  // timing probe (wgmma_n128): B copies of N tokens' bytes
+    const u32 bar = smem_u32(&sm.full[buf]), bytes = sizeof(sm.b[0]) * PWCTL_PREFILL_N / 128;
+#else
     const u32 bar = smem_u32(&sm.full[buf]), bytes = sizeof(sm.b[0]);
+#endif
 #ifdef PWCTL_PREFILL_NO_B  // timing probe, never built by pwctl: B stays whatever it was
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 #else
@@ -1460,6 +1490,9 @@ struct WgJob {
     bool uniform;  // every warp of the CTA reads the same width (down always; gate_up mostly)
     int words;
     const unsigned short* tile;
+#ifdef PWCTL_STAMPS
+    int kind;  // the kernel's STAMP kind: 0 gate_up, 1 down
+#endif
 };
 
 // Plane loads and decode of a half-chunk at width B and flatness FLAT fixed at compile time, or,
@@ -1657,9 +1690,12 @@ __device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, f
     u32 Aa[WG_KSTEPS][4], Ab[WG_KSTEPS][4];
     #pragma unroll
     for (int s = 0; s < WG_KSTEPS; ++s) Ab[s][0] = Ab[s][1] = Ab[s][2] = Ab[s][3] = 0u;
+    STAMP(job.kind, 4);
     for (int hc = 0; hc < halves; hc += 2) {
         wg_half<B, FLAT, 0>(sm, job, hc, halves, L0, L1, Pa0, Pa1, Pb0, Pb1, Aa, Ab, d);
+        if (hc == 0) STAMP(job.kind, 5);
         wg_half<B, FLAT, 1>(sm, job, hc + 1, halves, L0, L1, Pa0, Pa1, Pb0, Pb1, Ab, Aa, d);
+        if (hc == 0) STAMP(job.kind, 6);
     }
     wgmma_wait<0>();
     hold(Ab);
@@ -1732,6 +1768,7 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
                                                    int wpad_in, int wpad_out, i64 bits_nbytes,
                                                    int rpt, const int* tile_info) {
     PrefillWG& sm = shared_as<PrefillWG>();
+    STAMP(0, 0);
     const Tile c = wg_tile(s, tile_info, 2 * ROWS);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1739,10 +1776,13 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
     const int mrow0 = c.row0 + ROWS * (warp & 1);
     const int wg = __ldg(g.width + __ldg(s.block_ids + 3 * e));
     const bool uniform = wg == __ldg(g.width + __ldg(s.block_ids + 3 * e + 1));  // gate, up
-    const WgJob job =
+    WgJob job =
         wg_job(sm, g, block, mrow0, I, bits_nbytes, words_in, rpt, x, wpad_in, uniform);
+    STAMP_KIND(job, 0);
+    STAMP(0, 2);
     float d[64];
     prefill_wg(sm, job, d);
+    STAMP(0, 3);
     __syncthreads();  // every warp is past its last wgmma: B's buffers are free
     // warp w (gate: tokens 0-63, d[0..31]; up: tokens 64-127, d[32..63]) hands the other half to
     // its partner w ^ 2, which holds the same rows of the other projection
@@ -1772,6 +1812,7 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
         if (k < ntok && row < 32 * wpad_out)
             *reinterpret_cast<u32*>(h + tile_pos(k, row)) = low ? v[0] | got << 16 : got | v[1] << 16;
     }
+    STAMP(0, 7);
 }
 
 // out[token] += weight * (down h) for the tokens of one h tile: 64 rows (warp q: 16q..16q+15).
@@ -1779,14 +1820,18 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
                                                 float* out, int H, int words_in, int wpad_in,
                                                 i64 bits_nbytes, int rpt, const int* tile_info) {
     PrefillWG& sm = shared_as<PrefillWG>();
+    STAMP(1, 0);
     const Tile c = wg_tile(s, tile_info, 4 * ROWS);
     if (c.base >= c.T || c.row0 >= H) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + 2);
     const int mrow0 = c.row0 + ROWS * warp;
-    const WgJob job = wg_job(sm, g, block, mrow0, H, bits_nbytes, words_in, rpt, hp, wpad_in, true);
+    WgJob job = wg_job(sm, g, block, mrow0, H, bits_nbytes, words_in, rpt, hp, wpad_in, true);
+    STAMP_KIND(job, 1);
+    STAMP(1, 2);
     float d[64];
     prefill_wg(sm, job, d);
+    STAMP(1, 3);
     const int ntok = c.T - c.base, row0 = mrow0 + (lane >> 2);
     // Rows r, r + 1 (r even) of a token are adjacent in `out` (H is even: the launcher takes the
     // mma.sync prefill otherwise), and lanes l, l ^ 4 hold them: the two lanes swap one token's
@@ -1806,6 +1851,7 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
                          : "memory");
         }
     }
+    STAMP(1, 7);
 }
 #endif
 

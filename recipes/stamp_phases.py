@@ -4,9 +4,11 @@ at each phase of its kernel (`STAMP` in cuda/moe.cu). This replays the layer's C
 and prints, per kernel: its CTAs, when they enter and end (us from the replay's first stamp),
 and each phase's median / p90 length (us, from the SM clocks). `routed`: the engine's call (router
 in the first launch) instead of given routing; `cold`: L2 flushed (`l2_flush` read) before the
-replay, as a step through many layers finds it. Usage (GPU machine):
+replay, as a step through many layers finds it; `prefill`: the sm_90a prefill kernels (given
+routing, eager calls) instead of decode. Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
-  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe 1,4 [routed] [cold]"""
+  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe 1,4 [routed] [cold]
+  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe,mixtral 512 prefill"""
 
 from __future__ import annotations
 
@@ -29,6 +31,12 @@ KINDS = {  # kind: (name, its phases in the order a CTA passes them)
                  (5, "fenced"), (6, "softmax"), (4, "routed"), (7, "grouped"))),
     3: ("popc_planes", ((0, "entry"), (1, "waited"), (7, "built"))),
 }  # fmt: skip
+_WG = ((0, "entry"), (2, "staged"), (4, "first loads out"), (5, "half-chunk 0"),
+       (6, "half-chunk 1"), (3, "streamed"))  # fmt: skip
+PREFILL_KINDS = {  # the sm_90a prefill kernels' phases (cuda/moe.cu prefill_wg_at)
+    0: ("gate_up_prefill_wg", (*_WG, (7, "h stored"))),
+    1: ("down_prefill_wg", (*_WG, (7, "added"))),
+}
 
 
 def stamps() -> tuple[cupy.ndarray, cupy.ndarray]:
@@ -38,11 +46,11 @@ def stamps() -> tuple[cupy.ndarray, cupy.ndarray]:
     return t, sm
 
 
-def summary(t: np.ndarray, sm: np.ndarray) -> list[str]:
+def summary(t: np.ndarray, sm: np.ndarray, kinds: dict = KINDS) -> list[str]:
     entered = t[:, :, 0] > 0
     t0 = t[:, :, 0][entered].min()
     lines = []
-    for kind, (name, phases) in KINDS.items():
+    for kind, (name, phases) in kinds.items():
         rows = np.flatnonzero(entered[kind])
         if len(rows) == 0:
             continue
@@ -76,13 +84,14 @@ def summary(t: np.ndarray, sm: np.ndarray) -> list[str]:
 def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
     routed, cold = "routed" in sys.argv[3:], "cold" in sys.argv[3:]
+    prefill = "prefill" in sys.argv[3:]
     buf, smid = stamps()
     flush = l2_flush()
-    for name, T, call in decode_calls(shapes, tokens):
+    for name, T, call in decode_calls(shapes, tokens, path="prefill" if prefill else "decode"):
         fn = routed_call(call) if routed else call
-        graph = capture_graph(fn)
+        run = fn if prefill else capture_graph(fn).replay  # prefill: eager calls
         for _ in range(3):
-            graph.replay()
+            run()
         torch.cuda.synchronize()
         for rep in range(2):
             buf.fill(0)
@@ -90,11 +99,12 @@ def main() -> None:
             cupy.cuda.Device().synchronize()
             if cold:
                 flush.sum(dtype=torch.int32)
-            graph.replay()
+            run()
             torch.cuda.synchronize()
             how = ("routed" if routed else "given routing") + (", cold L2" if cold else "")
-            print(f"{name} T={T} {how}, replay {rep}:")
-            print("\n".join(summary(buf.get(), smid.get())), flush=True)
+            print(f"{name} T={T} {'prefill, ' if prefill else ''}{how}, replay {rep}:")
+            kinds = PREFILL_KINDS if prefill else KINDS
+            print("\n".join(summary(buf.get(), smid.get(), kinds)), flush=True)
 
 
 if __name__ == "__main__":

@@ -114,9 +114,10 @@ def random_routing(spec: MoESpec, T: int, device: str = "cuda", seed: int = 0):
     return x, weights, index, scale
 
 
-def decode_calls(shapes: list[str], tokens: list[int], width: int = 4):
-    """(shape, T, call) per shape and token count: the decode call of a synthetic layer at
-    `width` bits on random routing (the profiling recipes' subjects). The generator drops its
+def decode_calls(shapes: list[str], tokens: list[int], width: int = 4, path: str = "decode"):
+    """(shape, T, call) per shape and token count: the decode call (or another `path` of
+    `FusedMoE.__call__`) of a synthetic layer at `width` bits on random routing (the profiling
+    recipes' subjects). The generator drops its
     reference to a shape's layer after the shape's last call; the caller's last `call` holds the
     layer until the next one replaces it."""
     for name in shapes:
@@ -124,7 +125,7 @@ def decode_calls(shapes: list[str], tokens: list[int], width: int = 4):
         layer.set_widths(np.full(layer.table.n_blocks, width))
         for T in tokens:
             x, w, idx, sc = random_routing(layer.spec, T, seed=T)
-            yield name, T, functools.partial(layer.moe, 0, x, w, idx, sc, path="decode")
+            yield name, T, functools.partial(layer.moe, 0, x, w, idx, sc, path=path)
         layer = None
         torch.cuda.empty_cache()
 
