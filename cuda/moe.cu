@@ -2367,7 +2367,6 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
                                       int* s_hi, int wpad, unsigned short* xf, float* out,
                                       int out_n, int words, PopcX* px, int px_blocks, int slices) {
     STAMP(2, 0);
-    start_next();  // gate_up's CTAs may launch; they wait for this grid to finish
     const int rows = experts + (shared_gate_w != nullptr), warps = blockDim.x / 32;
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
     // x's pieces and the routing need nothing of each other, so the routing does not wait for the
@@ -2387,6 +2386,11 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     if (threadIdx.x == 0) last = atomicAdd(done, 1u) == (unsigned)blocks - 1;
     __syncthreads();
     if (!last) return;
+    // gate_up's CTAs may launch now (every other block has exited); they wait for this grid to
+    // finish. Let in at this grid's start, they sat on the SMs through the router: a one-token
+    // Qwen3-MoE layer 35.4 us against 32.8 launched after it; from here 31.9, and no shape slower
+    // than either (docs/PERF.md, session 22)
+    start_next();
     STAMP(2, 3);
     __threadfence();
     STAMP(2, 5);

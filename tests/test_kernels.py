@@ -1042,22 +1042,14 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
 
 
-@pytest.mark.parametrize("resident, early", [(10_000, False), (100, True)])
-def test_routed_gate_up_under_a_wave_starts_after_the_router(monkeypatch, resident, early):
-    """After route_prep, a gate_up grid of at most PDL_MAX_FILL of a wave launches plainly (it
-    starts once the router is done); a larger one with PDL, as down always does, and as every
-    gate_up after decode_prep does."""
-    from pwctl.runtime.fused_moe import PDL_MAX_FILL
-
+def test_decode_launches_take_pdl(monkeypatch):
+    """Both decode launches start early (PDL) behind the launch before them, route_prep's too:
+    route_prep lets gate_up in only from its last block (cuda/moe.cu), so gate_up's CTAs do not
+    sit on the SMs through the router."""
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)
-    monkeypatch.setattr(kernels, "resident_ctas", lambda name, threads, device: resident)
     layer, pairs, xf, one = _one_token_call()
-    moe = layer.moe
-    gate_up, down = moe._decode_launches(0, xf, pairs, one, None, after_router=True)
-    assert (np.prod(gate_up.grid) <= PDL_MAX_FILL * resident) != early
-    assert gate_up.early == early and down.early
-    gate_up, _ = moe._decode_launches(0, xf, pairs, one, None)  # after decode_prep
-    assert gate_up.early
+    gate_up, down = layer.moe._decode_launches(0, xf, pairs, one, None)
+    assert gate_up.early and down.early
 
 
 def test_reload_forgets_the_module_and_its_handles(monkeypatch):

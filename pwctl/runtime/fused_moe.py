@@ -209,10 +209,6 @@ def routing_buffers(T: int, spec: MoESpec, shared_gate: bool, device: torch.devi
 ROUTE_MAX_EXPERTS, ROUTE_MAX_K = 256, 8  # cuda/moe.cu route_prep
 ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
 ROUTE_LOADS = 4  # cuda/moe.cu slice_dot: 16-byte loads a lane issues together, on each row
-# a routed call's gate_up grid up to this share of one wave starts after route_prep, not with
-# PDL: H200, graph replays, grids at 48 / 65 / 81% of a wave 1.7-3.0 us faster a layer, at 97%
-# and past a wave 0.2-1.7 us slower (docs/PERF.md, session 19)
-PDL_MAX_FILL = 0.9
 
 
 def route_slices(H: int) -> int:
@@ -597,7 +593,7 @@ class FusedMoE:
         route = route_launch(T, H, self.spec, shared, wpad, self._done, pairs, xf, routing, px)
         E = self.spec.num_experts
         one = all_tokens(T, routing.scale, E, self.dt.device) if self.spec.has_shared else None
-        launches = self._decode_launches(layer, xf, pairs, one, px, after_router=True)
+        launches = self._decode_launches(layer, xf, pairs, one, px)
         return (route, *launches, routing)
 
     def _routed_torch(
@@ -686,11 +682,11 @@ class FusedMoE:
         pairs: Pairs,
         shared: Pairs | None,
         px: XPieces | None,
-        after_router: bool = False,
     ) -> tuple[Callable[[], None], kernels.Prepared]:
         """`_decode`'s launches into these buffers: gate_up (with popc_planes after it when x's
-        pieces are given) and down, whose one hole is `out`. `after_router`: they follow
-        route_prep (`routed`), not decode_prep."""
+        pieces are given) and down, whose one hole is `out`. Both take PDL: gate_up behind
+        decode_prep or route_prep (which lets it in once its routing block is the last one left),
+        down behind gate_up."""
         key = (layer, pairs.expert.numel(), shared is not None)
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key)
@@ -711,10 +707,8 @@ class FusedMoE:
             xpx, hpx = (ptr(px.buf),), (ptr(hps[0]), ptr(hps[-1]))
         gu_args = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
         block = (32 * kernels.WARPS,)
-        gu_name = f"gate_up_{kind}"
-        early = not (after_router and self._under_a_wave(gu_name, plan.gate_up_grid, block[0]))
         gate_up = kernels.Prepared(
-            gu_name, plan.gate_up_grid, block, common + gu_args + xpx, early=early
+            f"gate_up_{kind}", plan.gate_up_grid, block, common + gu_args + xpx, early=True
         )
         planes = self._planes(list(zip(hp, dn, hps, strict=True))) if px is not None else None
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
@@ -731,13 +725,6 @@ class FusedMoE:
             planes()
 
         return gate_up_then_planes, down
-
-    def _under_a_wave(self, name: str, grid: tuple[int, ...], threads: int) -> bool:
-        """Whether a grid fills at most PDL_MAX_FILL of what the GPU holds at once. Such a
-        gate_up starts after route_prep ends instead of waiting through it on the SMs (PDL):
-        launched early, a one-token Qwen3-MoE gate_up ran 2-3 us longer once the router's ~7 us
-        were over (docs/PERF.md, session 19)."""
-        return kernels.wave_share(name, grid, threads, self.dt.device.index or 0) <= PDL_MAX_FILL
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import struct
 import threading
@@ -289,7 +288,7 @@ def _handle(name: str, device: int) -> int:
 def reload() -> None:
     """Forget the loaded module and every handle taken from it, so that the next launch loads
     `CUDA_SRC` or `PWCTL_CUBIN` afresh (development A/B of kernel variants in one process)."""
-    for cached in (module, _function, _handle, _opt_in, resident_ctas):
+    for cached in (module, _function, _handle, _opt_in):
         cached.cache_clear()
 
 
@@ -301,24 +300,6 @@ def _opt_in(name: str, shared_mem: int, device: int) -> None:
         f = _function(name)
         if f.max_dynamic_shared_size_bytes < shared_mem:
             f.max_dynamic_shared_size_bytes = shared_mem
-
-
-@functools.cache
-def resident_ctas(name: str, threads: int, device: int) -> int:
-    """CTAs of kernel `name` (blocks of `threads`, no dynamic shared memory) that the whole GPU
-    holds at once: the driver's occupancy for one SM, times the SMs."""
-    per_sm = ctypes.c_int()
-    err = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(per_sm), ctypes.c_void_p(_handle(name, device)), threads, ctypes.c_size_t(0)
-    )
-    if err != 0:
-        raise PwctlError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: driver error {err}")
-    return per_sm.value * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def wave_share(name: str, grid: tuple[int, ...], threads: int, device: int) -> float:
-    """The share of what the GPU holds at once (`resident_ctas`) that a grid of `name` fills."""
-    return math.prod(grid) / resident_ctas(name, threads, device)
 
 
 @functools.cache
