@@ -117,9 +117,8 @@ def random_routing(spec: MoESpec, T: int, device: str = "cuda", seed: int = 0):
 def decode_calls(shapes: list[str], tokens: list[int], width: int = 4, path: str = "decode"):
     """(shape, T, call) per shape and token count: the decode call (or another `path` of
     `FusedMoE.__call__`) of a synthetic layer at `width` bits on random routing (the profiling
-    recipes' subjects). The generator drops its
-    reference to a shape's layer after the shape's last call; the caller's last `call` holds the
-    layer until the next one replaces it."""
+    recipes' subjects). The generator drops its reference to a shape's layer after the shape's
+    last call; the caller's last `call` holds the layer until the next one replaces it."""
     for name in shapes:
         layer = synthetic_layer(SHAPES[name], seed=0)
         layer.set_widths(np.full(layer.table.n_blocks, width))
