@@ -1,5 +1,6 @@
-"""Both prefill kernels (sm_90a wgmma and mma.sync) against the grouped FP16 GEMM, on one synthetic
-layer per shape, in one process (so the ratios share the GPU's state). Usage (GPU machine):
+"""Both prefill kernels (sm_90a wgmma and mma.sync) against the FP16 baseline as `bench --kernels`
+times it (`grouped_time`), on one synthetic layer per shape, in one process (so the ratios share
+the GPU's state). Usage (GPU machine):
   python3 recipes/perf_prefill_kernels.py mixtral,qwen-moe,qwen3-moe 4 256,512,2048"""
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ import sys
 import numpy as np
 import torch
 
-from pwctl.bench.kernels import SHAPES, GroupedFp16, _event_time, random_routing, synthetic_layer
+from pwctl.bench.kernels import (
+    SHAPES,
+    GroupedFp16,
+    _event_time,
+    grouped_time,
+    random_routing,
+    synthetic_layer,
+)
 from pwctl.runtime import kernels
 
 
@@ -25,7 +33,7 @@ def main() -> None:
             layer.set_widths(np.full(layer.table.n_blocks, width))
             for T in tokens:
                 x, w, idx, sc = random_routing(layer.spec, T, seed=T)
-                grouped = _event_time(GroupedFp16(layer, x, w, idx, sc), 10)
+                grouped = grouped_time(GroupedFp16(layer, x, w, idx, sc), decode=False)
                 line = f"{name:10s} w{width} T{T:5d} grouped {grouped * 1e6:7.0f} us"
                 for kind in kinds:
                     layer.moe.prefill_kernel = kind

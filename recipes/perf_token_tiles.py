@@ -9,7 +9,14 @@ import functools
 import numpy as np
 import torch
 
-from pwctl.bench.kernels import SHAPES, GroupedFp16, _event_time, random_routing, synthetic_layer
+from pwctl.bench.kernels import (
+    SHAPES,
+    GroupedFp16,
+    _event_time,
+    grouped_time,
+    random_routing,
+    synthetic_layer,
+)
 from pwctl.runtime import fused_moe
 
 
@@ -26,7 +33,7 @@ def main() -> None:
         layer = synthetic_layer(SHAPES[name], seed=0)
         layer.set_widths(np.full(layer.table.n_blocks, 4))
         x, w, idx, sc = random_routing(layer.spec, T, seed=T)
-        grouped = _event_time(GroupedFp16(layer, x, w, idx, sc), 10)
+        grouped = grouped_time(GroupedFp16(layer, x, w, idx, sc), decode=False)
         call = functools.partial(layer.moe, 0, x, w, idx, sc, path="prefill")
         best: dict[str, float] = {}
         for _ in range(2):
