@@ -801,23 +801,41 @@ __device__ __forceinline__ u32 subset_and(const u32 (&w)[B]) {
     return v;
 }
 
-// acc[S] += (AND_S of the lane's row) . (x's planes) over one k-step, for every subset S != {}
-template <int B, int S = 1>
-__device__ __forceinline__ void popc_step(int (&acc)[16][4], const uint4& a, const u32 (&lo)[B],
-                                          const u32 (&hi)[B]) {
+// The integer sums of the lane's rows over one k-step (a0, lo0, hi0) or, TWO, a chunk's two, for
+// every subset S != {}: the mma gives x planes g (d[0], d[1]: rows 2t, 2t + 1) and g + 8 (d[2],
+// d[3]). With R = 4 registers a subset, acc[S] is that fragment. With R = 2 the two planes are
+// combined after the chunk, acc[S][r] = d[r] + k8 d[2 + r] with k8 = +-256 (x's top plane is
+// negative), and the fold multiplies by 2^g (exact: a piece's |acc| <= 32 * 256 * 257 < 2^22).
+// Half the registers across the loop for two integer operations a subset and chunk (popc_regs
+// says which builds take it).
+template <int B, int R, bool TWO, int S = 1>
+__device__ __forceinline__ void popc_step(int (&acc)[16][R], int k8, const uint4& a0,
+                                          const u32 (&lo0)[B], const u32 (&hi0)[B],
+                                          const uint4& a1, const u32 (&lo1)[B],
+                                          const u32 (&hi1)[B]) {
     if constexpr (S < (1 << B)) {
-        mma_popc(acc[S], a, subset_and<B, S>(lo), subset_and<B, S>(hi));
-        popc_step<B, S + 1>(acc, a, lo, hi);
+        if constexpr (R == 4) {
+            static_assert(!TWO, "R = 4 takes one k-step a call");
+            mma_popc(acc[S], a0, subset_and<B, S>(lo0), subset_and<B, S>(hi0));
+        } else {
+            int d[4] = {acc[S][0], acc[S][1], 0, 0};
+            mma_popc(d, a0, subset_and<B, S>(lo0), subset_and<B, S>(hi0));
+            if constexpr (TWO) mma_popc(d, a1, subset_and<B, S>(lo1), subset_and<B, S>(hi1));
+            acc[S][0] = d[0] + k8 * d[2];
+            acc[S][1] = d[1] + k8 * d[3];
+        }
+        popc_step<B, R, TWO, S + 1>(acc, k8, a0, lo0, hi0, a1, lo1, hi1);
     }
 }
 
 // A warp's share of k-steps [k0, k1) (k0 even) for 8 rows: lane (g, t) reads row g's planes
 // (rp: its 8 plane pointers); px: the piece that starts at k-step `base`. Work units are full
 // chunks, then single 8-word k-steps; the warp takes units part, part + parts, ... of the piece.
-template <int B>
+template <int B, int R>
 __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base, int part,
-                          int parts, const PopcX* px, int (&acc)[16][4]) {
+                          int parts, const PopcX* px, int (&acc)[16][R]) {
     const int lane = threadIdx.x & 31, t = lane & 3, chunks = words / 16;
+    const int k8 = lane >> 2 == 7 ? -256 : 256;  // R = 2: x plane g + 8's weight against g's
     const int u_end = min(chunks, k1 / 2);
 #ifdef PWCTL_POPC_NO_STREAM  // timing probe, never built by pwctl: no plane loads, no mma
     return;
@@ -836,12 +854,24 @@ __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base,
         uint4 q[B];
         #pragma unroll
         for (int p = 0; p < B; ++p) q[p] = quad(p, 16 * u + 4 * t);
-        #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            u32 lo[B], hi[B];
+        if constexpr (R == 4) {  // a k-step a call: the code the 4-bit builds had before R = 2
+            // (a chunk a call, as below, changed their schedule: Mixtral 4 bits 120.5 -> 125.5 us)
             #pragma unroll
-            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
-            popc_step<B>(acc, __ldg(&px->a[2 * u + s - base][lane]), lo, hi);
+            for (int s = 0; s < 2; ++s) {
+                u32 lo[B], hi[B];
+                #pragma unroll
+                for (int p = 0; p < B; ++p)
+                    lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+                const uint4 a = __ldg(&px->a[2 * u + s - base][lane]);
+                popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
+            }
+        } else {
+            u32 lo[2][B], hi[2][B];
+            #pragma unroll
+            for (int p = 0; p < B; ++p)
+                lo[0][p] = q[p].x, hi[0][p] = q[p].y, lo[1][p] = q[p].z, hi[1][p] = q[p].w;
+            popc_step<B, R, true>(acc, k8, __ldg(&px->a[2 * u - base][lane]), lo[0], hi[0],
+                                  __ldg(&px->a[2 * u + 1 - base][lane]), lo[1], hi[1]);
         }
     }
     // 8-word k-steps past the full chunks (the piece's part of them), 8-byte loads
@@ -854,7 +884,8 @@ __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base,
             const uint2 v = w < words ? __ldg((const uint2*)row_of(p, w)) : make_uint2(0u, 0u);
             lo[p] = v.x, hi[p] = v.y;
         }
-        popc_step<B>(acc, __ldg(&px->a[ks - base][lane]), lo, hi);
+        const uint4 a = __ldg(&px->a[ks - base][lane]);
+        popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
     }
 }
 
@@ -880,11 +911,10 @@ __device__ __forceinline__ void row_coef(const unsigned short* tbl, float (&c)[1
 }
 
 // The integer sums of k-steps [i0, i1) of a piece into the lane's fp64 partials f[0] (row 2t of
-// its 8-row group, whose tables are tbl), f[1] (row 2t + 1): acc[S] holds (x plane g, row 2t),
-// (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1). The empty subset's term goes in once a row: lanes
-// g = 0 of the `first` warp.
-template <int B>
-__device__ __forceinline__ void popc_fold(int (&acc)[16][4], const unsigned short (*tbl)[MAX_TABLE],
+// its 8-row group, whose tables are tbl), f[1] (row 2t + 1): acc[S] as popc_step leaves it. The
+// empty subset's term goes in once a row: lanes g = 0 of the `first` warp.
+template <int B, int R>
+__device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned short (*tbl)[MAX_TABLE],
                                           const PopcX* px, int i0, int i1, bool first,
                                           double (&f)[2]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -899,18 +929,22 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][4], const unsigned shor
         row_coef<B>(tbl[2 * t + r], c);
         double v = (double)c[0] * q;
         #pragma unroll
-        for (int S = 1; S < (1 << B); ++S)
-            v += (double)c[S] * (double)(wg * acc[S][r] + w8 * acc[S][2 + r]);
+        for (int S = 1; S < (1 << B); ++S) {
+            int n;
+            if constexpr (R == 4) n = wg * acc[S][r] + w8 * acc[S][2 + r];
+            else n = wg * acc[S][r];  // x plane g + 8 is in already
+            v += (double)c[S] * (double)n;
+        }
         f[r] += sx * v;
     }
 }
 
 // Run-time width -> template: one piece of one 8-row group (B <= MAXB).
-template <int MAXB>
+template <int MAXB, int R>
 __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const unsigned short (*tbl)[MAX_TABLE],
                                            int words, int k0, int k1, int base, int part,
                                            int parts, const PopcX* px, double (&f)[2]) {
-    int acc[16][4] = {};
+    int acc[16][R] = {};
     switch (B) {
 #define POPC_CASE(W)                                                                              \
     case W:                                                                                       \
@@ -954,6 +988,14 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
 // accumulators take half the registers, so that 5 CTAs an SM fit instead of 4 (the launcher takes
 // it when no block of the layer is wider than 3 bits: more warps an SM are more loads in flight,
 // which is what bounds these kernels, docs/PERF.md session 12).
+// Registers a subset holds across the loop (popc_step): 2 where that buys a CTA an SM, the
+// one-token 3-bit build (6 CTAs an SM against 5: Mixtral 3 bits, one token, 93.9 -> 90.2 us);
+// elsewhere the fragment's 4 (the 4-bit builds were 1.5-2% slower with 2 at 4 CTAs and spilled at
+// 5; `pnb3` at 6 CTAs was 3% slower in the routed 4-token call; docs/PERF.md, session 23).
+__host__ __device__ constexpr int popc_regs(int maxb, bool few) {
+    return maxb <= 3 && !few ? 2 : 4;
+}
+
 template <int MAXB, bool FEW>
 __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
@@ -986,15 +1028,16 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
         // gate, then up, each on all 4 warps (8-row group warp % 2, column half warp / 2); side by
         // side on 2 warps each was 10% slower (docs/PERF.md, session 10)
         const int grp = warp & 1, part = warp >> 1;
+        constexpr int R = popc_regs(MAXB, FEW);
         #pragma unroll 1
         for (int m = 0; m < 2; ++m) {
             const int B = m ? wu : wg;
             if (B <= MAXB) {
                 double f[2] = {};
                 for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                    popc_piece<MAXB>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8,
-                                     st[m].tbl + 8 * grp, words_in, k0, min(ks, k0 + POPC_STEPS),
-                                     k0, part, 2, x + i, f);
+                    popc_piece<MAXB, R>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8,
+                                        st[m].tbl + 8 * grp, words_in, k0,
+                                        min(ks, k0 + POPC_STEPS), k0, part, 2, x + i, f);
                 STAMP(0, 3 + 2 * m);
                 popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
                 STAMP(0, 4 + 2 * m);
@@ -1045,14 +1088,15 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         const int per = ((ks + kn - 1) / kn + 1) & ~1;  // even: a slice starts on a full chunk
         const int lo = min(ks, kz * per), hi = min(ks, lo + per);
         const PopcX* x = hpx + (i64)c.lo * popc_pieces(words_in);
+        constexpr int R = popc_regs(MAXB, FEW);
         wait_previous();  // h's pieces come from popc_planes
         STAMP(1, 1);
         double f[2] = {};
         if (c.row0 + ROWS * unit < H)
             for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
                 const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
-                popc_piece<MAXB>(wd, rp, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1,
-                                 i * POPC_STEPS, part, parts, x + i, f);
+                popc_piece<MAXB, R>(wd, rp, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1,
+                                    i * POPC_STEPS, part, parts, x + i, f);
                 k0 = k1;
             }
         STAMP(1, 3);
@@ -1918,8 +1962,9 @@ ENTRY(8, __launch_bounds__(32 * WARPS, 4))
 // one-token calls (the binary tensor-core kernels, 128 registers; the parentheses hold a
 // template's commas)
 ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, false>), (down_popc<4, false>))
-// up to 3 bits: 96 registers, 5 CTAs an SM (at 6, 80 registers and spills: slower on Mixtral)
-ENTRY_AS(p1b3, __launch_bounds__(32 * WARPS, 5), (gate_up_popc<3, false>), (down_popc<3, false>))
+// up to 3 bits: 2 registers a subset (popc_regs), 80 registers, 6 CTAs an SM (session 23; with 4
+// a subset: 96 registers and 5 CTAs, and at 6 it spilled and was slower on Mixtral)
+ENTRY_AS(p1b3, __launch_bounds__(32 * WARPS, 6), (gate_up_popc<3, false>), (down_popc<3, false>))
 // calls of 2..POPC_MAX_TOKENS tokens: one-token slots on the binary mma, the others the lookup
 ENTRY_AS(pn, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, true>), (down_popc<4, true>))
 ENTRY_AS(pnb3, __launch_bounds__(32 * WARPS, 5), (gate_up_popc<3, true>), (down_popc<3, true>))

@@ -735,10 +735,10 @@ class FusedMoE:
         """The popc kernels for a call of T tokens in `layer`: "p1" for one token, "pn" for up to
         POPC_MAX_TOKENS (their slots of several tokens take the lookup inside the launch; kept
         apart so that the one-token build carries none of it), with "b3" (binary mma up to 3
-        bits, 5 CTAs an SM against 4) when no block of the layer is wider than 3 bits in the
-        widths the kernels read (the last `DeviceTable.sync`). Every build reads every width
-        (wider blocks take the lookup), so a graph captured before the pager widens a block stays
-        correct, only slower."""
+        bits; 6 CTAs an SM for one token, 5 for several, against 4) when no block of the layer
+        is wider than 3 bits in the widths the kernels read (the last `DeviceTable.sync`).
+        Every build reads every width (wider blocks take the lookup), so a graph captured
+        before the pager widens a block stays correct, only slower."""
         return ("p1" if T == 1 else "pn") + ("b3" if self._widths(layer)[1] <= 3 else "")
 
     def _widths(self, layer: int) -> tuple[int, int]:
