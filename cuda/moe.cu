@@ -854,8 +854,8 @@ __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base,
         uint4 q[B];
         #pragma unroll
         for (int p = 0; p < B; ++p) q[p] = quad(p, 16 * u + 4 * t);
-        if constexpr (R == 4) {  // a k-step a call: the code the 4-bit builds had before R = 2
-            // (a chunk a call, as below, changed their schedule: Mixtral 4 bits 120.5 -> 125.5 us)
+        if constexpr (R == 4) {  // a k-step a call, as the code was before R = 2: a rewrite
+            // with unchanged registers made the 4-bit kernels 4% slower (120.5 -> 125.5 us)
             #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 u32 lo[B], hi[B];
@@ -982,12 +982,6 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
     __syncthreads();
 }
 
-// gate_up for one-token slots: the CTA's 16 rows of gate and up, then h as `gate_up` stores it.
-// px: x's pieces (popc_planes), a row per token. Blocks wider than MAXB bits take `mma_block` (the
-// lookup) on the fragment-order x. MAXB = 4: `gate_up_p1`; MAXB = 3: `gate_up_p1b3`, whose
-// accumulators take half the registers, so that 5 CTAs an SM fit instead of 4 (the launcher takes
-// it when no block of the layer is wider than 3 bits: more warps an SM are more loads in flight,
-// which is what bounds these kernels, docs/PERF.md session 12).
 // Registers a subset holds across the loop (popc_step): 2 where that buys a CTA an SM, the
 // one-token 3-bit build (6 CTAs an SM against 5: Mixtral 3 bits, one token, 93.9 -> 90.2 us);
 // elsewhere the fragment's 4 (the 4-bit builds were 1.5-2% slower with 2 at 4 CTAs and spilled at
@@ -996,6 +990,12 @@ __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
     return maxb <= 3 && !few ? 2 : 4;
 }
 
+// gate_up for one-token slots: the CTA's 16 rows of gate and up, then h as `gate_up` stores it.
+// px: x's pieces (popc_planes), a row per token. Blocks wider than MAXB bits take `mma_block` (the
+// lookup) on the fragment-order x. MAXB = 4: `gate_up_p1`; MAXB = 3: `gate_up_p1b3`, whose
+// accumulators take a quarter of the registers (7 subsets, popc_regs), so that 6 CTAs an SM fit
+// instead of 4 (the launcher takes it when no block of the layer is wider than 3 bits: more warps
+// an SM are more loads in flight, docs/PERF.md sessions 12 and 23).
 template <int MAXB, bool FEW>
 __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
