@@ -5,9 +5,10 @@ and prints, per kernel: its CTAs, when they enter and end (us from the replay's 
 and each phase's median / p90 length (us, from the SM clocks). `routed`: the engine's call (router
 in the first launch) instead of given routing; `cold`: L2 flushed (`l2_flush` read) before the
 replay, as a step through many layers finds it; `prefill`: the sm_90a prefill kernels (given
-routing, eager calls) instead of decode. Usage (GPU machine):
+routing, eager calls) instead of decode; `waves`: also each kernel's CTAs alive every 2 us (how
+full its last wave runs). Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
-  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe 1,4 [routed] [cold]
+  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py mixtral 1 [routed] [cold] [waves]
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe,mixtral 512 prefill"""
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ def stamps() -> tuple[cupy.ndarray, cupy.ndarray]:
     return t, sm
 
 
-def summary(t: np.ndarray, sm: np.ndarray, kinds: dict = KINDS) -> list[str]:
+def alive(enter: np.ndarray, end: np.ndarray, step: float = 2.0) -> list[int]:
+    """CTAs alive at the middle of each `step`-us bin from 0 to the last end (us)."""
+    mids = np.arange(0.0, end.max() + step, step) + step / 2
+    return [int(((enter < m) & (end > m)).sum()) for m in mids]
+
+
+def summary(t: np.ndarray, sm: np.ndarray, kinds: dict = KINDS, waves: bool = False) -> list[str]:
     entered = t[:, :, 0] > 0
     t0 = t[:, :, 0][entered].min()
     lines = []
@@ -78,13 +85,16 @@ def summary(t: np.ndarray, sm: np.ndarray, kinds: dict = KINDS) -> list[str]:
                 parts.append(f"{label} {np.median(d):.2f}/{np.percentile(d, 90):.2f}")
                 prev = (p, label)
         lines.append(f"    phases, us median/p90 (clock {ghz:.2f} GHz): " + ", ".join(parts))
+        if waves:
+            counts = alive(enter[full], end)
+            lines.append("    CTAs alive every 2 us: " + " ".join(map(str, counts)))
     return lines
 
 
 def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
     routed, cold = "routed" in sys.argv[3:], "cold" in sys.argv[3:]
-    prefill = "prefill" in sys.argv[3:]
+    prefill, waves = "prefill" in sys.argv[3:], "waves" in sys.argv[3:]
     buf, smid = stamps()
     flush = l2_flush()
     for name, T, call in decode_calls(shapes, tokens, path="prefill" if prefill else "decode"):
@@ -104,7 +114,7 @@ def main() -> None:
             how = ("routed" if routed else "given routing") + (", cold L2" if cold else "")
             print(f"{name} T={T} {'prefill, ' if prefill else ''}{how}, replay {rep}:")
             kinds = PREFILL_KINDS if prefill else KINDS
-            print("\n".join(summary(buf.get(), smid.get(), kinds)), flush=True)
+            print("\n".join(summary(buf.get(), smid.get(), kinds, waves)), flush=True)
 
 
 if __name__ == "__main__":
