@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import cupy as cp
@@ -98,6 +99,12 @@ def subset_coefficients(levels: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
+def print_row(cells: Sequence[str]) -> None:
+    """One markdown table row, then the memory pool emptied for the next shape's planes."""
+    print("| " + " | ".join(cells) + " |", flush=True)
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 def additive_levels(rng: np.random.Generator, rows: int, bits: int) -> np.ndarray:
     """[rows, 2^bits] fp16 tables T[l] = c_0 + sum_p c_p bit_p(l) with the c multiples of 2^-13
     and |T| < 0.25, so that fp16 holds every level exactly and the subsets of 2 or more planes
@@ -118,8 +125,7 @@ def additive(mod, copy_bw: float) -> None:
             cells = run_shape(
                 mod, name, rows, cols, bits, tokens, splits[-1], False, copy_bw, add_ctas=ctas
             )
-            print("| " + " | ".join(cells) + " |", flush=True)
-            cp.get_default_memory_pool().free_all_blocks()
+            print_row(cells)
 
 
 DEEP = (  # bits, D, CTAs, additive tables (else today's: `popc_deepf*`)
@@ -136,8 +142,7 @@ def deep(mod, copy_bw: float) -> None:
             cells = run_shape(
                 mod, name, rows, cols, bits, 1, splits[-1], False, copy_bw, deep=(d, ctas, add)
             )
-            print("| " + " | ".join(cells) + " |", flush=True)
-            cp.get_default_memory_pool().free_all_blocks()
+            print_row(cells)
 
 
 def x_fragments(xi: np.ndarray) -> np.ndarray:
@@ -333,8 +338,7 @@ def probes(mod, copy_bw: float) -> None:
     )
     for probe, pad in runs:
         cells = run_shape(mod, name, rows, cols, 4, 1, 1, False, copy_bw, probe=probe, pad_smem=pad)
-        print("| " + " | ".join(cells) + " |", flush=True)
-        cp.get_default_memory_pool().free_all_blocks()
+        print_row(cells)
 
 
 PAIRS = {  # the same for `popc_pair` (kind "pair"): warps 16, 24 or 30 (2 warps a ring)
@@ -372,8 +376,7 @@ def rings(mod, copy_bw: float, table: dict) -> None:
         name, rows, cols, _ = SHAPES[i]
         for cfg in configs:
             cells = run_shape(mod, name, rows, cols, bits, 1, 1, False, copy_bw, ring=cfg)
-            print("| " + " | ".join(cells) + " |", flush=True)
-            cp.get_default_memory_pool().free_all_blocks()
+            print_row(cells)
 
 
 def main() -> None:
@@ -404,12 +407,10 @@ def main() -> None:
             for tokens in (1,) if quick else (1, 2):
                 for k, persist in itertools.product(splits, (False,) if quick else (False, True)):
                     cells = run_shape(mod, name, rows, cols, bits, tokens, k, persist, copy_bw)
-                    print("| " + " | ".join(cells) + " |", flush=True)
-                    cp.get_default_memory_pool().free_all_blocks()
+                    print_row(cells)
             for k, kind in ((1, "tma"), (1, "tma_rows")):  # one token, bulk copies to shared memory
                 cells = run_shape(mod, name, rows, cols, bits, 1, k, False, copy_bw, tma=kind)
-                print("| " + " | ".join(cells) + " |", flush=True)
-                cp.get_default_memory_pool().free_all_blocks()
+                print_row(cells)
 
 
 if __name__ == "__main__":
