@@ -461,6 +461,17 @@ __device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta, int sl
     return c;
 }
 
+// gate_up's last partial wave (one-token calls): its tiles split over the columns in two CTAs,
+// so that the grid's end runs on twice the CTAs at half the work each. A Mixtral layer's 1792
+// one-token CTAs are 3.39 waves at 4 CTAs an SM, and the last 208 ran 14-16 us on 39% of the
+// slots (docs/PERF.md, session 23). ENTRY numbers the CTAs; kn = 1: a whole tile.
+struct Split {
+    int kz, kn;     // this CTA's half of the columns, and the halves
+    int idx;        // the tile's index among the split ones
+    float* sum;     // [split tiles][2 halves][2 * ROWS]: each half's gate and up rows
+    int* ticket;    // [split tiles]: halves done; the second half resets it to 0
+};
+
 // The warps' partial sums, added in shared memory 4 n-tiles at a time. The warps form units of
 // `parts` warps that split one m-tile's columns (4 parts: one unit; 2 parts: two m-tiles side by
 // side). Thread (warp w, lane l) ends with fragment register w of lane l, i.e. row (l / 4) +
@@ -570,7 +581,7 @@ __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, con
 template <int NT>
 __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, unsigned short* hp,
                         int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
-                        const PopcX*) {
+                        const PopcX*, Split) {
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
     STAMP(0, 0);
@@ -982,6 +993,26 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
     __syncthreads();
 }
 
+// A split tile's halves meet here. Each leaves its rows in `sum`; the second to arrive adds the
+// first's into `rows` (true: it stores h) and resets the ticket for the next call.
+__device__ bool split_join(const Split& sp, float (&rows)[2][ROWS]) {
+    __shared__ int last;
+    float* mine = sp.sum + ((i64)sp.idx * 2 + sp.kz) * 2 * ROWS;
+    const float* other = sp.sum + ((i64)sp.idx * 2 + (sp.kz ^ 1)) * 2 * ROWS;
+    if (threadIdx.x < 2 * ROWS) mine[threadIdx.x] = rows[threadIdx.x / ROWS][threadIdx.x % ROWS];
+    __threadfence();  // the rows before the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(sp.ticket + sp.idx, 1) == 1;
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();  // the other half's rows after its ticket
+    if (threadIdx.x < 2 * ROWS)
+        rows[threadIdx.x / ROWS][threadIdx.x % ROWS] += __ldcg(other + threadIdx.x);
+    if (threadIdx.x == 0) sp.ticket[sp.idx] = 0;
+    __syncthreads();
+    return true;
+}
+
 // Registers a subset holds across the loop (popc_step): 2 where that buys a CTA an SM, the
 // one-token 3-bit build (6 CTAs an SM against 5: Mixtral 3 bits, one token, 93.9 -> 90.2 us);
 // elsewhere the fragment's 4 (the 4-bit builds were 1.5-2% slower with 2 at 4 CTAs and spilled at
@@ -999,7 +1030,7 @@ __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
 template <int MAXB, bool FEW>
 __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
                              unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
-                             i64 bits_nbytes, int rpt, const PopcX* px) {
+                             i64 bits_nbytes, int rpt, const PopcX* px, Split sp) {
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
     __shared__ float rows[2][ROWS];
@@ -1026,8 +1057,9 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
         const int ks = popc_steps(words_in);
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
         // gate, then up, each on all 4 warps (8-row group warp % 2, column half warp / 2); side by
-        // side on 2 warps each was 10% slower (docs/PERF.md, session 10)
-        const int grp = warp & 1, part = warp >> 1;
+        // side on 2 warps each was 10% slower (docs/PERF.md, session 10). A split tile's two
+        // CTAs interleave their chunks: each warp takes every (2 kn)-th.
+        const int grp = warp & 1, part = warp >> 1, kpart = sp.kz * 2 + part, kparts = 2 * sp.kn;
         constexpr int R = popc_regs(MAXB, FEW);
         #pragma unroll 1
         for (int m = 0; m < 2; ++m) {
@@ -1037,18 +1069,23 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
                 for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
                     popc_piece<MAXB, R>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8,
                                         st[m].tbl + 8 * grp, words_in, k0,
-                                        min(ks, k0 + POPC_STEPS), k0, part, 2, x + i, f);
+                                        min(ks, k0 + POPC_STEPS), k0, kpart, kparts, x + i, f);
                 STAMP(0, 3 + 2 * m);
                 popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
                 STAMP(0, 4 + 2 * m);
             } else {  // the lookup: token 0 of n-tile 0 is fragment register w of lanes 4i
                 int xrow[1] = {lane >> 2 == 0 ? token : -1};
                 float acc[1][4], sum[2][1];
-                mma_block<1>(st[m], B, flat, words_in, wpad_in, xf, xrow, 1, warp, WARPS, acc);
+                mma_block<1>(st[m], B, flat, words_in, wpad_in, xf, xrow, 1, sp.kz * WARPS + warp,
+                             sp.kn * WARPS, acc);
                 reduce_units<1>(acc, red, WARPS, sum);
                 if ((lane & 3) == 0 && (warp & 1) == 0) rows[m][(lane >> 2) + 8 * (warp >> 1)] = sum[0][0];
                 __syncthreads();
             }
+        }
+        if (sp.kn > 1 && !split_join(sp, rows)) {  // the other half stores h
+            STAMP(0, 7);
+            return;
         }
     }
     if (threadIdx.x < ROWS)
@@ -1930,17 +1967,36 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
         if (at >= t_tiles * t_split) return;                                                     \
         slot = 0, tile = at % t_tiles, kz = at / t_tiles, kn = t_split;                          \
     }
+// gate_up's routed CTAs in launch order (x fastest) when its last `split` tiles are split
+// (Split): the whole tiles first, then each split tile's two halves. The launcher widens the grid
+// by split / n_routed columns; every slot holds 32 wpad_out / ROWS tiles (all are live: one-token
+// calls only).
+#define SPLIT_TAIL                                                                               \
+    {                                                                                            \
+        const int tiles = 32 * wpad_out / ROWS, b = blockIdx.y * gridDim.x + blockIdx.x;        \
+        const int whole = n_routed * tiles - split;                                              \
+        int at = b;                                                                              \
+        if (b >= whole) {                                                                        \
+            const int j = b - whole;                                                             \
+            if (j >= 2 * split) return;                                                          \
+            at = whole + j / 2, sp.kz = j & 1, sp.kn = 2, sp.idx = j / 2;                        \
+        }                                                                                        \
+        slot = at / tiles, tile = at % tiles;                                                    \
+    }
 #define ENTRY_AS(NAME, BOUNDS, GATE_UP, DOWN)                                                     \
     extern "C" __global__ void BOUNDS gate_up_##NAME(                                             \
         PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
         int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, int n_routed, SHARED_SLOT_ARGS,    \
         unsigned short* t_hp, int t_I, int t_wpad_out, i64 t_bits_nbytes, int t_rpt,            \
-        int t_tiles, int t_split, const PopcX* px) {                                             \
+        int t_tiles, int t_split, const PopcX* px, int split, float* split_sum,                 \
+        int* split_ticket) {                                                                     \
         WHICH_GROUP                                                                              \
-        (void)kz, (void)kn; /* gate_up is never k-split: t_split = 1 */                          \
+        (void)kz, (void)kn; /* t_split = 1: only the routed group's last tiles split (SPLIT_TAIL) */ \
+        Split sp{0, 1, 0, split_sum, split_ticket};                                              \
+        if (!t && split > 0) SPLIT_TAIL                                                          \
         GATE_UP(PAGED, t ? SHARED_SLOTS : SLOTS, slot, tile, xf, t ? t_hp : hp, t ? t_I : I,     \
                 words_in, wpad_in, t ? t_wpad_out : wpad_out,                                    \
-                t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, px);                           \
+                t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, px, sp);                       \
     }                                                                                            \
     extern "C" __global__ void BOUNDS down_##NAME(                                                \
         PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,    \

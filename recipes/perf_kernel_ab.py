@@ -2,6 +2,8 @@
 rounds interleaved (the best time of each is printed). Variants are .cu files (NVRTC compiles
 each: ~2.5 min; e.g. `git show main:cuda/moe.cu > /tmp/a.cu`) or cubins built elsewhere (`nvcc
 -arch=sm_90a -std=c++17 -cubin`: no compile on the GPU machine; compare cubins with cubins).
+A variant `x.cubin@tail=N@down=K` runs x with FusedMoE.split_tail = N (gate_up's last N one-token
+tiles split over two CTAs each; 0: none) and down_split = K (CTAs sharing a down tile's columns).
 Usage (GPU machine):
   python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pwctl.bench.kernels import run_kernel_bench
-from pwctl.runtime import kernels
+from pwctl.runtime import fused_moe, kernels
 
 
 def main() -> None:
@@ -24,18 +26,22 @@ def main() -> None:
     best: dict[tuple, dict[str, float]] = {}
     for _ in range(rounds):
         for v in variants:
-            if v.endswith(".cubin"):
-                os.environ["PWCTL_CUBIN"] = str(Path(v).resolve())
+            path, *knobs = v.split("@")
+            knob = dict(k.split("=") for k in knobs)
+            fused_moe.SPLIT_TAIL = int(knob["tail"]) if "tail" in knob else None
+            fused_moe.DOWN_SPLIT = int(knob["down"]) if "down" in knob else None
+            if path.endswith(".cubin"):
+                os.environ["PWCTL_CUBIN"] = str(Path(path).resolve())
             else:
                 os.environ.pop("PWCTL_CUBIN", None)
-                kernels.CUDA_SRC = Path(v).resolve()
+                kernels.CUDA_SRC = Path(path).resolve()
             kernels.reload()
             for row in run_kernel_bench(shapes, widths, tokens)[1]:
                 times = best.setdefault((row.shape, row.width, row.tokens, row.path), {})
                 times[v] = min(times.get(v, float("inf")), row.time_us)
             torch.cuda.synchronize()
     for key, times in sorted(best.items()):
-        print(*key, "  ".join(f"{Path(v).stem}={t:8.1f}" for v, t in times.items()))
+        print(*key, "  ".join(f"{Path(v).name}={t:8.1f}" for v, t in times.items()))
 
 
 if __name__ == "__main__":

@@ -349,6 +349,7 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch_packed", record)
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)  # the H200's (no device here)
+    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: 4)
     spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
     layer = synthetic_layer(spec, device="cpu", seed=0)
     moe = layer.moe
@@ -560,6 +561,34 @@ def test_popc_kernels_take_calls_of_a_few_tokens(shape):
             err = float((got - want).norm() / want.norm())
             case = f"{shape} width {width}, {T} tokens ({singles} one-token slots)"
             assert err < 1e-3, f"{case}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["mixtral", "qwen3-moe"])
+def test_one_token_split_tiles_match_reference(shape):
+    """gate_up's tiles split over two CTAs whose halves meet through a ticket (cuda/moe.cu
+    split_join): none, a few, the launcher's choice (Mixtral: the last 208 of 1792) and every
+    tile, at 3 and 4 bits (p1b3, p1) and mixed widths (wider blocks on the lookup), each call
+    twice: the second half of a tile resets its ticket for the next."""
+    layer = synthetic_layer(SHAPES[shape], seed=5)
+    t, moe = layer.table, layer.moe
+    moe.popc_decode = True
+    tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS * layer.spec.top_k
+    rng = np.random.default_rng(5)
+    for width in ["3", "4", "mixed"]:
+        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
+        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        x, weights, index, scale = random_routing(layer.spec, 1, seed=5)
+        want = layer.moe(0, x, weights, index, scale, reference=True)
+        for split in (0, 5, None, tiles):
+            moe.split_tail, moe._launches = split, {}
+            for call in range(2):
+                _poison(moe)
+                got = moe(0, x, weights, index, scale)
+                torch.cuda.synchronize()
+                err = float((got - want).norm() / want.norm())
+                case = f"{shape} width {width} split {split} call {call}"
+                assert err < 1e-3, f"{case}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu
@@ -1031,6 +1060,7 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     """The decode launches are packed once for `routed`: gate_up has no hole, down one, its
     `out` parameter; both pass as many arguments as the kernels declare."""
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: 4)
     layer, pairs, xf, one = _one_token_call()
     layer.set_widths(np.full(layer.table.n_blocks, 4))  # the popc kernels read 4 bits
     moe = layer.moe
@@ -1040,6 +1070,85 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     _, down = moe._decode_launches(0, xf, pairs, one, px)
     names = _kernel_params("down_##NAME")
     assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
+
+
+def _split_tail_numbering(grid: tuple[int, int], tiles: int, split: int) -> list[tuple]:
+    """cuda/moe.cu SPLIT_TAIL replayed: (slot, tile, kz, kn, idx) of each routed CTA that works."""
+    whole, done = grid[1] * tiles - split, []
+    for b in range(grid[0] * grid[1]):  # launch order: x fastest
+        at, kz, kn, idx = b, 0, 1, 0
+        if b >= whole:
+            if b - whole >= 2 * split:
+                continue
+            at, kz, kn, idx = whole + (b - whole) // 2, (b - whole) & 1, 2, (b - whole) // 2
+        done.append((at // tiles, at % tiles, kz, kn, idx))
+    return done
+
+
+def test_one_token_gate_up_splits_its_last_partial_wave(monkeypatch):
+    """A one-token gate_up grid without a shared expert splits the tiles of its last partial
+    wave, when they fill at most half a wave, over two CTAs each: the launcher widens the grid by
+    their second halves, and the kernel's numbering covers every tile once whole or once in each
+    half, the split ones last. Every build passes as many arguments as the kernels declare."""
+    assert kernels.split_tiles(1792, 528) == 208 == kernels.split_tiles(1792, 792)  # Mixtral
+    assert kernels.split_tiles(384, 528) == 0  # under a wave: nothing waits for a slot
+    assert kernels.split_tiles(1056, 528) == 0 and kernels.split_tiles(1000, 528) == 0
+    launched = []
+    record = lambda name, grid, block, *args, **kw: launched.append((name, grid))  # noqa: E731
+    monkeypatch.setattr(kernels, "launch_packed", record)
+    monkeypatch.setattr(kernels, "sm_count", lambda: 100)
+    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: 1)
+    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 0, False, "silu")
+    layer = synthetic_layer(spec, device="cpu", seed=0)
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
+    moe, cpu = layer.moe, torch.device("cpu")
+    moe.popc_decode = True
+    tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS  # 256 a slot
+    pairs, xf = decode_buffers(1, 2, 4, moe.proj[(0, False, "gate")].wpad, cpu)
+    grids = {}
+    for split in (None, 0, 2 * tiles):
+        moe.split_tail, moe._launches = split, {}
+        launched.clear()
+        moe._decode(0, xf, pairs, torch.zeros(1, 768), None, moe._x_pieces(0, 1, cpu))
+        grids[split] = dict(launched)["gate_up_p1"]
+    tail = 2 * tiles % 100  # 12 of 512 tiles past 5 waves of 100
+    assert grids[None] == (tiles + tail // 2, 2) and grids[0] == (tiles, 2)
+    assert grids[2 * tiles] == (2 * tiles, 2)  # every tile split: twice the CTAs
+    for split in (tail, 2 * tiles):
+        done = _split_tail_numbering(grids[split if split != tail else None], tiles, split)
+        assert sorted(done) == sorted(
+            [(s, t, 0, 1, 0) for s in range(2) for t in range(tiles)][: 2 * tiles - split]
+            + [(a // tiles, a % tiles, kz, 2, a - (2 * tiles - split))
+               for a in range(2 * tiles - split, 2 * tiles) for kz in (0, 1)]
+        )  # fmt: skip
+    gate_up, _ = moe._decode_launches(0, xf, pairs, None, None)  # the lookup build: no tail
+    assert gate_up.count == len(_kernel_params("gate_up_##NAME"))
+
+
+def test_down_k_split_fills_the_gpu_or_one_wave(monkeypatch):
+    """down's k-split: the lookup kernels split a tile's columns until CTAS_PER_SM an SM are
+    busy; the popc kernels only as far as one wave of their CTAs holds (longer CTAs win there).
+    Either way every warp keeps an 8-word iteration of the row."""
+    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    assert kernels.k_split(512, 448) == 3  # Mixtral's down, one token: ceil(8 x 132 / 512)
+    assert kernels.k_split(512, 448, wave=528) == 1 == kernels.k_split(512, 448, wave=792)
+    assert kernels.k_split(200, 448, wave=528) == 2 and kernels.k_split(64, 448, wave=528) == 8
+    assert kernels.k_split(64, 24, wave=528) == 1  # 3 iterations: one warp each at most
+    launched = []
+    record = lambda name, grid, block, *args, **kw: launched.append((name, grid))  # noqa: E731
+    monkeypatch.setattr(kernels, "launch_packed", record)
+    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: 1)
+    layer, pairs, xf, _ = _one_token_call()
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
+    moe, cpu = layer.moe, torch.device("cpu")
+    grids = {}
+    for on in (True, False):
+        moe.popc_decode = on
+        moe._decode(0, xf, pairs, torch.zeros(1, 768), None, moe._x_pieces(0, 1, cpu))
+        grids.update(launched)
+    ctas = 2 * 768 // kernels.ROWS  # two slots of 48 row tiles
+    assert grids["down_p1"] == (ctas // 2, 2, 1)  # 132 // 96: one wave of one CTA an SM
+    assert grids["down_n1"] == (ctas // 2, 2, 4)  # ceil(8 x 132 / 96), 4 iterations a warp
 
 
 def test_decode_launches_take_pdl(monkeypatch):

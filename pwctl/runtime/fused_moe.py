@@ -447,6 +447,14 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 POPC_MIN_WEIGHTS = 128 << 20
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
+_NO_TAIL = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's split tiles: none
+
+# FusedMoE.split_tail's default: None, one-token gate_up grids split their last partial wave's
+# tiles in halves (kernels.split_tiles); a count, that many of the last tiles (0: none;
+# recipes/perf_kernel_ab.py sets it for A/B runs)
+SPLIT_TAIL: int | None = None
+# FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
+DOWN_SPLIT: int | None = None
 
 
 @dataclass(frozen=True)
@@ -457,6 +465,7 @@ class DecodeLaunch:
     host-bound."""
 
     gate_up_grid: tuple[int, int]
+    tail: int  # gate_up's last tiles, each split over two CTAs (cuda/moe.cu Split)
     gate_up_routed: tuple
     gate_up_shared: tuple
     down_grid: tuple[int, int, int]
@@ -489,7 +498,10 @@ class FusedMoE:
         self._routing: dict[tuple[int, bool], Routing] = {}
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
-        self._launches: dict[tuple[int, int, bool], DecodeLaunch] = {}
+        self._launches: dict[tuple[int, int, bool, str], DecodeLaunch] = {}
+        self._tail_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.split_tail = SPLIT_TAIL  # gate_up tiles split at a one-token grid's end (None: auto)
+        self.down_split = DOWN_SPLIT  # CTAs sharing a down tile's columns (None: auto)
         # `routed`'s launches by (layer, T, shared gate, kernels): made once, their buffers reused
         self._routed_plans: dict[tuple, tuple] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
@@ -687,7 +699,8 @@ class FusedMoE:
         pieces are given) and down, whose one hole is `out`. Both take PDL: gate_up behind
         decode_prep or route_prep (which lets it in once its routing block is the last one left),
         down behind gate_up."""
-        key = (layer, pairs.expert.numel(), shared is not None)
+        kind = self._kind(layer, xf.shape[0], px)
+        key = (layer, pairs.expert.numel(), shared is not None, kind)
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key)
         plan, ptr = self._launches[key], kernels.ptr
@@ -695,7 +708,6 @@ class FusedMoE:
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
-        kind = self._kind(layer, xf.shape[0], px)
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         xpx, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
         if px is not None:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
@@ -708,8 +720,9 @@ class FusedMoE:
         gu_args = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
         block = (32 * kernels.WARPS,)
         gate_up = kernels.Prepared(
-            f"gate_up_{kind}", plan.gate_up_grid, block, common + gu_args + xpx, early=True
-        )
+            f"gate_up_{kind}", plan.gate_up_grid, block,
+            common + gu_args + xpx + self._tail_args(plan.tail, xf.device), early=True,
+        )  # fmt: skip
         planes = self._planes(list(zip(hp, dn, hps, strict=True))) if px is not None else None
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
         # down stages while gate_up finishes and waits before it reads h
@@ -725,6 +738,17 @@ class FusedMoE:
             planes()
 
         return gate_up_then_planes, down
+
+    def _tail_args(self, tail: int, device: torch.device) -> tuple:
+        """gate_up's last arguments: its split tiles, their halves' rows (2 halves x gate and up
+        x ROWS floats a tile) and tickets (zero between launches: the second half resets its)."""
+        if tail == 0:
+            return _NO_TAIL
+        if tail not in self._tail_buffers:
+            rows = torch.empty(tail * 4 * kernels.ROWS, dtype=torch.float32, device=device)
+            self._tail_buffers[tail] = rows, torch.zeros(tail, dtype=torch.int32, device=device)
+        rows, tickets = self._tail_buffers[tail]
+        return np.int32(tail), kernels.ptr(rows), kernels.ptr(tickets)
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
@@ -796,9 +820,14 @@ class FusedMoE:
         steps = min(popc.PIECE_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
         return kernels.Prepared("popc_planes", grid, (32 * steps,), args, early=True)
 
-    def _decode_launch(self, layer: int, n_routed: int, with_shared: bool) -> DecodeLaunch:
+    def _decode_launch(
+        self, layer: int, n_routed: int, with_shared: bool, kind: str
+    ) -> DecodeLaunch:
         """Grids and shape arguments of a decode call's two launches (cuda/moe.cu ENTRY): fixed
-        by the layer, its routed slot count and whether a shared expert rides along."""
+        by the layer, its routed slot count, whether a shared expert rides along and the
+        kernels. One-token calls without a shared expert (every slot live, the routed tiles
+        last in the grid) split gate_up's last partial wave (`kernels.split_tiles`); the popc
+        kernels' down keeps to one wave (`kernels.k_split`)."""
         i32, i64, rows, warps = np.int32, np.int64, kernels.ROWS, kernels.WARPS
         groups = [False] + ([True] if with_shared else [])
         gu = [self.proj[(layer, g, "gate")] for g in groups]
@@ -810,13 +839,25 @@ class FusedMoE:
         units = [kernels.down_units(d.words) for d in dn]
         ctas = [-(-d.rows // (rows * u)) for d, u in zip(dn, units, strict=True)]
         parts = [warps // u for u in units]
-        split = kernels.k_split(ctas[0] * n_routed, dn[0].words, parts[0])
+        wave = None  # the lookup kernels' k-split fills the GPU; the popc kernels' one wave
+        if kind.startswith("p"):
+            wave = kernels.ctas_per_sm(f"down_{kind}", 32 * warps) * kernels.sm_count()
+        split = kernels.k_split(ctas[0] * n_routed, dn[0].words, parts[0], wave)
+        split = self.down_split or split
         split_t = kernels.balanced_split(dn[-1].words, parts[-1], dn[0].words, parts[0], split)
         # grid rows after the routed slots' that number the shared expert's CTAs
         extra = (-(-tiles[-1] // tiles[0]), -(-ctas[-1] * split_t // (ctas[0] * split)))
         extra = extra if with_shared else (0, 0)
+        tail = 0  # gate_up's last tiles split in halves
+        if kind in ("p1", "p1b3") and not with_shared:
+            if self.split_tail is not None:
+                tail = min(self.split_tail, tiles[0] * n_routed)
+            else:
+                wave = kernels.ctas_per_sm(f"gate_up_{kind}", 32 * warps)
+                tail = kernels.split_tiles(tiles[0] * n_routed, wave * kernels.sm_count())
         return DecodeLaunch(
-            gate_up_grid=(tiles[0], n_routed + extra[0]),
+            gate_up_grid=(tiles[0] + -(-tail // n_routed), n_routed + extra[0]),
+            tail=tail,
             gate_up_routed=gate_up + (i32(n_routed),),
             gate_up_shared=(i32(gu[-1].rows), i32(dn[-1].wpad), i64(gu[-1].bits_nbytes))
             + (i32(gu[-1].rows_per_table), i32(tiles[-1]), i32(1)),

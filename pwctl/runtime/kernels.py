@@ -288,7 +288,7 @@ def _handle(name: str, device: int) -> int:
 def reload() -> None:
     """Forget the loaded module and every handle taken from it, so that the next launch loads
     `CUDA_SRC` or `PWCTL_CUBIN` afresh (development A/B of kernel variants in one process)."""
-    for cached in (module, _function, _handle, _opt_in):
+    for cached in (module, _function, _handle, _opt_in, _occupancy):
         cached.cache_clear()
 
 
@@ -307,16 +307,44 @@ def sm_count() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+def ctas_per_sm(name: str, threads: int) -> int:
+    """CTAs of kernel `name` (`threads` a CTA, no dynamic shared memory) resident at once on one
+    SM of the current device."""
+    return _occupancy(name, threads, torch.cuda.current_device())
+
+
+@functools.cache
+def _occupancy(name: str, threads: int, device: int) -> int:
+    n = ctypes.c_int()
+    fn = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
+    err = fn(ctypes.byref(n), ctypes.c_void_p(_handle(name, device)), threads, ctypes.c_size_t(0))
+    if err != 0:
+        raise PwctlError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor: CUDA driver error {err}")
+    return n.value
+
+
+def split_tiles(tiles: int, wave: int) -> int:
+    """gate_up tiles of a one-token call split over the columns in two CTAs (cuda/moe.cu Split):
+    those of the grid's last partial wave (`wave`: CTAs resident at once), when they fill at
+    most half of it, so that the halves run on idle slots instead of the whole tiles on a few."""
+    rest = tiles % wave
+    return rest if tiles > wave and 2 * rest <= wave else 0
+
+
 def down_units(words: int) -> int:
     """m-tiles of a down CTA (cuda/moe.cu `down`): 2 side by side, 2 warps each, when rows are too
     short (< 4 iterations of 8 words) to give 4 warps a share of one tile's columns."""
     return 2 if -(-words // 8) < WARPS else 1
 
 
-def k_split(ctas: int, words: int, parts: int = WARPS) -> int:
-    """CTAs sharing one tile's columns (down only: it adds with atomics): enough CTAs to fill the
-    GPU, while every one of the `parts` warps on a tile keeps at least one 8-word iteration."""
-    want = -(-CTAS_PER_SM * sm_count() // max(ctas, 1))
+def k_split(ctas: int, words: int, parts: int = WARPS, wave: int | None = None) -> int:
+    """CTAs sharing one tile's columns (down only: it adds with atomics), while every one of the
+    `parts` warps on a tile keeps at least one 8-word iteration. The lookup kernels: enough CTAs
+    to fill the GPU at CTAS_PER_SM an SM. Given `wave` (CTAs resident at once: the popc kernels,
+    4-6 an SM), the most that stay within one wave: there a CTA's fixed costs (staging, sums,
+    atomics) outweigh a part-empty wave (Mixtral, 4 bits, one token: 110.8 us a layer with one
+    CTA a tile, 117.4 with three; docs/PERF.md, session 24)."""
+    want = -(-CTAS_PER_SM * sm_count() // max(ctas, 1)) if wave is None else wave // max(ctas, 1)
     return max(1, min(want, -(-words // 8) // parts))
 
 
