@@ -698,7 +698,8 @@ __device__ __forceinline__ int popc_pieces(int words) {
 
 // Piece `pc` of one row into PopcX, word z of each k-step's 8 (POPC_SPLIT CTAs share a piece: one
 // CTA doing all 8 words' ballots took 16 us on one SM, Nsight Compute, session 10). `at(w)`: the
-// row's value at column 32 w + lane (w < words). Warp i takes the piece's k-steps i, i + warps,
+// row's value at column 32 w + lane (w < words; words past the row read the last one, and a load
+// must not sit behind a branch). Warp i takes the piece's k-steps i, i + warps,
 // ... (SPW at most: SPW x warps >= the piece's k-steps), every load in flight at once, for the
 // piece's scale; then it turns word z of each of its k-steps into planes. Steps past the row are
 // neither built nor read. A warp's instructions are the cost (each waits ~10 cycles on the last
@@ -716,8 +717,12 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst) {
         if (i >= POPC_STEPS || step >= ks) break;  // warp-uniform; nobody reads past the row
         #pragma unroll
         for (int h = 0; h < 8; ++h) {  // word h % 2 of lane t = h / 2 of the k-step
+            // every word loaded, past the row from its last word, so that the 8 loads go out
+            // together: under `w < words` each waited on the one before (8 L2 round trips,
+            // 3 us of popc_planes' 4.3 on Mixtral; docs/PERF.md, session 24)
             const int w = step_word(step, chunks, h >> 1) + (h & 1);
-            v[j][h] = w < words ? at(w) : 0.f;
+            const float a = at(min(w, words - 1));
+            v[j][h] = w < words ? a : 0.f;
             m = fmaxf(m, fabsf(v[j][h]));
         }
     }
@@ -792,8 +797,11 @@ __device__ void x_piece(const unsigned short* x, int T, int H, int words, PopcX*
     const int lane = threadIdx.x & 31, pieces = popc_pieces(words);
     const unsigned short* xr = x + (i64)row * H;
     popc_piece_of<POPC_STEPS * 32 / PREP_THREADS>(
-        [&](int w) { return 32 * w + lane < H ? h2f(xr[32 * w + lane]) : 0.f; }, words, pc, z,
-        px + (i64)row * pieces + pc);
+        [&](int w) {  // loaded at a column inside the row either way (popc_piece_of)
+            const float v = h2f(xr[min(32 * w + lane, H - 1)]);
+            return 32 * w + lane < H ? v : 0.f;
+        },
+        words, pc, z, px + (i64)row * pieces + pc);
 }
 
 __device__ __forceinline__ void mma_popc(int (&d)[4], const uint4& a, u32 b0, u32 b1) {
