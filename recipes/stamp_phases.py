@@ -30,8 +30,7 @@ KINDS = {  # kind: (name, its phases in the order a CTA passes them)
                  (7, "added"))),
     2: ("prep", ((0, "entry"), (1, "logits"), (2, "x laid out"), (3, "last block"),
                  (5, "fenced"), (6, "softmax"), (4, "routed"), (7, "grouped"))),
-    3: ("popc_planes", ((0, "entry"), (1, "waited"), (2, "h loaded"), (4, "max"), (5, "planes"),
-                        (7, "built"))),
+    3: ("popc_planes", ((0, "entry"), (1, "waited"), (7, "built"))),
 }  # fmt: skip
 _WG = ((0, "entry"), (2, "staged"), (4, "first loads out"), (5, "half-chunk 0"),
        (6, "half-chunk 1"), (3, "streamed"))  # fmt: skip
