@@ -674,6 +674,7 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 // piece (the two's-complement planes of a lane's two x bit planes cancel against other lanes' by
 // up to 2^15 / |x|, too much for fp32). pwctl/runtime/popc.py is the CPU twin.
 #define POPC_STEPS 32
+static_assert(POPC_STEPS <= 32, "popc_fold sums a piece's k-step sums a lane a k-step");
 
 __device__ __forceinline__ int step_word(int ks, int chunks, int t) {
     return ks < 2 * chunks ? 16 * (ks >> 1) + 4 * t + 2 * (ks & 1)
@@ -939,8 +940,11 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned shor
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
     int q = 0;
-    if (first && g == 0)
-        for (int i = i0; i < i1; ++i) q += __ldg(&px->ksum[i]);
+    if (first) {  // a lane a k-step (i1 - i0 <= POPC_STEPS = 32): one load, not a chain of them
+        q = i0 + lane < i1 ? __ldg(&px->ksum[i0 + lane]) : 0;
+        q = __reduce_add_sync(0xffffffffu, q);
+        q = g == 0 ? q : 0;
+    }
     const double sx = __ldg(&px->sx);
     #pragma unroll
     for (int r = 0; r < 2; ++r) {  // one row's coefficients in registers at a time
