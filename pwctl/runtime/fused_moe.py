@@ -741,7 +741,8 @@ class FusedMoE:
 
     def _tail_args(self, tail: int, device: torch.device) -> tuple:
         """gate_up's last arguments: its split tiles, their halves' rows (2 halves x gate and up
-        x ROWS floats a tile) and tickets (zero between launches: the second half resets its)."""
+        x ROWS floats a tile) and tickets (zero between launches: a tile's second half to finish
+        resets the tile's)."""
         if tail == 0:
             return _NO_TAIL
         if tail not in self._tail_buffers:
