@@ -1123,6 +1123,11 @@ def test_one_token_gate_up_splits_its_last_partial_wave(monkeypatch):
         )  # fmt: skip
     gate_up, _ = moe._decode_launches(0, xf, pairs, None, None)  # the lookup build: no tail
     assert gate_up.count == len(_kernel_params("gate_up_##NAME"))
+    for knob in ("split_tail", "down_split"):  # a negative count would shrink the grids
+        moe.split_tail, moe.down_split, moe._launches = None, None, {}
+        setattr(moe, knob, -1)
+        with pytest.raises(ValueError, match=knob):
+            moe._decode_launches(0, xf, pairs, None, moe._x_pieces(0, 1, cpu))
 
 
 def test_down_k_split_fills_the_gpu_or_one_wave(monkeypatch):

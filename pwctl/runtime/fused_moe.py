@@ -840,22 +840,12 @@ class FusedMoE:
         units = [kernels.down_units(d.words) for d in dn]
         ctas = [-(-d.rows // (rows * u)) for d, u in zip(dn, units, strict=True)]
         parts = [warps // u for u in units]
-        wave = None  # the lookup kernels' k-split fills the GPU; the popc kernels' one wave
-        if kind.startswith("p"):
-            wave = kernels.ctas_per_sm(f"down_{kind}", 32 * warps) * kernels.sm_count()
-        split = kernels.k_split(ctas[0] * n_routed, dn[0].words, parts[0], wave)
-        split = self.down_split or split
+        split = self._down_split(kind, ctas[0] * n_routed, dn[0].words, parts[0])
         split_t = kernels.balanced_split(dn[-1].words, parts[-1], dn[0].words, parts[0], split)
         # grid rows after the routed slots' that number the shared expert's CTAs
         extra = (-(-tiles[-1] // tiles[0]), -(-ctas[-1] * split_t // (ctas[0] * split)))
         extra = extra if with_shared else (0, 0)
-        tail = 0  # gate_up's last tiles split in halves
-        if kind in ("p1", "p1b3") and not with_shared:
-            if self.split_tail is not None:
-                tail = min(self.split_tail, tiles[0] * n_routed)
-            else:
-                wave = kernels.ctas_per_sm(f"gate_up_{kind}", 32 * warps)
-                tail = kernels.split_tiles(tiles[0] * n_routed, wave * kernels.sm_count())
+        tail = 0 if with_shared else self._gate_up_tail(kind, tiles[0] * n_routed)
         return DecodeLaunch(
             gate_up_grid=(tiles[0] + -(-tail // n_routed), n_routed + extra[0]),
             tail=tail,
@@ -867,6 +857,32 @@ class FusedMoE:
             down_shared=(i32(dn[-1].words), i32(dn[-1].wpad), i64(dn[-1].bits_nbytes))
             + (i32(dn[-1].rows_per_table), i32(units[-1]), i32(ctas[-1]), i32(split_t)),
         )
+
+    def _down_split(self, kind: str, ctas: int, words: int, parts: int) -> int:
+        """CTAs sharing a down tile's columns (`ctas` tiles): `down_split`, or by
+        `kernels.k_split`, which fills the GPU for the lookup kernels and one wave of the popc
+        kernels' CTAs for them."""
+        if self.down_split is not None:
+            if self.down_split < 1:
+                raise ValueError(f"down_split {self.down_split}: at least one CTA a tile")
+            return self.down_split
+        wave = None
+        if kind.startswith("p"):
+            wave = kernels.ctas_per_sm(f"down_{kind}", 32 * kernels.WARPS) * kernels.sm_count()
+        return kernels.k_split(ctas, words, parts, wave)
+
+    def _gate_up_tail(self, kind: str, tiles: int) -> int:
+        """gate_up's last tiles split over two CTAs each (cuda/moe.cu Split) in a one-token
+        call of `tiles` routed tiles, every slot live: `split_tail` (at most every tile), or
+        `kernels.split_tiles` on one wave of the kernel's CTAs; none for the other builds."""
+        if kind not in ("p1", "p1b3"):
+            return 0
+        if self.split_tail is not None:
+            if self.split_tail < 0:
+                raise ValueError(f"split_tail {self.split_tail}: a count of tiles, >= 0")
+            return min(self.split_tail, tiles)
+        wave = kernels.ctas_per_sm(f"gate_up_{kind}", 32 * kernels.WARPS) * kernels.sm_count()
+        return kernels.split_tiles(tiles, wave)
 
     def _prefill(
         self,
