@@ -866,9 +866,7 @@ class FusedMoE:
             if self.down_split < 1:
                 raise ValueError(f"down_split {self.down_split}: at least one CTA a tile")
             return self.down_split
-        wave = None
-        if kind.startswith("p"):
-            wave = kernels.ctas_per_sm(f"down_{kind}", 32 * kernels.WARPS) * kernels.sm_count()
+        wave = kernels.resident_ctas(f"down_{kind}") if kind.startswith("p") else None
         return kernels.k_split(ctas, words, parts, wave)
 
     def _gate_up_tail(self, kind: str, tiles: int) -> int:
@@ -881,8 +879,7 @@ class FusedMoE:
             if self.split_tail < 0:
                 raise ValueError(f"split_tail {self.split_tail}: a count of tiles, >= 0")
             return min(self.split_tail, tiles)
-        wave = kernels.ctas_per_sm(f"gate_up_{kind}", 32 * kernels.WARPS) * kernels.sm_count()
-        return kernels.split_tiles(tiles, wave)
+        return kernels.split_tiles(tiles, kernels.resident_ctas(f"gate_up_{kind}"))
 
     def _prefill(
         self,

@@ -313,6 +313,11 @@ def ctas_per_sm(name: str, threads: int) -> int:
     return _occupancy(name, threads, torch.cuda.current_device())
 
 
+def resident_ctas(name: str) -> int:
+    """CTAs of decode kernel `name` (WARPS warps a CTA) the whole GPU holds at once: one wave."""
+    return ctas_per_sm(name, 32 * WARPS) * sm_count()
+
+
 @functools.cache
 def _occupancy(name: str, threads: int, device: int) -> int:
     n = ctypes.c_int()
