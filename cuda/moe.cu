@@ -35,6 +35,12 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
     return d;
 }
 
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
 // Programmatic dependent launch (kernels.launch(early=True), Hopper on). `wait_previous`: block
 // until the previous kernel on the stream has finished and its writes are visible; `start_next`:
 // let the next kernel's CTAs launch now (they wait in their own `wait_previous`). Both are no-ops
@@ -268,11 +274,21 @@ struct Stage {
     unsigned short tbl[ROWS][MAX_TABLE];
 };
 
+// Where the table words of row r came from (`restage` moves them on): kept in the row's unused
+// upper half, so only for widths up to 4 (16 entries of 256). A separate array took the popc
+// kernels' shared memory past what leaves them 124 KB of L1 (p1: 4 CTAs, 31.9 -> 33.9 KB each),
+// and the one-tile-a-CTA grid ran 4% slower (Mixtral, 1 token; docs/PERF.md, session 25).
+#define KEEPS_SOURCES 4
+__device__ __forceinline__ const u32** table_sources(Stage& st, int r) {
+    return (const u32**)(st.tbl[r] + MAX_TABLE / 2);
+}
+
 // Fill `st` for rows [row0, row0 + 16) of `block` at width B (rows past the end repeat the last
 // row: they are computed and dropped). Threads first, first + stride, ... take part; no barrier.
 // Returns whether every (row, plane) this thread staged lies in one slab.
+// keep: where each table word came from, for `restage` (widths up to KEEPS_SOURCES).
 __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
-                      int row0, int nrows, Stage& st, int first, int stride) {
+                      int row0, int nrows, Stage& st, int first, int stride, bool keep = false) {
     bool flat = true;
     for (int e = first; e < ROWS * B; e += stride) {
         const int r = e / B, p = e % B;
@@ -283,9 +299,55 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
     for (int e = first; e < ROWS * per_row; e += stride) {
         const int r = e / per_row, i = e % per_row;
         const i64 off = bits_nbytes + (i64)((row0 + min(r, nrows - 1)) / rpt) * (2 << B) + 4 * i;
-        *(u32*)(st.tbl[r] + 2 * i + table_shift(B, r)) = __ldg((const u32*)paged(g, block, B - 1, off));
+        const u32* src = (const u32*)paged(g, block, B - 1, off);
+        if (keep && B <= KEEPS_SOURCES) table_sources(st, r)[i] = src;
+        *(u32*)(st.tbl[r] + 2 * i + table_shift(B, r)) = __ldg(src);
     }
     return flat;
+}
+
+// Move `st` from rows [row0 - ROWS, row0) of `block` (every row in the block, staged keeping the
+// tables' sources, B <= KEEPS_SOURCES) on to [row0, row0 + ROWS), all in the block too. A (row,
+// plane) whose new row lies in the slab its old row began in moves on by ROWS rows with no load (the pager's
+// slabs hold whole tiles: a Mixtral plane's 256 KB slab holds 32); any other is staged afresh.
+// The tables come by cp.async: the fold waits for them (`tables_landed`), so their latency hides
+// behind the streaming, where `stage` waits on a chain of 5 loads first (2.8 us of a ~16 us
+// Mixtral CTA, all of it on the kernel's critical path: docs/PERF.md, session 25). No barrier.
+__device__ bool restage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
+                        int row0, Stage& st) {
+    const i64 rb = 4LL * words, step = ROWS * rb;
+    bool flat = true;
+    for (int e = threadIdx.x; e < ROWS * B; e += blockDim.x) {
+        const int r = e / B, p = e % B;
+        const i64 off = (row0 + r) * rb;
+        RowPtr& rp = st.ptr[r * 8 + p];
+        if ((off - step) >> g.slab_shift == (off + rb - 1) >> g.slab_shift) {
+            rp.p0 += ROWS * words;
+            rp.p1 = rp.p0, rp.split = words;
+        } else {
+            rp = row_ptr(g, block, p, row0 + r, words);
+        }
+        flat = flat && rp.split >= words;
+    }
+    const int per_row = max(1, (1 << B) / 2);
+    for (int e = threadIdx.x; e < ROWS * per_row; e += blockDim.x) {
+        const int r = e / per_row, i = e % per_row;
+        const i64 off = bits_nbytes + (i64)((row0 + r) / rpt) * (2 << B) + 4 * i;
+        const i64 was = bits_nbytes + (i64)((row0 - ROWS + r) / rpt) * (2 << B) + 4 * i;
+        const u32*& src = table_sources(st, r)[i];
+        src = was >> g.slab_shift == off >> g.slab_shift ? src + (off - was) / 4
+                                                         : (const u32*)paged(g, block, B - 1, off);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
+                     :: "r"(smem_u32(st.tbl[r] + 2 * i + table_shift(B, r))), "l"(src) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    return flat;
+}
+
+// restage's tables are in shared memory, for every thread. Every thread of the CTA calls it.
+__device__ __forceinline__ void tables_landed() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
 }
 
 // Plane words w, w + 1 of one row (zeros past the row). `pairs`: words is even, so the two words
@@ -461,15 +523,25 @@ __device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta, int sl
     return c;
 }
 
-// gate_up's last partial wave (one-token calls): its tiles split over the columns in two CTAs,
-// so that the grid's end runs on twice the CTAs at half the work each. A Mixtral layer's 1792
-// one-token CTAs are 3.39 waves at 4 CTAs an SM, and the last 208 ran 14-16 us on 39% of the
-// slots (docs/PERF.md, session 23). ENTRY numbers the CTAs; kn = 1: a whole tile.
+// A gate_up CTA's work: halves [a, b) of its group's tiles (tile `at`, slot at / tiles, is halves
+// 2 at and 2 at + 1, which take alternate chunks of its columns). On the per-tile grid, one tile.
+// One-token calls without a shared expert run a persistent grid instead (ENTRY's RUN, `runs`
+// CTAs, a wave): CTA j takes the j-th of `runs` equal shares of the routed tiles' halves, so
+// that every CTA gets the same work to within a half (a Mixtral layer's 1792 tiles on 528 CTAs:
+// 6 or 7 halves), and each tile after its first stages without a chain of loads (`restage`).
+// A share may begin or end in the middle of a tile, whose halves then meet in split_join.
+struct Run {
+    int a, b;   // halves [a, b)
+    int j;      // this CTA's share (persistent grid); its first tile's scratch is j's, its last j + 1's
+    int tiles;  // tiles a slot
+};
+
+// A tile computed in two halves: where they meet (split_join); kn = 1: a whole tile.
 struct Split {
     int kz, kn;     // this CTA's half of the columns, and the halves
-    int idx;        // the tile's index among the split ones
-    float* sum;     // [split tiles][2 halves][2 * ROWS]: each half's gate and up rows
-    int* ticket;    // [split tiles]: halves done; the second half resets it to 0
+    int idx;        // the tile's scratch: the share that begins in it
+    float* sum;     // [runs + 1][2 halves][2 * ROWS]: each half's gate and up rows
+    int* ticket;    // [runs + 1]: halves done; the second half resets it to 0
 };
 
 // The warps' partial sums, added in shared memory 4 n-tiles at a time. The warps form units of
@@ -510,11 +582,14 @@ struct PopcX;  // x's pieces for the one-token kernels (below); the lookup kerne
 // out in wg, wu; ends with a barrier. Returns whether every staged row is flat (`stage`).
 __device__ __forceinline__ bool stage_gate_up(const Paged& g, const Slots& s, int e,
                                               i64 bits_nbytes, int words, int rpt, int row0,
-                                              int nrows, Stage (&st)[2], int& wg, int& wu) {
+                                              int nrows, Stage (&st)[2], int& wg, int& wu,
+                                              bool keep = false) {
     const int bg = __ldg(s.block_ids + 3 * e), bu = __ldg(s.block_ids + 3 * e + 1);
     wg = __ldg(g.width + bg), wu = __ldg(g.width + bu);
-    bool flat = stage(g, bg, wg, bits_nbytes, words, rpt, row0, nrows, st[0], threadIdx.x, blockDim.x);
-    flat &= stage(g, bu, wu, bits_nbytes, words, rpt, row0, nrows, st[1], threadIdx.x, blockDim.x);
+    bool flat = stage(g, bg, wg, bits_nbytes, words, rpt, row0, nrows, st[0], threadIdx.x,
+                      blockDim.x, keep);
+    flat &= stage(g, bu, wu, bits_nbytes, words, rpt, row0, nrows, st[1], threadIdx.x, blockDim.x,
+                  keep);
     return __syncthreads_and(flat);
 }
 
@@ -579,8 +654,8 @@ __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, con
 }
 
 template <int NT>
-__device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, unsigned short* hp,
-                        int I, int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
+__device__ void gate_up(Paged g, Slots s, Run run, const uint4* xf, unsigned short* hp, int I,
+                        int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
                         const PopcX*, Split) {
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
@@ -588,7 +663,8 @@ __device__ void gate_up(Paged g, Slots s, int slot, int tile, const uint4* xf, u
     wait_previous();  // the slots and x come from decode_prep (or h's buffer is still being read)
     start_next();     // down may launch and stage while this grid runs
     STAMP(0, 1);
-    const Tile c = tile_of(s, ROWS, slot, tile);
+    const int at = run.a / 2;  // one tile a CTA
+    const Tile c = tile_of(s, ROWS, at / run.tiles, at % run.tiles);
     if (c.base >= c.T) return;
     gate_up_tile<NT>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt);
     STAMP(0, 7);
@@ -962,17 +1038,20 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned shor
     }
 }
 
-// Run-time width -> template: one piece of one 8-row group (B <= MAXB).
+// Run-time width -> template: one piece of one 8-row group (B <= MAXB). landing: the tables are
+// on their way (`restage`; every thread of the CTA passes here with it).
 template <int MAXB, int R>
 __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const unsigned short (*tbl)[MAX_TABLE],
                                            int words, int k0, int k1, int base, int part,
-                                           int parts, const PopcX* px, double (&f)[2]) {
+                                           int parts, const PopcX* px, double (&f)[2],
+                                           bool landing = false) {
     int acc[16][R] = {};
     switch (B) {
 #define POPC_CASE(W)                                                                              \
     case W:                                                                                       \
         if constexpr (W <= MAXB) {                                                                \
             popc_rows<W>(rp, words, k0, k1, base, part, parts, px, acc);                          \
+            if (landing) tables_landed();                                                         \
             popc_fold<W>(acc, tbl, px, k0 - base, k1 - base, part == 0, f);                       \
         }                                                                                         \
         break;
@@ -1039,39 +1118,84 @@ __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
 // accumulators take a quarter of the registers (7 subsets, popc_regs), so that 6 CTAs an SM fit
 // instead of 4 (the launcher takes it when no block of the layer is wider than 3 bits: more warps
 // an SM are more loads in flight, docs/PERF.md sessions 12 and 23).
+// What a tile's end needs (split_join, store_h), kept in shared memory across the streaming. Held
+// in registers with the share's bounds, they took `gate_up_p1` from 127 registers to 128 and 20
+// bytes of spills, whose reloads after the streaming missed every cache: a CTA a tile ran 4%
+// slower (Mixtral, 4 bits, one token; docs/PERF.md, session 25).
+struct TileEnd {
+    int lo, row0;     // the tile's pair and first row
+    int kz, kn, idx;  // its Split
+};
+
 template <int MAXB, bool FEW>
-__device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* xf,
-                             unsigned short* hp, int I, int words_in, int wpad_in, int wpad_out,
-                             i64 bits_nbytes, int rpt, const PopcX* px, Split sp) {
+__device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigned short* hp, int I,
+                             int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
+                             const PopcX* px, Split sp) {
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
     __shared__ float rows[2][ROWS];
+    __shared__ Run share;
+    // by tile parity: a tile's end is read before the next tile but one stages (a barrier), and
+    // only then does thread 0 write that tile's
+    __shared__ TileEnd ends[2];
     STAMP(0, 0);
+    if constexpr (!FEW)
+        if (threadIdx.x == 0) share = run;
     wait_previous();  // the slots and x's pieces come from the prep launch
     start_next();
+    if constexpr (!FEW) __syncthreads();
     STAMP(0, 1);
-    const Tile c = tile_of(s, ROWS, slot, tile);
-    if (c.T <= 0) return;
-    // FEW (`gate_up_pn`: calls of up to POPC_MAX_TOKENS tokens): a slot of several tokens takes
-    // the lookup, whose work does not grow with tokens as the binary mma's does. Compiled out of
-    // the one-token build: there it took 8 bytes of stack (121 against 117-118 us, one run)
-    if constexpr (FEW)
-        if (c.T > 1)
-            return gate_up_tile<1>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out,
-                                   bits_nbytes, rpt);
+    // FEW grids hold a tile a CTA (the loop runs once, and the compiler knows it): their state
+    // stays in registers, as it did before the shares
+    // (the share's end is read where it is needed: held across the streaming it spilled)
+    const auto last = [&] { return FEW ? run.a + 2 : share.b; };
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int e = __ldg(s.expert + c.slot), nrows = min(ROWS, I - c.row0);
-    const int token = __ldg(s.token + c.lo);
-    if (nrows > 0) {
-        int wg, wu;
-        const bool flat = stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu);
+    int wg = 0, wu = 0;  // the widths of the blocks st holds
+    for (int h = FEW ? run.a : share.a; h < last();) {
+        const int at = h >> 1, kz = h & 1, kn = kz == 0 && h + 2 <= last() ? 1 : 2;
+        // a tile after the share's first stays in st's block (every share walks its tiles in order)
+        const bool after = !FEW && at > share.a >> 1;
+        h += kn == 1 ? 2 : 1;
+        const int tiles = FEW ? run.tiles : share.tiles;
+        const Tile c = tile_of(s, ROWS, at / tiles, at % tiles);
+        if (c.T <= 0) continue;
+        // FEW (`gate_up_pn`: calls of up to POPC_MAX_TOKENS tokens; one tile a CTA): a slot of
+        // several tokens takes the lookup, whose work does not grow with tokens as the binary
+        // mma's does. Compiled out of the one-token build: there it took 8 bytes of stack (121
+        // against 117-118 us, one run)
+        if constexpr (FEW)
+            if (c.T > 1) {
+                gate_up_tile<1>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out,
+                                bits_nbytes, rpt);
+                continue;  // FEW grids hold a tile a CTA: nothing to restage after it
+            }
+        const int nrows = min(ROWS, I - c.row0);
+        if (nrows <= 0) {  // a tile of h's padding columns: zeros
+            if (threadIdx.x < ROWS) store_h(hp, c.lo, c.row0 + threadIdx.x, I, wpad_out, 0.f, 0.f);
+            continue;
+        }
+        TileEnd end{c.lo, c.row0, kz, kn, (FEW ? run.j : share.j) + 1 - kz};
+        if constexpr (!FEW)  // (a tile a CTA: in registers, as it fits there)
+            if (threadIdx.x == 0) ends[at & 1] = end;
+        const int e = __ldg(s.expert + c.slot), token = __ldg(s.token + c.lo);
+        // the next tile of the block st holds (tile at - 1, which is full when this one is and
+        // shares its slot), its sources kept: no chain
+        const bool moved = after && c.row0 > 0 && nrows == ROWS &&
+                           max(wg, wu) <= min(MAXB, KEEPS_SOURCES);
+        const bool flat = moved
+            ? __syncthreads_and(
+                  restage(g, __ldg(s.block_ids + 3 * e), wg, bits_nbytes, words_in, rpt, c.row0,
+                          st[0]) &
+                  restage(g, __ldg(s.block_ids + 3 * e + 1), wu, bits_nbytes, words_in, rpt,
+                          c.row0, st[1]))
+            : stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu, true);
         STAMP(0, 2);
         const int ks = popc_steps(words_in);
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
         // gate, then up, each on all 4 warps (8-row group warp % 2, column half warp / 2); side by
         // side on 2 warps each was 10% slower (docs/PERF.md, session 10). A split tile's two
-        // CTAs interleave their chunks: each warp takes every (2 kn)-th.
-        const int grp = warp & 1, part = warp >> 1, kpart = sp.kz * 2 + part, kparts = 2 * sp.kn;
+        // halves interleave their chunks: each warp takes every (2 kn)-th.
+        const int grp = warp & 1, part = warp >> 1, kpart = kz * 2 + part, kparts = 2 * kn;
         constexpr int R = popc_regs(MAXB, FEW);
         #pragma unroll 1
         for (int m = 0; m < 2; ++m) {
@@ -1081,28 +1205,29 @@ __device__ void gate_up_popc(Paged g, Slots s, int slot, int tile, const uint4* 
                 for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
                     popc_piece<MAXB, R>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8,
                                         st[m].tbl + 8 * grp, words_in, k0,
-                                        min(ks, k0 + POPC_STEPS), k0, kpart, kparts, x + i, f);
+                                        min(ks, k0 + POPC_STEPS), k0, kpart, kparts, x + i, f,
+                                        moved && m == 0 && i == 0);
                 STAMP(0, 3 + 2 * m);
                 popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
                 STAMP(0, 4 + 2 * m);
             } else {  // the lookup: token 0 of n-tile 0 is fragment register w of lanes 4i
                 int xrow[1] = {lane >> 2 == 0 ? token : -1};
                 float acc[1][4], sum[2][1];
-                mma_block<1>(st[m], B, flat, words_in, wpad_in, xf, xrow, 1, sp.kz * WARPS + warp,
-                             sp.kn * WARPS, acc);
+                mma_block<1>(st[m], B, flat, words_in, wpad_in, xf, xrow, 1,
+                             (kpart >> 1) * WARPS + warp, kparts / 2 * WARPS, acc);
                 reduce_units<1>(acc, red, WARPS, sum);
-                if ((lane & 3) == 0 && (warp & 1) == 0) rows[m][(lane >> 2) + 8 * (warp >> 1)] = sum[0][0];
+                if ((lane & 3) == 0 && (warp & 1) == 0)
+                    rows[m][(lane >> 2) + 8 * (warp >> 1)] = sum[0][0];
                 __syncthreads();
             }
         }
-        if (sp.kn > 1 && !split_join(sp, rows)) {  // the other half stores h
-            STAMP(0, 7);
-            return;
-        }
+        if constexpr (!FEW) end = ends[((h - 1) >> 1) & 1];  // this tile's (h has moved on)
+        if (end.kn > 1 && !split_join(Split{end.kz, end.kn, end.idx, sp.sum, sp.ticket}, rows))
+            continue;  // the other half stores h
+        if (threadIdx.x < ROWS)
+            store_h(hp, end.lo, end.row0 + threadIdx.x, I, wpad_out, rows[0][threadIdx.x],
+                    rows[1][threadIdx.x]);
     }
-    if (threadIdx.x < ROWS)
-        store_h(hp, c.lo, c.row0 + threadIdx.x, I, wpad_out, nrows > 0 ? rows[0][threadIdx.x] : 0.f,
-                nrows > 0 ? rows[1][threadIdx.x] : 0.f);
     STAMP(0, 7);
 }
 
@@ -1406,12 +1531,6 @@ struct PrefillWG {
     uint4 b[2][WG_KSTEPS][WG_GROUPS][2][8];
     unsigned long long full[2];  // mbarriers: buffer u's bulk copy has landed (one arrival a use)
 };
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
 
 // mbarrier helpers for the B buffers' bulk copies.
 __device__ __forceinline__ void mbar_init(void* bar, int count) {
@@ -1979,36 +2098,29 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
         if (at >= t_tiles * t_split) return;                                                     \
         slot = 0, tile = at % t_tiles, kz = at / t_tiles, kn = t_split;                          \
     }
-// gate_up's routed CTAs in launch order (x fastest) when its last `split` tiles are split
-// (Split): the whole tiles first, then each split tile's two halves. The launcher widens the grid
-// by split / n_routed columns; every slot holds 32 wpad_out / ROWS tiles (all are live: one-token
-// calls only).
-#define SPLIT_TAIL                                                                               \
-    {                                                                                            \
-        const int tiles = 32 * wpad_out / ROWS, b = blockIdx.y * gridDim.x + blockIdx.x;        \
-        const int whole = n_routed * tiles - split;                                              \
-        int at = b;                                                                              \
-        if (b >= whole) {                                                                        \
-            const int j = b - whole;                                                             \
-            if (j >= 2 * split) return;                                                          \
-            at = whole + j / 2, sp.kz = j & 1, sp.kn = 2, sp.idx = j / 2;                        \
-        }                                                                                        \
-        slot = at / tiles, tile = at % tiles;                                                    \
+// gate_up's work (Run): the CTA's tile, or with `runs` > 0 (one-token calls without a shared
+// expert; the launcher's grid is `runs` CTAs) the j-th of `runs` shares of the routed tiles' halves.
+#define RUN                                                                                      \
+    const int tiles = t ? t_tiles : 32 * wpad_out / ROWS, at = slot * tiles + tile;              \
+    Run run{2 * at, 2 * at + 2, 0, tiles};                                                       \
+    if (!t && runs > 0) {                                                                        \
+        const i64 halves = 2LL * n_routed * tiles, j = blockIdx.x;                               \
+        run = Run{(int)(j * halves / runs), (int)((j + 1) * halves / runs), (int)j, tiles};      \
     }
 #define ENTRY_AS(NAME, BOUNDS, GATE_UP, DOWN)                                                     \
     extern "C" __global__ void BOUNDS gate_up_##NAME(                                             \
         PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
         int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, int n_routed, SHARED_SLOT_ARGS,    \
         unsigned short* t_hp, int t_I, int t_wpad_out, i64 t_bits_nbytes, int t_rpt,            \
-        int t_tiles, int t_split, const PopcX* px, int split, float* split_sum,                 \
+        int t_tiles, int t_split, const PopcX* px, int runs, float* split_sum,                  \
         int* split_ticket) {                                                                     \
         WHICH_GROUP                                                                              \
-        (void)kz, (void)kn; /* t_split = 1: only the routed group's last tiles split (SPLIT_TAIL) */ \
-        Split sp{0, 1, 0, split_sum, split_ticket};                                              \
-        if (!t && split > 0) SPLIT_TAIL                                                          \
-        GATE_UP(PAGED, t ? SHARED_SLOTS : SLOTS, slot, tile, xf, t ? t_hp : hp, t ? t_I : I,     \
+        (void)kz, (void)kn; /* t_split = 1: gate_up splits no columns on the per-tile grid */     \
+        RUN                                                                                      \
+        GATE_UP(PAGED, t ? SHARED_SLOTS : SLOTS, run, xf, t ? t_hp : hp, t ? t_I : I,            \
                 words_in, wpad_in, t ? t_wpad_out : wpad_out,                                    \
-                t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, px, sp);                       \
+                t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, px,                            \
+                Split{0, 1, 0, split_sum, split_ticket});                                        \
     }                                                                                            \
     extern "C" __global__ void BOUNDS down_##NAME(                                                \
         PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,    \

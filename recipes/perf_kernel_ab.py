@@ -2,8 +2,9 @@
 rounds interleaved (the best time of each is printed). Variants are .cu files (NVRTC compiles
 each: ~2.5 min; e.g. `git show main:cuda/moe.cu > /tmp/a.cu`) or cubins built elsewhere (`nvcc
 -arch=sm_90a -std=c++17 -cubin`: no compile on the GPU machine; compare cubins with cubins).
-A variant `x.cubin@tail=N@down=K` runs x with FusedMoE.split_tail = N (gate_up's last N one-token
-tiles split over two CTAs each; 0: none) and down_split = K (CTAs sharing a down tile's columns).
+A variant `x.cubin@runs=N@down=K` runs x with FusedMoE.gate_up_runs = N (the CTAs of a one-token
+gate_up's persistent grid; 0: one CTA a tile) and down_split = K (CTAs sharing a down tile's
+columns).
 Usage (GPU machine):
   python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
@@ -28,7 +29,7 @@ def main() -> None:
         for v in variants:
             path, *knobs = v.split("@")
             knob = dict(k.split("=") for k in knobs)
-            fused_moe.SPLIT_TAIL = int(knob["tail"]) if "tail" in knob else None
+            fused_moe.GATE_UP_RUNS = int(knob["runs"]) if "runs" in knob else None
             fused_moe.DOWN_SPLIT = int(knob["down"]) if "down" in knob else None
             if path.endswith(".cubin"):
                 os.environ["PWCTL_CUBIN"] = str(Path(path).resolve())

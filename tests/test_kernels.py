@@ -469,6 +469,8 @@ ODD = MoESpec(6, 2, 120, 200, "softmax_topk", False, 1.0, 72, True, "silu")
 # rows of 6 and 10 plane words: 8-byte but not 16-byte aligned, so the sm_90a prefill takes its
 # word-by-word loop (no plane ring)
 WORDS_2_MOD_4 = MoESpec(4, 2, 192, 320, "softmax_topk", False, 1.0, 0, False, "silu")
+# gate rows of 140 plane words (560 bytes): in 16 KB slabs a 16-row tile's rows straddle edges
+STRADDLE = MoESpec(4, 2, 4480, 1024, "softmax_topk", False, 1.0, 0, False, "silu")
 TEST_SPECS = {"odd": ODD, "words-2-mod-4": WORDS_2_MOD_4}
 
 
@@ -564,13 +566,17 @@ def test_popc_kernels_take_calls_of_a_few_tokens(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["mixtral", "qwen3-moe"])
-def test_one_token_split_tiles_match_reference(shape):
-    """gate_up's tiles split over two CTAs whose halves meet through a ticket (cuda/moe.cu
-    split_join): none, a few, the launcher's choice (Mixtral: the last 208 of 1792) and every
-    tile, at 3 and 4 bits (p1b3, p1) and mixed widths (wider blocks on the lookup), each call
-    twice: the second half of a tile resets its ticket for the next."""
-    layer = synthetic_layer(SHAPES[shape], seed=5)
+@pytest.mark.parametrize("shape", ["mixtral", "qwen3-moe", "straddle"])
+def test_one_token_runs_match_reference(shape):
+    """gate_up's persistent grid (cuda/moe.cu Run): each CTA a share of the tiles' halves, the
+    tiles after its first restaged by moving the pointers on (`restage`), shares that end
+    mid-tile meeting through a ticket (split_join). One CTA a tile, a few CTAs (long runs), the
+    launcher's choice and a CTA a half tile, at 3 and 4 bits (p1b3, p1) and mixed widths (wider
+    blocks on the lookup, staged afresh), each call twice: the second half of a tile resets its
+    ticket for the next. "straddle": 560-byte rows in 16 KB slabs, so that some rows of a tile
+    move on within their slab and others cross an edge or straddle one."""
+    spec, slab = (STRADDLE, 16384) if shape == "straddle" else (SHAPES[shape], None)
+    layer = synthetic_layer(spec, seed=5, slab_bytes=slab)
     t, moe = layer.table, layer.moe
     moe.popc_decode = True
     tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS * layer.spec.top_k
@@ -580,14 +586,14 @@ def test_one_token_split_tiles_match_reference(shape):
         layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
         x, weights, index, scale = random_routing(layer.spec, 1, seed=5)
         want = layer.moe(0, x, weights, index, scale, reference=True)
-        for split in (0, 5, None, tiles):
-            moe.split_tail, moe._launches = split, {}
+        for runs in (0, 3, None, 2 * tiles):
+            moe.gate_up_runs, moe._launches = runs, {}
             for call in range(2):
                 _poison(moe)
                 got = moe(0, x, weights, index, scale)
                 torch.cuda.synchronize()
                 err = float((got - want).norm() / want.norm())
-                case = f"{shape} width {width} split {split} call {call}"
+                case = f"{shape} width {width} runs {runs} call {call}"
                 assert err < 1e-3, f"{case}: relative error {err:.2e}"
 
 
@@ -1072,32 +1078,51 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
 
 
-def _split_tail_numbering(grid: tuple[int, int], tiles: int, split: int) -> list[tuple]:
-    """cuda/moe.cu SPLIT_TAIL replayed: (slot, tile, kz, kn, idx) of each routed CTA that works."""
-    whole, done = grid[1] * tiles - split, []
-    for b in range(grid[0] * grid[1]):  # launch order: x fastest
-        at, kz, kn, idx = b, 0, 1, 0
-        if b >= whole:
-            if b - whole >= 2 * split:
-                continue
-            at, kz, kn, idx = whole + (b - whole) // 2, (b - whole) & 1, 2, (b - whole) // 2
-        done.append((at // tiles, at % tiles, kz, kn, idx))
+def _run_shares(runs: int, tiles: int) -> list[tuple]:
+    """cuda/moe.cu RUN and gate_up_popc's loop replayed: (tile, kz, kn, idx) of each CTA's work
+    on a persistent grid of `runs` CTAs over `tiles` tiles."""
+    done, halves = [], 2 * tiles
+    for j in range(runs):
+        h, b = j * halves // runs, (j + 1) * halves // runs
+        while h < b:
+            kz = h & 1
+            kn = 1 if kz == 0 and h + 2 <= b else 2
+            done.append((h >> 1, kz, kn, j + 1 - kz))
+            h += 2 if kn == 1 else 1
     return done
 
 
-def test_one_token_gate_up_splits_its_last_partial_wave(monkeypatch):
-    """A one-token gate_up grid without a shared expert splits the tiles of its last partial
-    wave, when they fill at most half a wave, over two CTAs each: the launcher widens the grid by
-    their second halves, and the kernel's numbering covers every tile once whole or once in each
-    half, the split ones last. Every build passes as many arguments as the kernels declare."""
-    assert kernels.split_tiles(1792, 528) == 208 == kernels.split_tiles(1792, 792)  # Mixtral
-    assert kernels.split_tiles(384, 528) == 0  # under a wave: nothing waits for a slot
-    assert kernels.split_tiles(1056, 528) == 0 and kernels.split_tiles(1000, 528) == 0
+@pytest.mark.parametrize("runs", [1, 3, 100, 511, 512, 513, 1024])
+def test_run_shares_cover_every_tile_once(runs):
+    """Each tile of a persistent gate_up grid is computed once whole, or once in each half by
+    the two CTAs whose shares meet in it, which share its scratch; no two split tiles share
+    one, and every index fits the launcher's runs + 1."""
+    shares, tiles = _run_shares(runs, 512), {}
+    for tile, kz, kn, idx in shares:
+        tiles.setdefault(tile, []).append((kz, kn, idx))
+    assert sorted(tiles) == list(range(512))
+    split = {}
+    for tile, work in tiles.items():
+        if work != [(0, 1, work[0][2])]:
+            assert sorted(w[:2] for w in work) == [(0, 2), (1, 2)] and work[0][2] == work[1][2]
+            split[work[0][2]] = tile
+    assert len(split) == sum(len(w) == 2 for w in tiles.values())  # one scratch a split tile
+    assert all(0 < idx <= runs for idx in split)
+    if runs <= 512:  # shares of at least a tile: at most one split tile between two CTAs
+        assert len(split) < runs
+
+
+def test_one_token_gate_up_runs_a_persistent_grid(monkeypatch):
+    """A one-token gate_up grid without a shared expert, more tiles than a wave, runs one wave of
+    persistent CTAs (cuda/moe.cu Run); under a wave, or with gate_up_runs = 0, one CTA a tile.
+    Every build passes as many arguments as the kernels declare; a negative override raises."""
+    assert kernels.gate_up_runs(1792, 528) == 528 and kernels.gate_up_runs(384, 528) == 0
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid))  # noqa: E731
     monkeypatch.setattr(kernels, "launch_packed", record)
     monkeypatch.setattr(kernels, "sm_count", lambda: 100)
-    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: 1)
+    per_sm = {"n": 1}
+    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: per_sm["n"])
     spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 0, False, "silu")
     layer = synthetic_layer(spec, device="cpu", seed=0)
     layer.set_widths(np.full(layer.table.n_blocks, 4))
@@ -1105,26 +1130,20 @@ def test_one_token_gate_up_splits_its_last_partial_wave(monkeypatch):
     moe.popc_decode = True
     tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS  # 256 a slot
     pairs, xf = decode_buffers(1, 2, 4, moe.proj[(0, False, "gate")].wpad, cpu)
-    grids = {}
-    for split in (None, 0, 2 * tiles):
-        moe.split_tail, moe._launches = split, {}
+
+    def grid(runs: int | None, ctas_per_sm: int = 1) -> tuple:
+        moe.gate_up_runs, moe._launches, per_sm["n"] = runs, {}, ctas_per_sm
         launched.clear()
         moe._decode(0, xf, pairs, torch.zeros(1, 768), None, moe._x_pieces(0, 1, cpu))
-        grids[split] = dict(launched)["gate_up_p1"]
-    tail = 2 * tiles % 100  # 12 of 512 tiles past 5 waves of 100
-    assert grids[None] == (tiles + tail // 2, 2) and grids[0] == (tiles, 2)
-    assert grids[2 * tiles] == (2 * tiles, 2)  # every tile split: twice the CTAs
-    for split in (tail, 2 * tiles):
-        done = _split_tail_numbering(grids[split if split != tail else None], tiles, split)
-        assert sorted(done) == sorted(
-            [(s, t, 0, 1, 0) for s in range(2) for t in range(tiles)][: 2 * tiles - split]
-            + [(a // tiles, a % tiles, kz, 2, a - (2 * tiles - split))
-               for a in range(2 * tiles - split, 2 * tiles) for kz in (0, 1)]
-        )  # fmt: skip
-    gate_up, _ = moe._decode_launches(0, xf, pairs, None, None)  # the lookup build: no tail
+        return dict(launched)["gate_up_p1"]
+
+    assert grid(None) == (100, 1) and grid(0) == (tiles, 2) and grid(7) == (7, 1)
+    assert grid(None, ctas_per_sm=6) == (tiles, 2)  # 512 tiles, a wave of 600: one CTA a tile
+    assert grid(10**6) == (4 * tiles, 1)  # at most a CTA a half tile
+    gate_up, _ = moe._decode_launches(0, xf, pairs, None, None)  # the lookup build: no runs
     assert gate_up.count == len(_kernel_params("gate_up_##NAME"))
-    for knob in ("split_tail", "down_split"):  # a negative count would shrink the grids
-        moe.split_tail, moe.down_split, moe._launches = None, None, {}
+    for knob in ("gate_up_runs", "down_split"):  # a negative count would shrink the grids
+        moe.gate_up_runs, moe.down_split, moe._launches = None, None, {}
         setattr(moe, knob, -1)
         with pytest.raises(ValueError, match=knob):
             moe._decode_launches(0, xf, pairs, None, moe._x_pieces(0, 1, cpu))

@@ -71,13 +71,19 @@ class SyntheticLayer:
 
 
 def synthetic_layer(
-    spec: MoESpec, device: str = "cuda", min_bits: int = 2, max_bits: int = 8, seed: int = 0
+    spec: MoESpec,
+    device: str = "cuda",
+    min_bits: int = 2,
+    max_bits: int = 8,
+    seed: int = 0,
+    slab_bytes: int | None = None,
 ) -> SyntheticLayer:
-    """Every block of one layer at `max_bits` planes, resident in a shuffled slab arena."""
+    """Every block of one layer at `max_bits` planes, resident in a shuffled slab arena (slabs of
+    `slab_bytes`, at least a row of plane words; default: the pager's choice)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = layer_blocks(spec, max_bits, min_bits)
     pb = np.array([[p.nbytes for p in b.planes] for b in blocks], dtype=np.int64)
-    slab = choose_slab(pb, max(b.words * 4 for b in blocks))
+    slab = slab_bytes or choose_slab(pb, max(b.words * 4 for b in blocks))
     total = int((-(-pb // slab)).sum())
     table = PageTable(pb, min_bits, total * slab, slab)
     linear = torch.randint(-(2**31), 2**31 - 1, (total * slab // 4,), generator=gen, device=device)

@@ -447,12 +447,12 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 POPC_MIN_WEIGHTS = 128 << 20
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
-_NO_TAIL = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's split tiles: none
+_NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's per-tile grid: no shares
 
-# FusedMoE.split_tail's default: None, one-token gate_up grids split their last partial wave's
-# tiles in halves (kernels.split_tiles); a count, that many of the last tiles (0: none;
-# recipes/perf_kernel_ab.py sets it for A/B runs)
-SPLIT_TAIL: int | None = None
+# FusedMoE.gate_up_runs' default: None, one-token gate_up grids run persistent by
+# kernels.gate_up_runs; a count, that many CTAs (0: one a tile; recipes/perf_kernel_ab.py sets
+# it for A/B runs)
+GATE_UP_RUNS: int | None = None
 # FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
 DOWN_SPLIT: int | None = None
 
@@ -465,7 +465,7 @@ class DecodeLaunch:
     host-bound."""
 
     gate_up_grid: tuple[int, int]
-    tail: int  # gate_up's last tiles, each split over two CTAs (cuda/moe.cu Split)
+    runs: int  # gate_up's persistent CTAs (cuda/moe.cu Run), 0: one a tile
     gate_up_routed: tuple
     gate_up_shared: tuple
     down_grid: tuple[int, int, int]
@@ -499,8 +499,8 @@ class FusedMoE:
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         self._launches: dict[tuple[int, int, bool, str], DecodeLaunch] = {}
-        self._tail_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.split_tail = SPLIT_TAIL  # gate_up tiles split at a one-token grid's end (None: auto)
+        self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
         self.down_split = DOWN_SPLIT  # CTAs sharing a down tile's columns (None: auto)
         # `routed`'s launches by (layer, T, shared gate, kernels): made once, their buffers reused
         self._routed_plans: dict[tuple, tuple] = {}
@@ -721,7 +721,7 @@ class FusedMoE:
         block = (32 * kernels.WARPS,)
         gate_up = kernels.Prepared(
             f"gate_up_{kind}", plan.gate_up_grid, block,
-            common + gu_args + xpx + self._tail_args(plan.tail, xf.device), early=True,
+            common + gu_args + xpx + self._run_args(plan.runs, xf.device), early=True,
         )  # fmt: skip
         planes = self._planes(list(zip(hp, dn, hps, strict=True))) if px is not None else None
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
@@ -739,17 +739,18 @@ class FusedMoE:
 
         return gate_up_then_planes, down
 
-    def _tail_args(self, tail: int, device: torch.device) -> tuple:
-        """gate_up's last arguments: its split tiles, their halves' rows (2 halves x gate and up
-        x ROWS floats a tile) and tickets (zero between launches: a tile's second half to finish
-        resets the tile's)."""
-        if tail == 0:
-            return _NO_TAIL
-        if tail not in self._tail_buffers:
-            rows = torch.empty(tail * 4 * kernels.ROWS, dtype=torch.float32, device=device)
-            self._tail_buffers[tail] = rows, torch.zeros(tail, dtype=torch.int32, device=device)
-        rows, tickets = self._tail_buffers[tail]
-        return np.int32(tail), kernels.ptr(rows), kernels.ptr(tickets)
+    def _run_args(self, runs: int, device: torch.device) -> tuple:
+        """gate_up's last arguments: its persistent CTAs, and for the tiles split between two
+        shares, their halves' rows (2 halves x gate and up x ROWS floats) and tickets (zero
+        between launches: a tile's second half to finish resets the tile's)."""
+        if runs == 0:
+            return _NO_RUNS
+        if runs not in self._run_buffers:
+            rows = torch.empty((runs + 1) * 4 * kernels.ROWS, dtype=torch.float32, device=device)
+            tickets = torch.zeros(runs + 1, dtype=torch.int32, device=device)
+            self._run_buffers[runs] = rows, tickets
+        rows, tickets = self._run_buffers[runs]
+        return np.int32(runs), kernels.ptr(rows), kernels.ptr(tickets)
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
@@ -827,7 +828,7 @@ class FusedMoE:
         """Grids and shape arguments of a decode call's two launches (cuda/moe.cu ENTRY): fixed
         by the layer, its routed slot count, whether a shared expert rides along and the
         kernels. One-token calls without a shared expert (every slot live, the routed tiles
-        last in the grid) split gate_up's last partial wave (`kernels.split_tiles`); the popc
+        last in the grid) run gate_up on a persistent grid (`kernels.gate_up_runs`); the popc
         kernels' down keeps to one wave (`kernels.k_split`)."""
         i32, i64, rows, warps = np.int32, np.int64, kernels.ROWS, kernels.WARPS
         groups = [False] + ([True] if with_shared else [])
@@ -845,10 +846,10 @@ class FusedMoE:
         # grid rows after the routed slots' that number the shared expert's CTAs
         extra = (-(-tiles[-1] // tiles[0]), -(-ctas[-1] * split_t // (ctas[0] * split)))
         extra = extra if with_shared else (0, 0)
-        tail = 0 if with_shared else self._gate_up_tail(kind, tiles[0] * n_routed)
+        runs = 0 if with_shared else self._gate_up_runs(kind, tiles[0] * n_routed)
         return DecodeLaunch(
-            gate_up_grid=(tiles[0] + -(-tail // n_routed), n_routed + extra[0]),
-            tail=tail,
+            gate_up_grid=(runs, 1) if runs else (tiles[0], n_routed + extra[0]),
+            runs=runs,
             gate_up_routed=gate_up + (i32(n_routed),),
             gate_up_shared=(i32(gu[-1].rows), i32(dn[-1].wpad), i64(gu[-1].bits_nbytes))
             + (i32(gu[-1].rows_per_table), i32(tiles[-1]), i32(1)),
@@ -869,17 +870,18 @@ class FusedMoE:
         wave = kernels.resident_ctas(f"down_{kind}") if kind.startswith("p") else None
         return kernels.k_split(ctas, words, parts, wave)
 
-    def _gate_up_tail(self, kind: str, tiles: int) -> int:
-        """gate_up's last tiles split over two CTAs each (cuda/moe.cu Split) in a one-token
-        call of `tiles` routed tiles, every slot live: `split_tail` (at most every tile), or
-        `kernels.split_tiles` on one wave of the kernel's CTAs; none for the other builds."""
+    def _gate_up_runs(self, kind: str, tiles: int) -> int:
+        """gate_up's persistent CTAs (cuda/moe.cu Run) in a one-token call of `tiles` routed
+        tiles, every slot live: `gate_up_runs` (at most a CTA a half tile), or
+        `kernels.gate_up_runs` on one wave of the kernel's CTAs; 0 (one CTA a tile) for the
+        other builds."""
         if kind not in ("p1", "p1b3"):
             return 0
-        if self.split_tail is not None:
-            if self.split_tail < 0:
-                raise ValueError(f"split_tail {self.split_tail}: a count of tiles, >= 0")
-            return min(self.split_tail, tiles)
-        return kernels.split_tiles(tiles, kernels.resident_ctas(f"gate_up_{kind}"))
+        if self.gate_up_runs is not None:
+            if self.gate_up_runs < 0:
+                raise ValueError(f"gate_up_runs {self.gate_up_runs}: a count of CTAs, >= 0")
+            return min(self.gate_up_runs, 2 * tiles)
+        return kernels.gate_up_runs(tiles, kernels.resident_ctas(f"gate_up_{kind}"))
 
     def _prefill(
         self,

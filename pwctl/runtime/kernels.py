@@ -328,12 +328,11 @@ def _occupancy(name: str, threads: int, device: int) -> int:
     return n.value
 
 
-def split_tiles(tiles: int, wave: int) -> int:
-    """gate_up tiles of a one-token call split over the columns in two CTAs (cuda/moe.cu Split):
-    those of the grid's last partial wave (`wave`: CTAs resident at once), when they fill at
-    most half of it, so that the halves run on idle slots instead of the whole tiles on a few."""
-    rest = tiles % wave
-    return rest if tiles > wave and 2 * rest <= wave else 0
+def gate_up_runs(tiles: int, wave: int) -> int:
+    """CTAs of a one-token gate_up's persistent grid (cuda/moe.cu Run): one wave when the tiles
+    are more than a wave, each CTA then taking an equal share of the tiles' halves and staging
+    each tile after its first without a chain of loads (`restage`); else 0, one CTA a tile."""
+    return wave if tiles > wave else 0
 
 
 def down_units(words: int) -> int:
