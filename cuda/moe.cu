@@ -275,9 +275,9 @@ struct Stage {
 };
 
 // Where the table words of row r came from (`restage` moves them on): kept in the row's unused
-// upper half, so only for widths up to 4 (16 entries of 256). A separate array took the popc
-// kernels' shared memory past what leaves them 124 KB of L1 (p1: 4 CTAs, 31.9 -> 33.9 KB each),
-// and the one-tile-a-CTA grid ran 4% slower (Mixtral, 1 token; docs/PERF.md, session 25).
+// upper half, so only for widths up to 4 (16 entries of 256). A separate array (31.9 -> 33.9 KB a
+// CTA) moved `p1b3`'s 6 CTAs an SM to the next shared-memory carveout, which left ~28 KB of L1
+// instead of ~60, and it ran 4% slower (Mixtral, 3 bits, 1 token; docs/PERF.md, session 25).
 #define KEEPS_SOURCES 4
 __device__ __forceinline__ const u32** table_sources(Stage& st, int r) {
     return (const u32**)(st.tbl[r] + MAX_TABLE / 2);
@@ -1120,8 +1120,8 @@ __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
 // an SM are more loads in flight, docs/PERF.md sessions 12 and 23).
 // What a tile's end needs (split_join, store_h), kept in shared memory across the streaming. Held
 // in registers with the share's bounds, they took `gate_up_p1` from 127 registers to 128 and 20
-// bytes of spills, whose reloads after the streaming missed every cache: a CTA a tile ran 4%
-// slower (Mixtral, 4 bits, one token; docs/PERF.md, session 25).
+// bytes of spills, reloaded after the streaming (which has likely evicted them from L1 and L2):
+// a CTA a tile ran 4% slower (Mixtral, 4 bits, one token; docs/PERF.md, session 25).
 struct TileEnd {
     int lo, row0;     // the tile's pair and first row
     int kz, kn, idx;  // its Split
