@@ -283,6 +283,11 @@ __device__ __forceinline__ const u32** table_sources(Stage& st, int r) {
     return (const u32**)(st.tbl[r] + MAX_TABLE / 2);
 }
 
+// Where word i of `row`'s table at width B lies in plane B - 1's chunk [bits | tables].
+__device__ __forceinline__ i64 table_off(i64 bits_nbytes, int row, int rpt, int B, int i) {
+    return bits_nbytes + (i64)(row / rpt) * (2 << B) + 4 * i;
+}
+
 // Fill `st` for rows [row0, row0 + 16) of `block` at width B (rows past the end repeat the last
 // row: they are computed and dropped). Threads first, first + stride, ... take part; no barrier.
 // Returns whether every (row, plane) this thread staged lies in one slab.
@@ -298,7 +303,7 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
     const int per_row = max(1, (1 << B) / 2);  // u32 words of one row's table
     for (int e = first; e < ROWS * per_row; e += stride) {
         const int r = e / per_row, i = e % per_row;
-        const i64 off = bits_nbytes + (i64)((row0 + min(r, nrows - 1)) / rpt) * (2 << B) + 4 * i;
+        const i64 off = table_off(bits_nbytes, row0 + min(r, nrows - 1), rpt, B, i);
         const u32* src = (const u32*)paged(g, block, B - 1, off);
         if (keep && B <= KEEPS_SOURCES) table_sources(st, r)[i] = src;
         *(u32*)(st.tbl[r] + 2 * i + table_shift(B, r)) = __ldg(src);
@@ -308,15 +313,16 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
 
 // Move `st` from rows [row0 - ROWS, row0) of `block` (every row in the block, staged keeping the
 // tables' sources, B <= KEEPS_SOURCES) on to [row0, row0 + ROWS), all in the block too. A (row,
-// plane) whose new row lies in the slab its old row began in moves on by ROWS rows with no load (the pager's
-// slabs hold whole tiles: a Mixtral plane's 256 KB slab holds 32); any other is staged afresh.
+// plane) whose new row lies in the slab its old row began in moves on by ROWS rows with no load
+// (the pager's slabs hold whole tiles: a Mixtral plane's 256 KB slab holds 32); any other is
+// staged afresh.
 // The tables come by cp.async: the fold waits for them (`tables_landed`), so their latency hides
 // behind the streaming, where `stage` waits on a chain of 5 loads first (2.8 us of a ~16 us
-// Mixtral CTA, all of it on the kernel's critical path: docs/PERF.md, session 25). No barrier.
-__device__ bool restage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
+// Mixtral CTA, all of it on the kernel's critical path: docs/PERF.md, session 25). No barrier;
+// no flatness either (`stage`'s, for the lookup, which a block this narrow never takes).
+__device__ void restage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
                         int row0, Stage& st) {
     const i64 rb = 4LL * words, step = ROWS * rb;
-    bool flat = true;
     for (int e = threadIdx.x; e < ROWS * B; e += blockDim.x) {
         const int r = e / B, p = e % B;
         const i64 off = (row0 + r) * rb;
@@ -327,13 +333,12 @@ __device__ bool restage(const Paged& g, int block, int B, i64 bits_nbytes, int w
         } else {
             rp = row_ptr(g, block, p, row0 + r, words);
         }
-        flat = flat && rp.split >= words;
     }
     const int per_row = max(1, (1 << B) / 2);
     for (int e = threadIdx.x; e < ROWS * per_row; e += blockDim.x) {
         const int r = e / per_row, i = e % per_row;
-        const i64 off = bits_nbytes + (i64)((row0 + r) / rpt) * (2 << B) + 4 * i;
-        const i64 was = bits_nbytes + (i64)((row0 - ROWS + r) / rpt) * (2 << B) + 4 * i;
+        const i64 off = table_off(bits_nbytes, row0 + r, rpt, B, i);
+        const i64 was = table_off(bits_nbytes, row0 - ROWS + r, rpt, B, i);
         const u32*& src = table_sources(st, r)[i];
         src = was >> g.slab_shift == off >> g.slab_shift ? src + (off - was) / 4
                                                          : (const u32*)paged(g, block, B - 1, off);
@@ -341,7 +346,6 @@ __device__ bool restage(const Paged& g, int block, int B, i64 bits_nbytes, int w
                      :: "r"(smem_u32(st.tbl[r] + 2 * i + table_shift(B, r))), "l"(src) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    return flat;
 }
 
 // restage's tables are in shared memory, for every thread. Every thread of the CTA calls it.
@@ -536,12 +540,22 @@ struct Run {
     int tiles;  // tiles a slot
 };
 
-// A tile computed in two halves: where they meet (split_join); kn = 1: a whole tile.
+// Where a tile computed in two halves meets (split_join): a scratch a share, the one that begins
+// in the tile.
 struct Split {
-    int kz, kn;     // this CTA's half of the columns, and the halves
-    int idx;        // the tile's scratch: the share that begins in it
-    float* sum;     // [runs + 1][2 halves][2 * ROWS]: each half's gate and up rows
-    int* ticket;    // [runs + 1]: halves done; the second half resets it to 0
+    float* sum;   // [runs + 1][2 halves][2 * ROWS]: each half's gate and up rows
+    int* ticket;  // [runs + 1]: halves done; the second half resets it to 0
+};
+
+// A gate_up tile's place and what its end needs (split_join, store_h). The persistent grid keeps
+// it in shared memory across the streaming: held in registers with the share's bounds, it took
+// `gate_up_p1` from 127 registers to 128 and 20 bytes of spills, reloaded after the streaming
+// (which has likely evicted them from L1 and L2), and a CTA a tile ran 4% slower (Mixtral, 4
+// bits, one token; docs/PERF.md, session 25).
+struct TileEnd {
+    int lo, row0;  // the tile's pair and first row
+    int kz, kn;    // this CTA's half of the columns, and the halves (1: a whole tile)
+    int idx;       // the tile's scratch in Split
 };
 
 // The warps' partial sums, added in shared memory 4 n-tiles at a time. The warps form units of
@@ -1086,20 +1100,20 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
 
 // A split tile's halves meet here. Each leaves its rows in `sum`; the second to arrive adds the
 // first's into `rows` (true: it stores h) and resets the ticket for the next call.
-__device__ bool split_join(const Split& sp, float (&rows)[2][ROWS]) {
+__device__ bool split_join(const Split& sp, const TileEnd& c, float (&rows)[2][ROWS]) {
     __shared__ int last;
-    float* mine = sp.sum + ((i64)sp.idx * 2 + sp.kz) * 2 * ROWS;
-    const float* other = sp.sum + ((i64)sp.idx * 2 + (sp.kz ^ 1)) * 2 * ROWS;
+    float* mine = sp.sum + ((i64)c.idx * 2 + c.kz) * 2 * ROWS;
+    const float* other = sp.sum + ((i64)c.idx * 2 + (c.kz ^ 1)) * 2 * ROWS;
     if (threadIdx.x < 2 * ROWS) mine[threadIdx.x] = rows[threadIdx.x / ROWS][threadIdx.x % ROWS];
     __threadfence();  // the rows before the ticket
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(sp.ticket + sp.idx, 1) == 1;
+    if (threadIdx.x == 0) last = atomicAdd(sp.ticket + c.idx, 1) == 1;
     __syncthreads();
     if (!last) return false;
     __threadfence();  // the other half's rows after its ticket
     if (threadIdx.x < 2 * ROWS)
         rows[threadIdx.x / ROWS][threadIdx.x % ROWS] += __ldcg(other + threadIdx.x);
-    if (threadIdx.x == 0) sp.ticket[sp.idx] = 0;
+    if (threadIdx.x == 0) sp.ticket[c.idx] = 0;
     __syncthreads();
     return true;
 }
@@ -1118,15 +1132,6 @@ __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
 // accumulators take a quarter of the registers (7 subsets, popc_regs), so that 6 CTAs an SM fit
 // instead of 4 (the launcher takes it when no block of the layer is wider than 3 bits: more warps
 // an SM are more loads in flight, docs/PERF.md sessions 12 and 23).
-// What a tile's end needs (split_join, store_h), kept in shared memory across the streaming. Held
-// in registers with the share's bounds, they took `gate_up_p1` from 127 registers to 128 and 20
-// bytes of spills, reloaded after the streaming (which has likely evicted them from L1 and L2):
-// a CTA a tile ran 4% slower (Mixtral, 4 bits, one token; docs/PERF.md, session 25).
-struct TileEnd {
-    int lo, row0;     // the tile's pair and first row
-    int kz, kn, idx;  // its Split
-};
-
 template <int MAXB, bool FEW>
 __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigned short* hp, int I,
                              int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
@@ -1181,13 +1186,16 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         // shares its slot), its sources kept: no chain
         const bool moved = after && c.row0 > 0 && nrows == ROWS &&
                            max(wg, wu) <= min(MAXB, KEEPS_SOURCES);
-        const bool flat = moved
-            ? __syncthreads_and(
-                  restage(g, __ldg(s.block_ids + 3 * e), wg, bits_nbytes, words_in, rpt, c.row0,
-                          st[0]) &
-                  restage(g, __ldg(s.block_ids + 3 * e + 1), wu, bits_nbytes, words_in, rpt,
-                          c.row0, st[1]))
-            : stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu, true);
+        bool flat = true;  // (only the lookup asks, and a moved tile's blocks never take it)
+        if (moved) {
+            restage(g, __ldg(s.block_ids + 3 * e), wg, bits_nbytes, words_in, rpt, c.row0, st[0]);
+            restage(g, __ldg(s.block_ids + 3 * e + 1), wu, bits_nbytes, words_in, rpt, c.row0,
+                    st[1]);
+            __syncthreads();
+        } else {
+            flat = stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu,
+                                 true);
+        }
         STAMP(0, 2);
         const int ks = popc_steps(words_in);
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
@@ -1221,7 +1229,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
             }
         }
         if constexpr (!FEW) end = ends[((h - 1) >> 1) & 1];  // this tile's (h has moved on)
-        if (end.kn > 1 && !split_join(Split{end.kz, end.kn, end.idx, sp.sum, sp.ticket}, rows))
+        if (end.kn > 1 && !split_join(sp, end, rows))
             continue;  // the other half stores h
         if (threadIdx.x < ROWS)
             store_h(hp, end.lo, end.row0 + threadIdx.x, I, wpad_out, rows[0][threadIdx.x],
@@ -2119,7 +2127,7 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
         GATE_UP(PAGED, t ? SHARED_SLOTS : SLOTS, run, xf, t ? t_hp : hp, t ? t_I : I,            \
                 words_in, wpad_in, t ? t_wpad_out : wpad_out,                                    \
                 t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, px,                            \
-                Split{0, 1, 0, split_sum, split_ticket});                                        \
+                Split{split_sum, split_ticket});                                                 \
     }                                                                                            \
     extern "C" __global__ void BOUNDS down_##NAME(                                                \
         PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,    \

@@ -1123,13 +1123,11 @@ def test_one_token_gate_up_runs_a_persistent_grid(monkeypatch):
     monkeypatch.setattr(kernels, "sm_count", lambda: 100)
     per_sm = {"n": 1}
     monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: per_sm["n"])
-    spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 0, False, "silu")
-    layer = synthetic_layer(spec, device="cpu", seed=0)
+    layer, pairs, xf, _ = _one_token_call()  # its shared expert stays out: no `shared` pairs
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     moe, cpu = layer.moe, torch.device("cpu")
     moe.popc_decode = True
     tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS  # 256 a slot
-    pairs, xf = decode_buffers(1, 2, 4, moe.proj[(0, False, "gate")].wpad, cpu)
 
     def grid(runs: int | None, ctas_per_sm: int = 1) -> tuple:
         moe.gate_up_runs, moe._launches, per_sm["n"] = runs, {}, ctas_per_sm
