@@ -97,33 +97,48 @@ __device__ __forceinline__ const unsigned char* paged(const Paged& g, int block,
     return g.arena + (slab << g.slab_shift) + (off & ((1LL << g.slab_shift) - 1));
 }
 
-// Where one plane of one block row lies: its words [0, split) from p0, the rest from p1 (a row
-// crosses at most one slab boundary: slabs are at least as large as a row's plane bytes).
+// A plane is stored tiled (docs/FORMAT.md, pwctl/bitplanes.py `tile`): 16-byte units of 4 words,
+// [rows / 8][words / 4][8 rows][4 words]. So a warp that loads one unit of each of 8 rows from 4
+// adjacent units reads 512 contiguous bytes; row-major, the same load was 8 pieces of 64 bytes,
+// and a Mixtral layer took 5-8% longer (docs/PERF.md, session 26). Every load of plane words is
+// of one unit or part of one (w % 4 == 0 for 16 bytes, w even for 8).
+// tiled(w): word w of a row, counted in words from its unit 0.
+__host__ __device__ __forceinline__ constexpr int tiled(int w) { return (w & 3) + ((w >> 2) << 5); }
+
+// Bytes from the start of a plane to unit 0 of `row`.
+__device__ __forceinline__ i64 row_start(int row, int words) {
+    return 4 * ((i64)(row >> 3) * 8 * words + (row & 7) * 4);
+}
+
+// Where one plane of one block row lies: its words [0, split) from p0, the rest from p1, word w
+// at tiled(w) from either (a row's group crosses at most one slab boundary: slabs are at least as
+// large as a group of rows of a plane, bitplanes.group_bytes).
 struct RowPtr {
     const u32* p0;
-    const u32* p1;  // already offset by -split words, so word w is p1[w] past the split
+    const u32* p1;  // set back by the bytes from unit 0 to the boundary, so word w is p1[tiled(w)]
     int split;
 };
 
 __device__ __forceinline__ RowPtr row_ptr(const Paged& g, int block, int plane, int row, int words) {
-    const i64 off = (i64)row * words * 4;
-    const i64 mask = (1LL << g.slab_shift) - 1;
+    const i64 off = row_start(row, words);
+    const i64 mask = (1LL << g.slab_shift) - 1, left = (mask + 1) - (off & mask);
     const int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
     RowPtr rp;
     rp.p0 = (const u32*)(g.arena + ((i64)__ldg(g.slab_map + entry) << g.slab_shift) + (off & mask));
-    rp.split = (int)min((i64)words, ((mask + 1) - (off & mask)) >> 2);
+    rp.split = (int)min((i64)words, 4 * ((left + 127) >> 7));  // the row's units are 128 bytes apart
     rp.p1 = rp.split < words
-        ? (const u32*)(g.arena + ((i64)__ldg(g.slab_map + entry + 1) << g.slab_shift)) - rp.split
+        ? (const u32*)(g.arena + ((i64)__ldg(g.slab_map + entry + 1) << g.slab_shift) - left)
         : rp.p0;
     return rp;
 }
 
 // Where word w of a row's plane lies, on whichever side of its page split.
 __device__ __forceinline__ const u32* word_ptr(const RowPtr& rp, int w) {
-    return (w < rp.split ? rp.p0 : rp.p1) + w;
+    return (w < rp.split ? rp.p0 : rp.p1) + tiled(w);
 }
 
 __device__ __forceinline__ u32 word_at(const RowPtr& rp, int w) { return __ldg(word_ptr(rp, w)); }
+
 
 // ---- decoding labels straight into tensor-core fragments ------------------------------------
 //
@@ -288,8 +303,16 @@ __device__ __forceinline__ i64 table_off(i64 bits_nbytes, int row, int rpt, int 
     return bits_nbytes + (i64)(row / rpt) * (2 << B) + 4 * i;
 }
 
-// Fill `st` for rows [row0, row0 + 16) of `block` at width B (rows past the end repeat the last
-// row: they are computed and dropped). Threads first, first + stride, ... take part; no barrier.
+// The block row (from the tile's first) that tile row r reads when the tile has nrows rows: rows
+// past the end read a row of the tile's last group, the same row of it (computed and dropped), so
+// that each group's rows stay one group of the plane (`popc_rows` reads them from row 0's
+// pointers; the rows past the block's end up to a whole group are stored, as label 0).
+__device__ __forceinline__ int staged_row(int r, int nrows) {
+    return r < nrows ? r : ((nrows - 1) & ~7) + (r & 7);
+}
+
+// Fill `st` for rows [row0, row0 + 16) of `block` at width B (rows past the end: `staged_row`;
+// the tables' rows repeat the last row). Threads first, first + stride, ... take part; no barrier.
 // Returns whether every (row, plane) this thread staged lies in one slab.
 // keep: where each table word came from, for `restage` (widths up to KEEPS_SOURCES).
 __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
@@ -297,7 +320,7 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
     bool flat = true;
     for (int e = first; e < ROWS * B; e += stride) {
         const int r = e / B, p = e % B;
-        st.ptr[r * 8 + p] = row_ptr(g, block, p, row0 + min(r, nrows - 1), words);
+        st.ptr[r * 8 + p] = row_ptr(g, block, p, row0 + staged_row(r, nrows), words);
         flat = flat && st.ptr[r * 8 + p].split >= words;
     }
     const int per_row = max(1, (1 << B) / 2);  // u32 words of one row's table
@@ -322,12 +345,12 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
 // no flatness either (`stage`'s, for the lookup, which a block this narrow never takes).
 __device__ void restage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
                         int row0, Stage& st) {
-    const i64 rb = 4LL * words, step = ROWS * rb;
+    const i64 step = ROWS * 4LL * words, span = 4 * tiled(words - 1) + 4;  // ROWS: whole groups
     for (int e = threadIdx.x; e < ROWS * B; e += blockDim.x) {
         const int r = e / B, p = e % B;
-        const i64 off = (row0 + r) * rb;
+        const i64 off = row_start(row0 + r, words);
         RowPtr& rp = st.ptr[r * 8 + p];
-        if ((off - step) >> g.slab_shift == (off + rb - 1) >> g.slab_shift) {
+        if ((off - step) >> g.slab_shift == (off + span - 1) >> g.slab_shift) {
             rp.p0 += ROWS * words;
             rp.p1 = rp.p0, rp.split = words;
         } else {
@@ -384,8 +407,8 @@ __device__ __forceinline__ void load_word(const RowPtr* r0, const RowPtr* r1, in
     const bool in = w < words;
     #pragma unroll
     for (int p = 0; p < 8; ++p) {
-        P0[p] = p < B && in ? (FLAT ? __ldg(r0[p].p0 + w) : word_at(r0[p], w)) : 0u;
-        P1[p] = p < B && in ? (FLAT ? __ldg(r1[p].p0 + w) : word_at(r1[p], w)) : 0u;
+        P0[p] = p < B && in ? (FLAT ? __ldg(r0[p].p0 + tiled(w)) : word_at(r0[p], w)) : 0u;
+        P1[p] = p < B && in ? (FLAT ? __ldg(r1[p].p0 + tiled(w)) : word_at(r1[p], w)) : 0u;
     }
 }
 
@@ -938,11 +961,12 @@ __device__ __forceinline__ void popc_step(int (&acc)[16][R], int k8, const uint4
     }
 }
 
-// A warp's share of k-steps [k0, k1) (k0 even) for 8 rows: lane (g, t) reads row g's planes
-// (rp: its 8 plane pointers); px: the piece that starts at k-step `base`. Work units are full
-// chunks, then single 8-word k-steps; the warp takes units part, part + parts, ... of the piece.
+// A warp's share of k-steps [k0, k1) (k0 even) for 8 rows: lane (g, t) reads row g's planes;
+// px: the piece that starts at k-step `base`. Work units are full chunks, then single 8-word
+// k-steps; the warp takes units part, part + parts, ... of the piece.
+// rp: 8 plane pointers, the lane's row's words `at` on from theirs (`lane_rows`).
 template <int B, int R>
-__device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base, int part,
+__device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, int base, int part,
                           int parts, const PopcX* px, int (&acc)[16][R]) {
     const int lane = threadIdx.x & 31, t = lane & 3, chunks = words / 16;
     const int k8 = lane >> 2 == 7 ? -256 : 256;  // R = 2: x plane g + 8's weight against g's
@@ -954,7 +978,7 @@ __device__ void popc_rows(const RowPtr* rp, int words, int k0, int k1, int base,
     // from shared memory at each use: held in registers they pushed the accumulators to local memory.
     auto row_of = [&](int p, int w) {
         const volatile RowPtr& r = rp[p];
-        return (w < r.split ? r.p0 : r.p1) + w;
+        return (w < r.split ? r.p0 : r.p1) + at + tiled(w);
     };
     auto quad = [&](int p, int w) { return __ldg((const uint4*)row_of(p, w)); };
     // Loads at the top of each chunk: a chunk in flight a warp. Measured slower on the H200
@@ -1055,7 +1079,8 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned shor
 // Run-time width -> template: one piece of one 8-row group (B <= MAXB). landing: the tables are
 // on their way (`restage`; every thread of the CTA passes here with it).
 template <int MAXB, int R>
-__device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const unsigned short (*tbl)[MAX_TABLE],
+__device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
+                                           const unsigned short (*tbl)[MAX_TABLE],
                                            int words, int k0, int k1, int base, int part,
                                            int parts, const PopcX* px, double (&f)[2],
                                            bool landing = false) {
@@ -1064,7 +1089,7 @@ __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, const unsign
 #define POPC_CASE(W)                                                                              \
     case W:                                                                                       \
         if constexpr (W <= MAXB) {                                                                \
-            popc_rows<W>(rp, words, k0, k1, base, part, parts, px, acc);                          \
+            popc_rows<W>(rp, at, words, k0, k1, base, part, parts, px, acc);                      \
             if (landing) tables_landed();                                                         \
             popc_fold<W>(acc, tbl, px, k0 - base, k1 - base, part == 0, f);                       \
         }                                                                                         \
@@ -1124,6 +1149,17 @@ __device__ bool split_join(const Split& sp, const TileEnd& c, float (&rows)[2][R
 // 5; `pnb3` at 6 CTAs was 3% slower in the routed 4-token call; docs/PERF.md, session 23).
 __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
     return maxb <= 3 && !few ? 2 : 4;
+}
+
+// The plane pointers popc_rows reads for 8-row group `grp` of a tile: the group's row 0's, which
+// every lane reads at once (a tiled group's rows share their split: row g's words are 4 g on, and
+// `stage` keeps a group's pointers within one group of the plane past the tile's rows too);
+// OWN: each lane its own row's, which meet in 4-way bank conflicts. The one-token 4-bit gate_up
+// takes OWN: the other form left it 64 bytes of spills in the fold and 2.5% slower, where the
+// rest gained 1-4% (docs/PERF.md, session 26).
+template <bool OWN>
+__device__ __forceinline__ const RowPtr* lane_rows(const Stage& st, int grp) {
+    return st.ptr + (8 * grp + (OWN ? (threadIdx.x & 31) >> 2 : 0)) * 8;
 }
 
 // gate_up for one-token slots: the CTA's 16 rows of gate and up, then h as `gate_up` stores it.
@@ -1204,13 +1240,14 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         // halves interleave their chunks: each warp takes every (2 kn)-th.
         const int grp = warp & 1, part = warp >> 1, kpart = kz * 2 + part, kparts = 2 * kn;
         constexpr int R = popc_regs(MAXB, FEW);
+        constexpr bool OWN = MAXB == 4 && !FEW;  // (lane_rows)
         #pragma unroll 1
         for (int m = 0; m < 2; ++m) {
             const int B = m ? wu : wg;
             if (B <= MAXB) {
                 double f[2] = {};
                 for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                    popc_piece<MAXB, R>(B, st[m].ptr + (8 * grp + (lane >> 2)) * 8,
+                    popc_piece<MAXB, R>(B, lane_rows<OWN>(st[m], grp), OWN ? 0 : lane & ~3,
                                         st[m].tbl + 8 * grp, words_in, k0,
                                         min(ks, k0 + POPC_STEPS), k0, kpart, kparts, x + i, f,
                                         moved && m == 0 && i == 0);
@@ -1264,7 +1301,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     if (wd <= MAXB) {
         const int groups = 2 * units, parts = WARPS / groups;
         const int grp = warp % groups, part = warp / groups, unit = grp >> 1;
-        const RowPtr* rp = st[unit].ptr + (8 * (grp & 1) + (lane >> 2)) * 8;
+        const RowPtr* rp = lane_rows<false>(st[unit], grp & 1);
         const int ks = popc_steps(words_in);
         const int per = ((ks + kn - 1) / kn + 1) & ~1;  // even: a slice starts on a full chunk
         const int lo = min(ks, kz * per), hi = min(ks, lo + per);
@@ -1276,8 +1313,8 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         if (c.row0 + ROWS * unit < H)
             for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
                 const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
-                popc_piece<MAXB, R>(wd, rp, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1,
-                                    i * POPC_STEPS, part, parts, x + i, f);
+                popc_piece<MAXB, R>(wd, rp, lane & ~3, st[unit].tbl + 8 * (grp & 1), words_in,
+                                    k0, k1, i * POPC_STEPS, part, parts, x + i, f);
                 k0 = k1;
             }
         STAMP(1, 3);
@@ -1749,8 +1786,8 @@ __device__ __forceinline__ void wg_load_pair(const Stage& st, const WgJob& job, 
         #pragma unroll
         for (int p = 0; p < 8; ++p) {
             const uint2 z = make_uint2(0u, 0u);
-            const uint2 v0 = p < B && in ? __ldg((const uint2*)(r0[p].p0 + w)) : z;
-            const uint2 v1 = p < B && in ? __ldg((const uint2*)(r1[p].p0 + w)) : z;
+            const uint2 v0 = p < B && in ? __ldg((const uint2*)(r0[p].p0 + tiled(w))) : z;
+            const uint2 v1 = p < B && in ? __ldg((const uint2*)(r1[p].p0 + tiled(w))) : z;
             Pa0[p] = v0.x, Pb0[p] = v0.y, Pa1[p] = v1.x, Pb1[p] = v1.y;
         }
         return;
@@ -1769,17 +1806,18 @@ __device__ __forceinline__ void wg_decode_at(const Stage& st, const WgJob& job, 
 }
 
 // The sm_90a prefill streams a block's planes with few warps an SM (2 CTAs of 4), so each plane
-// word waits on DRAM latency; from L2 it comes sooner. Every 4 chunks (a 128-byte line of a row's
-// plane), each lane asks L2 for the line PF_AHEAD chunks on of its rows g, g + 8 and planes t,
-// t + 4 (B: the m-tile's width). Measured (docs/PERF.md, session 13): Mixtral 7-19% faster, the
-// Qwen shapes 1-5%. Also asking for the first lines at a tile's start, or 8 chunks ahead, was no
-// better. The same prefetch made the decode kernels 1-7% slower and the mma.sync prefill (timed on
-// the H200) 3x slower: they have none.
+// word waits on DRAM latency; from L2 it comes sooner. Every 4 chunks (8 units of each row: 8
+// 128-byte lines of a tiled group, one unit of its 8 rows each), each lane asks L2 for one of the
+// lines PF_AHEAD chunks on of its groups (rows g, g + 8: unit g of those 8) and planes t, t + 4
+// (B: the m-tile's width). Measured (docs/PERF.md, session 13, row-major planes: a line a row):
+// Mixtral 7-19% faster, the Qwen shapes 1-5%. Also asking for the first lines at a tile's start,
+// or 8 chunks ahead, was no better. The same prefetch made the decode kernels 1-7% slower and the
+// mma.sync prefill (timed on the H200) 3x slower: they have none.
 #define PF_AHEAD 4
 __device__ __forceinline__ void prefetch_ahead(const Stage& st, int B, int words, int it) {
-    const int w = 8 * (it + PF_AHEAD);
-    if ((it & 3) || w >= words) return;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int w = 8 * (it + PF_AHEAD) + 4 * g;
+    if ((it & 3) || w >= words) return;
     #pragma unroll
     for (int p = t; p < 8; p += 4) {
         if (p >= B) break;
@@ -1818,7 +1856,7 @@ __device__ __forceinline__ void ring_fill(const Stage& st, const WgJob& job, int
         #pragma unroll
         for (int p = 0; p < B; ++p)  // bytes < 16: the rest of the piece is zero-filled
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(dst + 512 * p), "l"(st.ptr[r * 8 + p].p0 + w), "r"(bytes)
+                         :: "r"(dst + 512 * p), "l"(st.ptr[r * 8 + p].p0 + tiled(w)), "r"(bytes)
                          : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");

@@ -2,10 +2,15 @@
 CUDA kernels share (docs/FORMAT.md).
 
 A block W [rows, cols] at max width B is B planes, plane 0 the most significant bit. Plane p is an
-int32 array [rows, words] with words = ceil(cols / 32): bit j of word w in row n is bit (B-1-p) of
-the label of column 32w + j (little-endian, padding columns are label 0). The b-bit label is the top
-b bits, i.e. the first b planes. The width-b table is fp16 [rows / rows_per_table, 2^b]: row n reads
-table row n // rows_per_table.
+int32 array [rows, words] with words = 4 ceil(cols / 128): bit j of word w in row n is bit (B-1-p)
+of the label of column 32w + j (little-endian, padding columns are label 0). The b-bit label is the
+top b bits, i.e. the first b planes. The width-b table is fp16 [rows / rows_per_table, 2^b]: row n
+reads table row n // rows_per_table.
+
+A plane is stored tiled (`tile`): in 16-byte units of 4 words, [rows / 8][words / 4][8 rows][4
+words], rows padded to a multiple of 8 with label 0. A warp that reads one unit of each of 8 rows
+from 4 adjacent units then reads 512 contiguous bytes, where the row-major layout gave it 8 pieces
+of 64 bytes (cuda/moe.cu `tiled`; a Mixtral layer 5-8% faster, docs/PERF.md, session 26).
 """
 
 from __future__ import annotations
@@ -13,10 +18,40 @@ from __future__ import annotations
 import torch
 
 WORD = 32
+UNIT_WORDS = 4  # words of a 16-byte unit of one row
+GROUP_ROWS = 8  # rows whose units a plane interleaves
 
 
 def words_per_row(cols: int) -> int:
-    return (cols + WORD - 1) // WORD
+    """Words a row of a plane holds: whole 16-byte units."""
+    unit = WORD * UNIT_WORDS
+    return (cols + unit - 1) // unit * UNIT_WORDS
+
+
+def plane_rows(rows: int) -> int:
+    """Rows a stored plane holds: whole groups of GROUP_ROWS."""
+    return (rows + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+
+
+def group_bytes(words: int) -> int:
+    """Bytes of one group of rows of a plane: the least a slab must hold (a group's rows then
+    cross at most one slab edge, which the kernels' row pointers allow for)."""
+    return GROUP_ROWS * words * 4
+
+
+def tile(plane: torch.Tensor) -> torch.Tensor:
+    """A plane int32 [rows, words] in its stored order: flat [plane_rows(rows) * words]."""
+    rows, words = plane.shape
+    padded = torch.zeros(plane_rows(rows), words, dtype=plane.dtype, device=plane.device)
+    padded[:rows] = plane
+    groups = padded.view(-1, GROUP_ROWS, words // UNIT_WORDS, UNIT_WORDS)
+    return groups.permute(0, 2, 1, 3).reshape(-1)
+
+
+def untile(stored: torch.Tensor, rows: int, words: int) -> torch.Tensor:
+    """The plane int32 [rows, words] from its stored order (`tile`)."""
+    groups = stored.view(-1, words // UNIT_WORDS, GROUP_ROWS, UNIT_WORDS)
+    return groups.permute(0, 2, 1, 3).reshape(-1, words)[:rows]
 
 
 def pack_planes(labels: torch.Tensor, bits: int) -> torch.Tensor:

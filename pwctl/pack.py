@@ -26,10 +26,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from pwctl.bitplanes import plane_rows, tile, untile
 from pwctl.errors import PwctlError
 
 FORMAT = "pwctl-pack"
-VERSION = 1
+VERSION = 2  # 2: planes stored tiled (bitplanes.tile)
 ALIGN = 256
 MANIFEST = "manifest.json"
 NONEXPERT = "nonexpert.safetensors"
@@ -186,7 +187,7 @@ class PackWriter:
         f = self._files.get(rel) or self._files.setdefault(rel, (self.tmp / rel).open("wb"))
         infos = []
         for p in range(planes.shape[0]):
-            bits = planes[p].cpu().numpy().astype("<i4", copy=False).tobytes()
+            bits = tile(planes[p].cpu()).numpy().astype("<i4", copy=False).tobytes()
             table = (
                 tables[p + 1].cpu().to(torch.float16).numpy().tobytes()
                 if p + 1 >= min_bits
@@ -237,14 +238,20 @@ class Pack:
             data = json.loads(mpath.read_text())
         except json.JSONDecodeError as e:
             raise PwctlError(f"{mpath}: corrupt manifest ({e})") from None
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise PwctlError(f"{mpath}: not a {FORMAT} v{VERSION} manifest")
+        if data.get("format") != FORMAT:
+            raise PwctlError(f"{mpath}: not a {FORMAT} manifest")
+        if data.get("version") != VERSION:
+            raise PwctlError(
+                f"{mpath}: pack format v{data.get('version')}, this pwctl reads v{VERSION}; "
+                "convert the model again with `pwctl convert`"
+            )
         self.manifest = Manifest.from_dict(data)
         self.blocks = self.manifest.blocks
         self.index = {(b.layer, b.expert, b.proj): i for i, b in enumerate(self.blocks)}
 
     def read_plane(self, block: BlockInfo, p: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Plane p's bits (int32 [rows, words]) and its table (fp16) if it completes a width."""
+        """Plane p's bits as stored (int32, tiled: bitplanes.untile gives [rows, words]) and its
+        table (fp16) if it completes a width."""
         info = block.planes[p]
         with (self.path / block.file).open("rb") as f:
             f.seek(info.offset)
@@ -254,8 +261,7 @@ class Pack:
                 f"{self.path / block.file}: checksum mismatch in {block.name} plane {p}"
                 " (corrupt or truncated page file)"
             )
-        bits = np.frombuffer(raw, dtype="<i4", count=block.rows * block.words)
-        bits = bits.reshape(block.rows, block.words)
+        bits = np.frombuffer(raw, dtype="<i4", count=plane_rows(block.rows) * block.words)
         if not info.table_nbytes:
             return bits, None
         table = np.frombuffer(raw, dtype="<f2", offset=info.bits_nbytes)
@@ -268,7 +274,7 @@ class Pack:
         planes, tables = [], {}
         for p in range(bits):
             plane, table = self.read_plane(block, p)
-            planes.append(torch.from_numpy(plane.copy()))
+            planes.append(untile(torch.from_numpy(plane.copy()), block.rows, block.words))
             if table is not None:
                 tables[p + 1] = torch.from_numpy(table.copy())
         return torch.stack(planes), tables

@@ -17,7 +17,7 @@ TOKENIZER_TEXT = (
 )
 
 
-def tiny_config(arch: str, hidden: int = 64, layers: int = 2, experts: int = 4):
+def tiny_config(arch: str, hidden: int = 128, layers: int = 2, experts: int = 4):
     from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(

@@ -131,6 +131,9 @@ def test_not_a_pack(tmp_path):
     (tmp_path / "manifest.json").write_text("{")
     with pytest.raises(PwctlError, match="corrupt manifest"):
         Pack(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"format": "pwctl-pack", "version": 1}')
+    with pytest.raises(PwctlError, match="pack format v1, this pwctl reads v2; convert the model"):
+        Pack(tmp_path)  # row-major planes (before the tiled layout): converted again, not misread
 
 
 def test_safetensors_header_garbage(tmp_path):

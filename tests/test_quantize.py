@@ -1,7 +1,15 @@
 import pytest
 import torch
 
-from pwctl.bitplanes import dequantize, pack_planes, unpack_labels
+from pwctl.bitplanes import (
+    dequantize,
+    group_bytes,
+    pack_planes,
+    plane_rows,
+    tile,
+    unpack_labels,
+    untile,
+)
 from pwctl.quantize import quantize_nested
 
 
@@ -74,9 +82,25 @@ def test_degenerate_rows_constant_and_tiny():
 def test_pack_unpack_round_trip(cols):
     labels = torch.randint(0, 256, (7, cols), dtype=torch.uint8)
     planes = pack_planes(labels, 8)
-    assert planes.dtype == torch.int32 and planes.shape == (8, 7, (cols + 31) // 32)
+    assert planes.dtype == torch.int32 and planes.shape == (8, 7, (cols + 127) // 128 * 4)
     for b in (1, 3, 8):
         assert torch.equal(unpack_labels(planes[:b], cols), labels.long() >> (8 - b))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 13, 16])
+def test_tiled_planes_round_trip_and_place_words_in_units(rows):
+    """Stored order (docs/FORMAT.md): word w of row r at (r // 8) 8 words + (w // 4) 32 +
+    (r % 8) 4 + w % 4, i.e. cuda/moe.cu's row_start(r) / 4 + tiled(w); padding rows hold 0."""
+    words = 12
+    plane = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int64).to(torch.int32)
+    stored = tile(plane)
+    assert stored.shape == (plane_rows(rows) * words,) and plane_rows(rows) % 8 == 0
+    assert torch.equal(untile(stored, rows, words), plane)
+    for r in range(plane_rows(rows)):
+        for w in range(words):
+            at = (r // 8) * 8 * words + (w // 4) * 32 + (r % 8) * 4 + w % 4
+            assert stored[at] == (plane[r, w] if r < rows else 0)
+    assert group_bytes(words) == 8 * words * 4
 
 
 def test_dequantize_with_shared_tables():

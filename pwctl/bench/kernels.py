@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pwctl.bitplanes import group_bytes, plane_rows, words_per_row
 from pwctl.convert import ConvertOptions, rows_per_table
 from pwctl.pack import BlockInfo, PlaneInfo
 from pwctl.recipe import MoESpec
@@ -48,10 +49,10 @@ def layer_blocks(spec: MoESpec, max_bits: int, min_bits: int) -> list[BlockInfo]
         for proj, rows, cols in (("gate", inter, spec.hidden), ("up", inter, spec.hidden)) + (
             ("down", spec.hidden, inter),
         ):
-            words = -(-cols // 32)
+            words = words_per_row(cols)
             rpt = rows_per_table(rows, cols, ConvertOptions.table_group)
             tables = [(rows // rpt) * 2 ** (p + 2) * (p + 1 >= min_bits) for p in range(max_bits)]
-            planes = [PlaneInfo(0, rows * words * 4, n, 0) for n in tables]
+            planes = [PlaneInfo(0, plane_rows(rows) * words * 4, n, 0) for n in tables]
             name = f"layers.0.experts.{e}.{proj}"
             blocks.append(BlockInfo(name, 0, e, shared, proj, rows, cols, words, rpt, "", planes))
     return blocks
@@ -79,11 +80,11 @@ def synthetic_layer(
     slab_bytes: int | None = None,
 ) -> SyntheticLayer:
     """Every block of one layer at `max_bits` planes, resident in a shuffled slab arena (slabs of
-    `slab_bytes`, at least a row of plane words; default: the pager's choice)."""
+    `slab_bytes`, at least a group of rows of plane words; default: the pager's choice)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = layer_blocks(spec, max_bits, min_bits)
     pb = np.array([[p.nbytes for p in b.planes] for b in blocks], dtype=np.int64)
-    slab = slab_bytes or choose_slab(pb, max(b.words * 4 for b in blocks))
+    slab = slab_bytes or choose_slab(pb, max(group_bytes(b.words) for b in blocks))
     total = int((-(-pb // slab)).sum())
     table = PageTable(pb, min_bits, total * slab, slab)
     linear = torch.randint(-(2**31), 2**31 - 1, (total * slab // 4,), generator=gen, device=device)
@@ -401,8 +402,6 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
         if (path == "decode" and T > DECODE_MAX_TOKENS) or (path == "prefill" and T < 4):
             continue
         if path in ("popc", "lookup") and T > POPC_MAX_TOKENS:  # where the popc kernels run
-            continue
-        if path == "popc" and not layer.moe.popc_rows[0]:  # rows they cannot read
             continue
 
         def call(path=path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pwctl.bitplanes import dequantize
+from pwctl.bitplanes import dequantize, group_bytes, plane_rows, untile
 from pwctl.pack import BlockInfo
 from pwctl.runtime.kernels import ptr
 from pwctl.runtime.page_table import PageTable
@@ -27,8 +27,8 @@ class DeviceTable:
             raise ValueError(f"slab size {s} is not a power of two")
         if arena.shape != (table.n_slabs, s) or arena.dtype != torch.uint8:
             raise ValueError("arena must be uint8 [n_slabs, slab_bytes] of the page table")
-        if max(b.words * 4 for b in blocks) > s:
-            raise ValueError(f"slab size {s} is smaller than a row of plane words")
+        if max(group_bytes(b.words) for b in blocks) > s:
+            raise ValueError(f"slab size {s} is smaller than a group of rows of plane words")
         self.table, self.arena, self.blocks = table, arena, blocks
         self.device = arena.device
         self.slab_shift = s.bit_length() - 1
@@ -80,8 +80,8 @@ class DeviceTable:
         """Block b dequantized (float32 [rows, cols]) at `width` (default: its width in use)."""
         blk = self.blocks[b]
         w = int(self.table.width[b]) if width is None else width
-        bits = blk.rows * blk.words * 4
-        planes = [self.chunk(b, p)[:bits].view(torch.int32) for p in range(w)]
-        planes = torch.stack(planes).view(w, blk.rows, blk.words)
+        bits = plane_rows(blk.rows) * blk.words * 4
+        stored = [self.chunk(b, p)[:bits].view(torch.int32) for p in range(w)]
+        planes = torch.stack([untile(t, blk.rows, blk.words) for t in stored])
         table = self.chunk(b, w - 1)[bits:].view(torch.float16).view(-1, 1 << w)
         return dequantize(planes, table, blk.rows_per_table, blk.cols)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pwctl.bitplanes import plane_rows
 from pwctl.recipe import MoESpec
 from pwctl.runtime import kernels, popc
 from pwctl.runtime.device_table import DeviceTable
@@ -35,7 +36,7 @@ class Proj:
 
     @property
     def bits_nbytes(self) -> int:
-        return self.rows * self.words * 4
+        return plane_rows(self.rows) * self.words * 4
 
     @property
     def wpad(self) -> int:
@@ -508,11 +509,6 @@ class FusedMoE:
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
         # layer -> (width_version, (narrowest, widest) block): `_widths`
         self._width_spans: dict[int, tuple[int, tuple[int, int]]] = {}
-        # layers whose rows the popc kernels can read (16-byte plane loads: words % 4 == 0)
-        self.popc_rows: dict[int, bool] = {
-            layer: all(p.words % 4 == 0 for (lay, _, _), p in self.proj.items() if lay == layer)
-            for layer in self.block_ids
-        }
         self._popc_pays = {
             layer: self._weights_a_token(layer) >= POPC_MIN_WEIGHTS for layer in self.block_ids
         }
@@ -789,7 +785,7 @@ class FusedMoE:
         POPC_MAX_TOKENS tokens (their one-token slots run the binary mma, the others the lookup),
         rows they can read, and popc_decode set or (None) the layer large enough."""
         on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
-        if T > kernels.POPC_MAX_TOKENS or not on or not self.popc_rows[layer]:
+        if T > kernels.POPC_MAX_TOKENS or not on:
             return None
         if self._widths(layer)[0] > kernels.POPC_MAX_BITS:  # none on the binary mma: the lookup
             return None  # kernels, no pieces (Mixtral, 5 bits, 1 token: 304 against 317 us)

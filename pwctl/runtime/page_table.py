@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from pwctl.bitplanes import group_bytes
 from pwctl.pack import ALIGN, Pack
 
 HOST, IN_FLIGHT, GPU = 0, 1, 2  # plane residency; HOST = only the pinned host copy
 NO_FENCE = -1
 
 
-def choose_slab(plane_bytes: np.ndarray, row_bytes: int = 0, waste: int = 16) -> int:
+def choose_slab(plane_bytes: np.ndarray, group_bytes: int = 0, waste: int = 16) -> int:
     """The largest power of two <= median plane / `waste` (>= the pack's 256-byte alignment):
     a plane wastes under one slab, so on average about 1 / (2 * waste) of its bytes. At least
-    `row_bytes` (one row of one plane), so a row crosses at most one slab edge (cuda/moe.cu)."""
+    `group_bytes` (a group of rows of one plane, bitplanes.group_bytes), so a row's words cross
+    at most one slab edge (cuda/moe.cu `row_ptr`)."""
     median = float(np.median(plane_bytes)) if plane_bytes.size else ALIGN
     slab = max(ALIGN, 1 << int(np.log2(max(median / waste, 1))))
-    return max(slab, 1 << max(row_bytes - 1, 0).bit_length())
+    return max(slab, 1 << max(group_bytes - 1, 0).bit_length())
 
 
 class PageTable:
@@ -78,7 +80,7 @@ class PageTable:
         pb = np.array([[p.nbytes for p in b.planes] for b in blocks], dtype=np.int64)
         pb = pb.reshape(len(blocks), m.max_bits)
         if slab_bytes is None:
-            slab_bytes = choose_slab(pb, max(b.words * 4 for b in blocks))
+            slab_bytes = choose_slab(pb, max(group_bytes(b.words) for b in blocks))
         return cls(
             pb,
             m.min_bits,
