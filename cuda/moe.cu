@@ -100,8 +100,8 @@ __device__ __forceinline__ const unsigned char* paged(const Paged& g, int block,
 // A plane is stored tiled (docs/FORMAT.md, pwctl/bitplanes.py `tile`): 16-byte units of 4 words,
 // [rows / 8][words / 4][8 rows][4 words]. So a warp that loads one unit of each of 8 rows from 4
 // adjacent units reads 512 contiguous bytes; row-major, the same load was 8 pieces of 64 bytes,
-// and a Mixtral layer took 5-8% longer (docs/PERF.md, session 26). Every load of plane words is
-// of one unit or part of one (w % 4 == 0 for 16 bytes, w even for 8).
+// and a Mixtral decode layer took 3-7.5% longer (docs/PERF.md, session 26). Every load of plane
+// words is of one unit or part of one (w % 4 == 0 for 16 bytes, w even for 8).
 // tiled(w): word w of a row, counted in words from its unit 0.
 __host__ __device__ __forceinline__ constexpr int tiled(int w) { return (w & 3) + ((w >> 2) << 5); }
 
