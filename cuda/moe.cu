@@ -139,7 +139,6 @@ __device__ __forceinline__ const u32* word_ptr(const RowPtr& rp, int w) {
 
 __device__ __forceinline__ u32 word_at(const RowPtr& rp, int w) { return __ldg(word_ptr(rp, w)); }
 
-
 // ---- decoding labels straight into tensor-core fragments ------------------------------------
 //
 // A CTA computes 16 rows of one block for up to 8*NT tokens of one slot with mma.m16n8k16 (fp16
