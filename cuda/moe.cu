@@ -376,25 +376,19 @@ __device__ __forceinline__ void tables_landed() {
     __syncthreads();
 }
 
-// Plane words w, w + 1 of one row (zeros past the row). `pairs`: words is even, so the two words
-// are 8-byte aligned and on the same side of the row's page split.
+// Plane words w, w + 1 (w even) of one row (zeros past the row): one 8-byte load a plane, as a
+// row is whole 16-byte units (docs/FORMAT.md) and the two words lie in one.
 template <int B>
-__device__ __forceinline__ void load_words(const RowPtr* rp, int w, int words, bool pairs,
-                                           u32 (&P0)[8], u32 (&P1)[8]) {
+__device__ __forceinline__ void load_words(const RowPtr* rp, int w, int words, u32 (&P0)[8],
+                                           u32 (&P1)[8]) {
     #pragma unroll
     for (int p = 0; p < 8; ++p) P0[p] = P1[p] = 0u;
     if (w >= words) return;
     #pragma unroll
     for (int p = 0; p < B; ++p) {
-        const RowPtr r = rp[p];
-        if (pairs) {
-            const uint2 v = __ldg((const uint2*)word_ptr(r, w));
-            P0[p] = v.x;
-            P1[p] = v.y;
-        } else {
-            P0[p] = word_at(r, w);
-            P1[p] = w + 1 < words ? word_at(r, w + 1) : 0u;
-        }
+        const uint2 v = __ldg((const uint2*)word_ptr(rp[p], w));
+        P0[p] = v.x;
+        P1[p] = v.y;
     }
 }
 
@@ -476,13 +470,12 @@ __device__ __forceinline__ void mma_rows_wide(const Stage& st, int words, int wp
                               float (&acc)[NT][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 L[8] = {};  // unused: the lookups read the shared-memory table
-    const bool pairs = (words & 1) == 0;
     const int iters = (words + 7) / 8;
     for (int it = part; it < iters; it += parts) {
         const int w = 8 * it + 2 * t;
         u32 P[2][2][8];  // [row g / g + 8][word w / w + 1][plane]
-        load_words<B>(st.ptr + g * 8, w, words, pairs, P[0][0], P[0][1]);
-        load_words<B>(st.ptr + (g + 8) * 8, w, words, pairs, P[1][0], P[1][1]);
+        load_words<B>(st.ptr + g * 8, w, words, P[0][0], P[0][1]);
+        load_words<B>(st.ptr + (g + 8) * 8, w, words, P[1][0], P[1][1]);
         mma_word<B, NT>(P[0][0], P[1][0], L, L, st, w, wpad, xf, xrow, live, acc);
         mma_word<B, NT>(P[0][1], P[1][1], L, L, st, w + 1, wpad, xf, xrow, live, acc);
     }
@@ -1367,9 +1360,8 @@ __device__ void decode_chunk(const Stage& st, int it, int words, uint4 (&a)[PF_S
     }
     u32 P[2][2][8];
     const int w = 8 * it + 2 * t;
-    const bool pairs = (words & 1) == 0;
-    load_words<B>(st.ptr + g * 8, w, words, pairs, P[0][0], P[0][1]);
-    load_words<B>(st.ptr + (g + 8) * 8, w, words, pairs, P[1][0], P[1][1]);
+    load_words<B>(st.ptr + g * 8, w, words, P[0][0], P[0][1]);
+    load_words<B>(st.ptr + (g + 8) * 8, w, words, P[1][0], P[1][1]);
     #pragma unroll
     for (int u = 0; u < 2; ++u) {
 #define PHASE(C)                                                                                  \
@@ -1770,9 +1762,8 @@ __device__ __forceinline__ void wg_load_at(const Stage& st, const WgJob& job, in
     }
 }
 
-// Plane words w, w + 1 (w even) of rows g, g + 8: into P*a and P*b. FLAT rows take one 8-byte
-// load a (row, plane) (`wg_job` calls a CTA flat only if its rows start 16-byte aligned); others
-// two word loads.
+// Plane words w, w + 1 (w even) of rows g, g + 8: into P*a and P*b. FLAT rows (`wg_job`: every
+// staged row of the CTA in one slab) take one 8-byte load a (row, plane); others two word loads.
 template <int B, bool FLAT>
 __device__ __forceinline__ void wg_load_pair(const Stage& st, const WgJob& job, int w,
                                              u32 (&Pa0)[8], u32 (&Pa1)[8], u32 (&Pb0)[8],
@@ -1849,14 +1840,12 @@ __device__ __forceinline__ u32 ring_slot(const Stage& st, int c) {
 template <int B>
 __device__ __forceinline__ void ring_fill(const Stage& st, const WgJob& job, int c) {
     const int lane = threadIdx.x & 31, r = lane >> 1, h = lane & 1, w = 8 * c + 4 * h;
-    const int bytes = job.live ? min(max(4 * (job.words - w), 0), 16) : 0;
     const u32 dst = ring_slot<B>(st, c) + 32 * r + 16 * h;
-    if (bytes > 0) {
+    if (job.live && w < job.words) {  // (a row is whole 16-byte units)
         #pragma unroll
-        for (int p = 0; p < B; ++p)  // bytes < 16: the rest of the piece is zero-filled
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(dst + 512 * p), "l"(st.ptr[r * 8 + p].p0 + tiled(w)), "r"(bytes)
-                         : "memory");
+        for (int p = 0; p < B; ++p)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                         :: "r"(dst + 512 * p), "l"(st.ptr[r * 8 + p].p0 + tiled(w)) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -2010,8 +1999,7 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         load_b(sm, 0, job.tile, 0);  // the first half-chunk of B lands while the CTA stages
     }
-    // flat rows also start 16-byte aligned: the ring's 16-byte copies, the 8-byte pair loads
-    job.flat = __syncthreads_and(flat) && words % 4 == 0;
+    job.flat = __syncthreads_and(flat);
     return job;
 }
 
