@@ -33,6 +33,11 @@ def plane_rows(rows: int) -> int:
     return (rows + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
 
 
+def bits_nbytes(rows: int, words: int) -> int:
+    """Bytes of a stored plane's bits (its chunk's first part, before the table it carries)."""
+    return plane_rows(rows) * words * 4
+
+
 def group_bytes(words: int) -> int:
     """Bytes of one group of rows of a plane: the least a slab must hold (a group's rows then
     cross at most one slab edge, which the kernels' row pointers allow for)."""

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from pwctl.bitplanes import plane_rows, tile, untile
+from pwctl.bitplanes import bits_nbytes, tile, untile
 from pwctl.errors import PwctlError
 
 FORMAT = "pwctl-pack"
@@ -261,7 +261,7 @@ class Pack:
                 f"{self.path / block.file}: checksum mismatch in {block.name} plane {p}"
                 " (corrupt or truncated page file)"
             )
-        bits = np.frombuffer(raw, dtype="<i4", count=plane_rows(block.rows) * block.words)
+        bits = np.frombuffer(raw, dtype="<i4", count=bits_nbytes(block.rows, block.words) // 4)
         if not info.table_nbytes:
             return bits, None
         table = np.frombuffer(raw, dtype="<f2", offset=info.bits_nbytes)

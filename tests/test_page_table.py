@@ -32,7 +32,7 @@ def test_geometry():
 def test_choose_slab():
     assert choose_slab(np.array([100, 200])) == 256  # never below the pack's alignment
     assert choose_slab(np.full(10, 200_000)) == 8192  # <= median / 16: under 3% waste
-    assert choose_slab(np.full(10, 200_000), group_bytes=10_000) == 16384  # <= 1 slab edge
+    assert choose_slab(np.full(10, 200_000), min_bytes=10_000) == 16384  # <= 1 slab edge
 
 
 def test_from_pack(packs):

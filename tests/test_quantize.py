@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from pwctl.bitplanes import (
+    bits_nbytes,
     dequantize,
     group_bytes,
     pack_planes,
@@ -100,7 +101,7 @@ def test_tiled_planes_round_trip_and_place_words_in_units(rows):
         for w in range(words):
             at = (r // 8) * 8 * words + (w // 4) * 32 + (r % 8) * 4 + w % 4
             assert stored[at] == (plane[r, w] if r < rows else 0)
-    assert group_bytes(words) == 8 * words * 4
+    assert group_bytes(words) == 8 * words * 4 and bits_nbytes(rows, words) == 4 * stored.numel()
 
 
 def test_dequantize_with_shared_tables():

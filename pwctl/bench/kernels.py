@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pwctl.bitplanes import group_bytes, plane_rows, words_per_row
+from pwctl.bitplanes import bits_nbytes, group_bytes, words_per_row
 from pwctl.convert import ConvertOptions, rows_per_table
 from pwctl.pack import BlockInfo, PlaneInfo
 from pwctl.recipe import MoESpec
@@ -52,7 +52,7 @@ def layer_blocks(spec: MoESpec, max_bits: int, min_bits: int) -> list[BlockInfo]
             words = words_per_row(cols)
             rpt = rows_per_table(rows, cols, ConvertOptions.table_group)
             tables = [(rows // rpt) * 2 ** (p + 2) * (p + 1 >= min_bits) for p in range(max_bits)]
-            planes = [PlaneInfo(0, plane_rows(rows) * words * 4, n, 0) for n in tables]
+            planes = [PlaneInfo(0, bits_nbytes(rows, words), n, 0) for n in tables]
             name = f"layers.0.experts.{e}.{proj}"
             blocks.append(BlockInfo(name, 0, e, shared, proj, rows, cols, words, rpt, "", planes))
     return blocks

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pwctl.bitplanes import dequantize, group_bytes, plane_rows, untile
+from pwctl.bitplanes import bits_nbytes, dequantize, group_bytes, untile
 from pwctl.pack import BlockInfo
 from pwctl.runtime.kernels import ptr
 from pwctl.runtime.page_table import PageTable
@@ -80,7 +80,7 @@ class DeviceTable:
         """Block b dequantized (float32 [rows, cols]) at `width` (default: its width in use)."""
         blk = self.blocks[b]
         w = int(self.table.width[b]) if width is None else width
-        bits = plane_rows(blk.rows) * blk.words * 4
+        bits = bits_nbytes(blk.rows, blk.words)
         stored = [self.chunk(b, p)[:bits].view(torch.int32) for p in range(w)]
         planes = torch.stack([untile(t, blk.rows, blk.words) for t in stored])
         table = self.chunk(b, w - 1)[bits:].view(torch.float16).view(-1, 1 << w)

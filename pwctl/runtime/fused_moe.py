@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pwctl.bitplanes import plane_rows
+from pwctl import bitplanes
 from pwctl.recipe import MoESpec
 from pwctl.runtime import kernels, popc
 from pwctl.runtime.device_table import DeviceTable
@@ -36,7 +36,7 @@ class Proj:
 
     @property
     def bits_nbytes(self) -> int:
-        return plane_rows(self.rows) * self.words * 4
+        return bitplanes.bits_nbytes(self.rows, self.words)
 
     @property
     def wpad(self) -> int:
@@ -783,7 +783,7 @@ class FusedMoE:
     def _x_pieces(self, layer: int, T: int, device: torch.device) -> XPieces | None:
         """x's pieces when this call takes the popc kernels (else None): at most
         POPC_MAX_TOKENS tokens (their one-token slots run the binary mma, the others the lookup),
-        rows they can read, and popc_decode set or (None) the layer large enough."""
+        and popc_decode set or (None) the layer large enough."""
         on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
         if T > kernels.POPC_MAX_TOKENS or not on:
             return None

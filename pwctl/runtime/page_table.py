@@ -21,14 +21,14 @@ HOST, IN_FLIGHT, GPU = 0, 1, 2  # plane residency; HOST = only the pinned host c
 NO_FENCE = -1
 
 
-def choose_slab(plane_bytes: np.ndarray, group_bytes: int = 0, waste: int = 16) -> int:
+def choose_slab(plane_bytes: np.ndarray, min_bytes: int = 0, waste: int = 16) -> int:
     """The largest power of two <= median plane / `waste` (>= the pack's 256-byte alignment):
     a plane wastes under one slab, so on average about 1 / (2 * waste) of its bytes. At least
-    `group_bytes` (a group of rows of one plane, bitplanes.group_bytes), so a row's words cross
-    at most one slab edge (cuda/moe.cu `row_ptr`)."""
+    `min_bytes` (a group of rows of one plane, bitplanes.group_bytes), so a row's words cross at
+    most one slab edge (cuda/moe.cu `row_ptr`)."""
     median = float(np.median(plane_bytes)) if plane_bytes.size else ALIGN
     slab = max(ALIGN, 1 << int(np.log2(max(median / waste, 1))))
-    return max(slab, 1 << max(group_bytes - 1, 0).bit_length())
+    return max(slab, 1 << max(min_bytes - 1, 0).bit_length())
 
 
 class PageTable:
