@@ -17,14 +17,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pwctl.bitplanes import bits_nbytes, group_bytes, words_per_row
+from pwctl.bitplanes import bits_nbytes, words_per_row
 from pwctl.convert import ConvertOptions, rows_per_table
 from pwctl.pack import BlockInfo, PlaneInfo
 from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.fused_moe import FusedMoE
 from pwctl.runtime.kernels import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
-from pwctl.runtime.page_table import GPU, PageTable, choose_slab
+from pwctl.runtime.page_table import GPU, PageTable, choose_slab, min_slab
 from pwctl.runtime.router import route
 
 
@@ -84,7 +84,7 @@ def synthetic_layer(
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = layer_blocks(spec, max_bits, min_bits)
     pb = np.array([[p.nbytes for p in b.planes] for b in blocks], dtype=np.int64)
-    slab = slab_bytes or choose_slab(pb, max(group_bytes(b.words) for b in blocks))
+    slab = slab_bytes or choose_slab(pb, min_slab(blocks))
     total = int((-(-pb // slab)).sum())
     table = PageTable(pb, min_bits, total * slab, slab)
     linear = torch.randint(-(2**31), 2**31 - 1, (total * slab // 4,), generator=gen, device=device)

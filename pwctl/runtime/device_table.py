@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pwctl.bitplanes import bits_nbytes, dequantize, group_bytes, untile
+from pwctl.bitplanes import bits_nbytes, dequantize, untile
 from pwctl.pack import BlockInfo
 from pwctl.runtime.kernels import ptr
-from pwctl.runtime.page_table import PageTable
+from pwctl.runtime.page_table import PageTable, min_slab
 
 
 class DeviceTable:
@@ -27,7 +27,7 @@ class DeviceTable:
             raise ValueError(f"slab size {s} is not a power of two")
         if arena.shape != (table.n_slabs, s) or arena.dtype != torch.uint8:
             raise ValueError("arena must be uint8 [n_slabs, slab_bytes] of the page table")
-        if max(group_bytes(b.words) for b in blocks) > s:
+        if min_slab(blocks) > s:
             raise ValueError(f"slab size {s} is smaller than a group of rows of plane words")
         self.table, self.arena, self.blocks = table, arena, blocks
         self.device = arena.device

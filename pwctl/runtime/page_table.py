@@ -15,17 +15,23 @@ from __future__ import annotations
 import numpy as np
 
 from pwctl.bitplanes import group_bytes
-from pwctl.pack import ALIGN, Pack
+from pwctl.pack import ALIGN, BlockInfo, Pack
 
 HOST, IN_FLIGHT, GPU = 0, 1, 2  # plane residency; HOST = only the pinned host copy
 NO_FENCE = -1
 
 
+def min_slab(blocks: list[BlockInfo]) -> int:
+    """The least slab the kernels can read these blocks' planes from: a group of rows of the
+    widest plane (bitplanes.group_bytes), so a row's words cross at most one slab edge
+    (cuda/moe.cu `row_ptr`)."""
+    return max(group_bytes(b.words) for b in blocks)
+
+
 def choose_slab(plane_bytes: np.ndarray, min_bytes: int = 0, waste: int = 16) -> int:
     """The largest power of two <= median plane / `waste` (>= the pack's 256-byte alignment):
     a plane wastes under one slab, so on average about 1 / (2 * waste) of its bytes. At least
-    `min_bytes` (a group of rows of one plane, bitplanes.group_bytes), so a row's words cross at
-    most one slab edge (cuda/moe.cu `row_ptr`)."""
+    `min_bytes` (`min_slab`)."""
     median = float(np.median(plane_bytes)) if plane_bytes.size else ALIGN
     slab = max(ALIGN, 1 << int(np.log2(max(median / waste, 1))))
     return max(slab, 1 << max(min_bytes - 1, 0).bit_length())
@@ -80,7 +86,7 @@ class PageTable:
         pb = np.array([[p.nbytes for p in b.planes] for b in blocks], dtype=np.int64)
         pb = pb.reshape(len(blocks), m.max_bits)
         if slab_bytes is None:
-            slab_bytes = choose_slab(pb, max(group_bytes(b.words) for b in blocks))
+            slab_bytes = choose_slab(pb, min_slab(blocks))
         return cls(
             pb,
             m.min_bits,
