@@ -101,7 +101,13 @@ __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
     const int per = (chunks + gridDim.y - 1) / gridDim.y;
     const int c0 = blockIdx.y * per;
     int c1 = min(chunks, c0 + per);
+#ifdef TILED  // pack format v2's tiled planes: a warp's chunk is 512 contiguous bytes
+    const uint4* base = planes + (long long)r0 * quads + 8 * t + g;
+    constexpr int CHUNK = 32;
+#else
     const uint4* base = planes + (long long)(r0 + g) * quads + t;
+    constexpr int CHUNK = 4;
+#endif
     const long long pstride = (long long)R * quads;
     constexpr int NS = ADD ? B + 1 : 1 << B;  // accumulators: ADD, plane p at p + 1
     int acc[T][NS][4] = {};
@@ -114,7 +120,7 @@ __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
         #pragma unroll
         for (int p = 0; p < B; ++p) {
             if (MODE == 2) q[p] = make_uint4(c * 0x9e3779b9u ^ p, lane * 0x85ebca6bu, c + lane, p - c);
-            else q[p] = c_ < c1 ? __ldg(base + p * pstride + 4 * c) : make_uint4(0, 0, 0, 0);
+            else q[p] = c_ < c1 ? __ldg(base + p * pstride + CHUNK * c) : make_uint4(0, 0, 0, 0);
         }
     };
     auto run = [&](const uint4 (&q)[B], int c_) {
@@ -176,10 +182,65 @@ __device__ void popc_gemv(GEMV_PARAMS) {
     extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(GEMV_ARGS, int ch) {          \
         __VA_ARGS__(planes, R, words, xa, coef, sx, sumxi, y, ch);                               \
     }
+// The fused gate_up_p1's structure on flat planes (session 27 probes): 8 rows of a warp, its
+// chunks first, first + step, ... (one in flight), folded into y (atomics). `popc_tiles*`: a CTA
+// a 32-row tile at a time (16 "gate" rows, then the next 16, "up"), persistent; warp w takes
+// 8-row group w & 1 and chunks w >> 1, + 2, ... of each 16 rows, with two CTA barriers after
+// each (as gate_up_p1's sums); SYNC false: no barriers. `popc_own*`: warp w takes 8 rows alone,
+// every chunk, gate rows then its up rows (a 64-row tile a CTA), no barriers.
+template <int B>
+__device__ __forceinline__ void chunk_rows(GEMV_PARAMS, int r0, int first, int step) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int quads = words / 4, chunks = words / 16;
+#ifdef TILED
+    const uint4* base = planes + (long long)r0 * quads + 8 * t + g;
+    constexpr int CHUNK = 32;
+#else
+    const uint4* base = planes + (long long)(r0 + g) * quads + t;
+    constexpr int CHUNK = 4;
+#endif
+    const long long pstride = (long long)R * quads;
+    int acc[1 << B][4] = {};
+    #pragma unroll 1
+    for (int c = first; c < chunks; c += step) {
+        uint4 q[B];
+        #pragma unroll
+        for (int p = 0; p < B; ++p) q[p] = __ldg(base + p * pstride + CHUNK * c);
+        #pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            u32 lo[B], hi[B];
+            #pragma unroll
+            for (int p = 0; p < B; ++p) lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+            step_mma<B, false>(acc, __ldg(xa + ((long long)c * 32 + lane) * 2 + s), lo, hi);
+        }
+    }
+    fold_rows<false>(acc, coef + (long long)(r0 + 2 * t) * 16, sx[0], first == 0 ? sumxi[0] : 0.f,
+                     y, r0);
+}
+
+template <int B, bool SYNC, bool OWN = false>
+__device__ void popc_tiles(GEMV_PARAMS) {
+    const int warp = threadIdx.x >> 5, rows = OWN ? 64 : 32;
+    for (int tile = blockIdx.x; tile * rows < R; tile += gridDim.x)
+        for (int m = 0; m < 2; ++m) {
+            const int r0 = OWN ? 64 * tile + 32 * m + 8 * warp : 32 * tile + 16 * m + 8 * (warp & 1);
+            chunk_rows<B>(planes, R, words, xa, coef, sx, sumxi, y, r0, warp >> (OWN ? 2 : 1),
+                          OWN ? 1 + (warp >> 2) : 2);  // (OWN: 0, 1 at run time: as constants, ptxas spilled)
+            if (SYNC) __syncthreads();
+            if (SYNC) __syncthreads();
+        }
+}
+KERNEL(popc_tiles3, 128, 4, popc_tiles<3, true>)
+KERNEL(popc_tiles4, 128, 4, popc_tiles<4, true>)
+KERNEL(popc_tiles_nosync3, 128, 4, popc_tiles<3, false>)
+KERNEL(popc_tiles_nosync4, 128, 4, popc_tiles<4, false>)
+KERNEL(popc_own3, 128, 4, popc_tiles<3, false, true>)
+KERNEL(popc_own4, 128, 4, popc_tiles<4, false, true>)
 KERNEL(popc_gemv3_1, 128, 4, popc_gemv<3, 1>)
 KERNEL(popc_gemv4_1, 128, 4, popc_gemv<4, 1>)
 KERNEL(popc_loads4, 128, 4, popc_gemv<4, 1, 1>)
 KERNEL(popc_mma4, 128, 4, popc_gemv<4, 1, 2>)
+KERNEL(popc_one3, 128, 4, popc_gemv<3, 1, 3>)
 KERNEL(popc_one4, 128, 4, popc_gemv<4, 1, 3>)
 KERNEL(popc_planes_only4, 128, 4, popc_gemv<4, 1, 4>)
 KERNEL(popc_rot4, 128, 4, popc_gemv<4, 1, 0, true>)  // chunks walked from a per-warp offset

@@ -12,13 +12,17 @@ and `tma_rows`, a copy per (plane, 8-row group), the whole row (docs/PERF.md, se
 the ring shared by two warps that split the plane subsets (`popc_pair`).
 `additive` times the GEMV on additive tables (no products of planes: `popc_add*`, session 21),
 `deep` the same with D chunks in flight a warp and persistent CTAs (`popc_deep*`).
+`tiles` times the fused `gate_up_p1`'s structure on flat planes (`popc_tiles*`, `popc_own*`,
+session 27). POPC_TILED=1 reads the planes at pack format v2's tiled addresses (the sums are then
+wrong, the bytes the same).
 Usage (GPU machine): python3 recipes/perf_popc_decode.py [quick | probes | ring | pair | additive
-| deep]
+| deep | tiles]
 (quick: one token only; probes: `probes` below)"""
 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -381,7 +385,12 @@ def rings(mod, copy_bw: float, table: dict) -> None:
 
 def main() -> None:
     quick = sys.argv[1:] == ["quick"]  # one token, no persistent CTAs
-    mod = cp.RawModule(code=Path(__file__).with_suffix(".cu").read_text(), options=("-std=c++17",))
+    # POPC_TILED=1: the GEMVs read planes at pack format v2's tiled addresses (a probe: the sums
+    # are wrong, the bytes the same)
+    tiled = ("-DTILED",) if os.environ.get("POPC_TILED") else ()
+    mod = cp.RawModule(
+        code=Path(__file__).with_suffix(".cu").read_text(), options=("-std=c++17", *tiled)
+    )
     print("fragment layout as assumed:", probe_layout(mod))
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
@@ -390,6 +399,13 @@ def main() -> None:
         "cuBLAS FP16 us | x cuBLAS | rel err vs W x | vs W (sx xi) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    if sys.argv[1:] == ["tiles"]:  # gate_up_p1's structure on flat planes (session 27)
+        for name, rows, cols, _ in SHAPES[:2]:
+            for bits in (3, 4):
+                for probe in ("popc_one", "popc_tiles", "popc_tiles_nosync", "popc_own"):
+                    cells = run_shape(mod, name, rows, cols, bits, 1, 1, True, copy_bw, probe=probe)
+                    print_row(cells)
+        return
     if sys.argv[1:] == ["probes"]:
         probes(mod, copy_bw)
         return
