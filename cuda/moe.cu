@@ -1227,29 +1227,42 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         STAMP(0, 2);
         const int ks = popc_steps(words_in);
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
-        // gate, then up, each on all 4 warps (8-row group warp % 2, column half warp / 2); side by
-        // side on 2 warps each was 10% slower (docs/PERF.md, session 10). A split tile's two
-        // halves interleave their chunks: each warp takes every (2 kn)-th.
-        const int grp = warp & 1, part = warp >> 1, kpart = kz * 2 + part, kparts = 2 * kn;
+        const int grp = warp & 1;
         constexpr int R = popc_regs(MAXB, FEW);
         constexpr bool OWN = MAXB == 4 && !FEW;  // (lane_rows)
-        #pragma unroll 1
-        for (int m = 0; m < 2; ++m) {
-            const int B = m ? wu : wg;
-            if (B <= MAXB) {
-                double f[2] = {};
-                for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                    popc_piece<MAXB, R>(B, lane_rows<OWN>(st[m], grp), OWN ? 0 : lane & ~3,
-                                        st[m].tbl + 8 * grp, words_in, k0,
-                                        min(ks, k0 + POPC_STEPS), k0, kpart, kparts, x + i, f,
-                                        moved && m == 0 && i == 0);
-                STAMP(0, 3 + 2 * m);
-                popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows[m], ROWS);
-                STAMP(0, 4 + 2 * m);
-            } else {  // the lookup: token 0 of n-tile 0 is fragment register w of lanes 4i
-                int xrow[1] = {lane >> 2 == 0 ? token : -1};
+        if (max(wg, wu) <= MAXB) {
+            // gate on warps 0-1, up on 2-3 (8-row group warp % 2), each warp every chunk of its
+            // rows in the tile's share: one fold a warp and tile, one barrier. Gate then up on all
+            // 4 warps (a column half a warp, a fold every 4 chunks, 4 barriers) was 6% slower at
+            // one token (docs/PERF.md, session 27). A split tile's halves take alternate chunks.
+            const int m = warp >> 1;
+            double f[2] = {};
+            for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
+                popc_piece<MAXB, R>(m ? wu : wg, lane_rows<OWN>(st[m], grp), OWN ? 0 : lane & ~3,
+                                    st[m].tbl + 8 * grp, words_in, k0, min(ks, k0 + POPC_STEPS),
+                                    k0, kz, kn, x + i, f, moved && i == 0);
+            STAMP(0, 3);
+            #pragma unroll
+            for (int d = 4; d < 32; d <<= 1) {
+                f[0] += __shfl_xor_sync(0xffffffffu, f[0], d);
+                f[1] += __shfl_xor_sync(0xffffffffu, f[1], d);
+            }
+            if (lane < 4) {
+                rows[m][8 * grp + 2 * lane] = (float)f[0];
+                rows[m][8 * grp + 2 * lane + 1] = (float)f[1];
+            }
+            __syncthreads();
+            STAMP(0, 6);
+        } else {
+            // a block wider than MAXB: both by the lookup (token 0 of n-tile 0 is fragment register
+            // w of lanes 4i), which reads every width; a popc path beside the one above for the
+            // narrower block spilled 40 bytes
+            const int kpart = kz * 2 + (warp >> 1), kparts = 2 * kn;
+            int xrow[1] = {lane >> 2 == 0 ? token : -1};
+            #pragma unroll 1
+            for (int m = 0; m < 2; ++m) {
                 float acc[1][4], sum[2][1];
-                mma_block<1>(st[m], B, flat, words_in, wpad_in, xf, xrow, 1,
+                mma_block<1>(st[m], m ? wu : wg, flat, words_in, wpad_in, xf, xrow, 1,
                              (kpart >> 1) * WARPS + warp, kparts / 2 * WARPS, acc);
                 reduce_units<1>(acc, red, WARPS, sum);
                 if ((lane & 3) == 0 && (warp & 1) == 0)
