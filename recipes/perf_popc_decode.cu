@@ -73,6 +73,23 @@ __device__ __forceinline__ void fold_rows(const int (&acc)[NS][4], const float* 
     }
 }
 
+// Lane (g, t)'s first 16-byte unit of 8-row group r0 (words 4t .. 4t + 3 of row r0 + g) and the
+// units from one 16-word chunk to the next; TILED: pack format v2's tiled planes, where a warp's
+// chunk is 512 contiguous bytes.
+#ifdef TILED
+constexpr int CHUNK = 32;
+__device__ __forceinline__ const uint4* lane_base(const uint4* planes, int r0, int quads) {
+    const int lane = threadIdx.x & 31;
+    return planes + (long long)r0 * quads + 8 * (lane & 3) + (lane >> 2);
+}
+#else
+constexpr int CHUNK = 4;
+__device__ __forceinline__ const uint4* lane_base(const uint4* planes, int r0, int quads) {
+    const int lane = threadIdx.x & 31;
+    return planes + (long long)(r0 + (lane >> 2)) * quads + (lane & 3);
+}
+#endif
+
 // The GEMVs' parameters: their bodies' (__restrict__), and the kernels' (`KERNEL`), which leave
 // it out: with it on the entries too, ptxas turns some plane loads into LDG.CONSTANT, and the
 // measured builds had plain loads.
@@ -96,18 +113,12 @@ __device__ __forceinline__ void fold_rows(const int (&acc)[NS][4], const float* 
 // plane and k-step (B, not 2^B - 1) and no ANDs: what such a table format would let decode read.
 template <int B, int T, int MODE = 0, bool ROT = false, bool ADD = false>
 __device__ __forceinline__ void popc_rows(GEMV_PARAMS, int r0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, t = lane & 3;
     const int quads = words / 4, chunks = words / 16;
     const int per = (chunks + gridDim.y - 1) / gridDim.y;
     const int c0 = blockIdx.y * per;
     int c1 = min(chunks, c0 + per);
-#ifdef TILED  // pack format v2's tiled planes: a warp's chunk is 512 contiguous bytes
-    const uint4* base = planes + (long long)r0 * quads + 8 * t + g;
-    constexpr int CHUNK = 32;
-#else
-    const uint4* base = planes + (long long)(r0 + g) * quads + t;
-    constexpr int CHUNK = 4;
-#endif
+    const uint4* base = lane_base(planes, r0, quads);
     const long long pstride = (long long)R * quads;
     constexpr int NS = ADD ? B + 1 : 1 << B;  // accumulators: ADD, plane p at p + 1
     int acc[T][NS][4] = {};
@@ -190,15 +201,9 @@ __device__ void popc_gemv(GEMV_PARAMS) {
 // every chunk, gate rows then its up rows (a 64-row tile a CTA), no barriers.
 template <int B>
 __device__ __forceinline__ void chunk_rows(GEMV_PARAMS, int r0, int first, int step) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, t = lane & 3;
     const int quads = words / 4, chunks = words / 16;
-#ifdef TILED
-    const uint4* base = planes + (long long)r0 * quads + 8 * t + g;
-    constexpr int CHUNK = 32;
-#else
-    const uint4* base = planes + (long long)(r0 + g) * quads + t;
-    constexpr int CHUNK = 4;
-#endif
+    const uint4* base = lane_base(planes, r0, quads);
     const long long pstride = (long long)R * quads;
     int acc[1 << B][4] = {};
     #pragma unroll 1
