@@ -1091,10 +1091,8 @@ __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
     }
 }
 
-// The lanes' partials of 8-row group `grp` (rows 8 grp .. + 7 of the CTA) summed over lanes and
-// over the `parts` warps that split its columns: rows[r] for the CTA's rows. Barrier at the end.
-__device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32], float* rows,
-                              int nrows) {
+// The warp's partials of 8-row group `grp` summed over its lanes into out[8 grp .. + 7].
+__device__ __forceinline__ void popc_warp_rows(double (&f)[2], int grp, float* out) {
     const int lane = threadIdx.x & 31;
     #pragma unroll
     for (int d = 4; d < 32; d <<= 1) {
@@ -1102,9 +1100,16 @@ __device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32
         f[1] += __shfl_xor_sync(0xffffffffu, f[1], d);
     }
     if (lane < 4) {
-        red[part][8 * grp + 2 * lane] = (float)f[0];
-        red[part][8 * grp + 2 * lane + 1] = (float)f[1];
+        out[8 * grp + 2 * lane] = (float)f[0];
+        out[8 * grp + 2 * lane + 1] = (float)f[1];
     }
+}
+
+// The lanes' partials of 8-row group `grp` (rows 8 grp .. + 7 of the CTA) summed over lanes and
+// over the `parts` warps that split its columns: rows[r] for the CTA's rows. Barrier at the end.
+__device__ void popc_rows_sum(double (&f)[2], int grp, int part, float (*red)[32], float* rows,
+                              int nrows) {
+    popc_warp_rows(f, grp, red[part]);
     __syncthreads();
     const int parts = WARPS * 8 / nrows;  // warps per 8-row group
     if (threadIdx.x < nrows) {
@@ -1242,15 +1247,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
                                     st[m].tbl + 8 * grp, words_in, k0, min(ks, k0 + POPC_STEPS),
                                     k0, kz, kn, x + i, f, moved && i == 0);
             STAMP(0, 3);
-            #pragma unroll
-            for (int d = 4; d < 32; d <<= 1) {
-                f[0] += __shfl_xor_sync(0xffffffffu, f[0], d);
-                f[1] += __shfl_xor_sync(0xffffffffu, f[1], d);
-            }
-            if (lane < 4) {
-                rows[m][8 * grp + 2 * lane] = (float)f[0];
-                rows[m][8 * grp + 2 * lane + 1] = (float)f[1];
-            }
+            popc_warp_rows(f, grp, rows[m]);
             __syncthreads();
             STAMP(0, 6);
         } else {
