@@ -23,7 +23,9 @@ from pwctl.bench.kernels import capture_graph, decode_calls, l2_flush, routed_ca
 from pwctl.runtime import kernels
 
 CTAS = 16384  # STAMP_CTAS
-KINDS = {  # kind: (name, its phases in the order a CTA passes them)
+KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc gate_up streams
+    # gate and up side by side (session 27) and stamps only 3 (thread 0's warp, gate, streamed)
+    # and 6 (both summed), which print as 'gate streamed' and 'up summed'
     0: ("gate_up", ((0, "entry"), (1, "waited"), (2, "staged"), (3, "gate streamed"),
                     (4, "gate summed"), (5, "up streamed"), (6, "up summed"), (7, "stored"))),
     1: ("down", ((0, "entry"), (2, "staged"), (1, "waited"), (3, "streamed"), (4, "summed"),
