@@ -1043,6 +1043,16 @@ template <int B, int R>
 __device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned short (*tbl)[MAX_TABLE],
                                           const PopcX* px, int i0, int i1, bool first,
                                           double (&f)[2]) {
+#ifdef PWCTL_PROBE_NOFOLD  // timing probe, never built by pwctl: the sums, not the fold
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int v = 0;
+        #pragma unroll
+        for (int S = 1; S < (1 << B); ++S) v += acc[S][r] + (R == 4 ? acc[S][2 + r] : 0);
+        f[r] += v;
+    }
+    return;
+#endif
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
     int q = 0;
@@ -1055,7 +1065,12 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned shor
     #pragma unroll
     for (int r = 0; r < 2; ++r) {  // one row's coefficients in registers at a time
         float c[1 << B];
+#ifdef PWCTL_PROBE_NOCOEF  // timing probe, never built by pwctl: no tables, no Moebius transform
+        #pragma unroll
+        for (int S = 0; S < (1 << B); ++S) c[S] = 1.f + S * r;
+#else
         row_coef<B>(tbl[2 * t + r], c);
+#endif
         double v = (double)c[0] * q;
         #pragma unroll
         for (int S = 1; S < (1 << B); ++S) {

@@ -2,22 +2,27 @@
 rounds interleaved (the best time of each is printed). Variants are .cu files (NVRTC compiles
 each: ~2.5 min; e.g. `git show main:cuda/moe.cu > /tmp/a.cu`) or cubins built elsewhere (`nvcc
 -arch=sm_90a -std=c++17 -cubin`: no compile on the GPU machine; compare cubins with cubins).
-A variant `x.cubin@runs=N@down=K` runs x with FusedMoE.gate_up_runs = N (the CTAs of a one-token
-gate_up's persistent grid; 0: one CTA a tile) and down_split = K (CTAs sharing a down tile's
-columns).
+A variant `x.cubin@runs=N@down=K@slab=S` runs x with FusedMoE.gate_up_runs = N (the CTAs of a
+one-token gate_up's persistent grid; 0: one CTA a tile), down_split = K (CTAs sharing a down
+tile's columns), and the synthetic layers paged over slabs of S bytes instead of the pager's
+choice.
 Usage (GPU machine):
   python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
 
 import torch
 
+from pwctl.bench import kernels as bench
 from pwctl.bench.kernels import run_kernel_bench
 from pwctl.runtime import fused_moe, kernels
+
+SYNTHETIC = bench.synthetic_layer
 
 
 def main() -> None:
@@ -31,6 +36,8 @@ def main() -> None:
             knob = dict(k.split("=") for k in knobs)
             fused_moe.GATE_UP_RUNS = int(knob["runs"]) if "runs" in knob else None
             fused_moe.DOWN_SPLIT = int(knob["down"]) if "down" in knob else None
+            slab = int(knob["slab"]) if "slab" in knob else None
+            bench.synthetic_layer = functools.partial(SYNTHETIC, slab_bytes=slab)
             if path.endswith(".cubin"):
                 os.environ["PWCTL_CUBIN"] = str(Path(path).resolve())
             else:

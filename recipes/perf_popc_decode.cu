@@ -182,6 +182,17 @@ __device__ void popc_gemv(GEMV_PARAMS) {
         popc_rows<B, T, MODE, ROT, ADD>(planes, R, words, xa, coef, sx, sumxi, y, rg * 8);
 }
 
+// `popc_share*`: as `popc_one` (persistent, one chunk in flight a warp), but warp j takes the
+// j-th of the warps' equal shares of whole row groups, as gate_up_p1's CTAs and gate_up_w*'s
+// warps walk theirs, where `popc_one`'s warps take groups j, j + warps, ... (session 28)
+template <int B>
+__device__ void popc_share(GEMV_PARAMS) {
+    const long long warps = gridDim.x * (blockDim.x >> 5), groups = R / 8;
+    const long long w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    for (long long rg = w * groups / warps; rg < (w + 1) * groups / warps; ++rg)
+        popc_rows<B, 1, 3>(planes, R, words, xa, coef, sx, sumxi, y, (int)rg * 8);
+}
+
 // Every GEMV kernel takes the same arguments; KERNEL names one and the template it runs, at
 // THREADS threads and a floor of CTAS CTAs an SM (RING_KERNEL: the persistent rings, one CTA an
 // SM, with the chunks of a stage as `ch`).
@@ -241,6 +252,8 @@ KERNEL(popc_tiles_nosync3, 128, 4, popc_tiles<3, false>)
 KERNEL(popc_tiles_nosync4, 128, 4, popc_tiles<4, false>)
 KERNEL(popc_own3, 128, 4, popc_tiles<3, false, true>)
 KERNEL(popc_own4, 128, 4, popc_tiles<4, false, true>)
+KERNEL(popc_share3, 128, 4, popc_share<3>)
+KERNEL(popc_share4, 128, 4, popc_share<4>)
 KERNEL(popc_gemv3_1, 128, 4, popc_gemv<3, 1>)
 KERNEL(popc_gemv4_1, 128, 4, popc_gemv<4, 1>)
 KERNEL(popc_loads4, 128, 4, popc_gemv<4, 1, 1>)

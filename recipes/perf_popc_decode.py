@@ -402,7 +402,13 @@ def main() -> None:
     if sys.argv[1:] == ["tiles"]:  # gate_up_p1's structure on flat planes (session 27)
         for name, rows, cols, _ in SHAPES[:2]:
             for bits in (3, 4):
-                for probe in ("popc_one", "popc_tiles", "popc_tiles_nosync", "popc_own"):
+                for probe in (
+                    "popc_one",
+                    "popc_share",
+                    "popc_tiles",
+                    "popc_tiles_nosync",
+                    "popc_own",
+                ):
                     cells = run_shape(mod, name, rows, cols, bits, 1, 1, True, copy_bw, probe=probe)
                     print_row(cells)
         return
