@@ -956,8 +956,9 @@ __device__ __forceinline__ void popc_step(int (&acc)[16][R], int k8, const uint4
 // A warp's share of k-steps [k0, k1) (k0 even) for 8 rows: lane (g, t) reads row g's planes;
 // px: the piece that starts at k-step `base`. Work units are full chunks, then single 8-word
 // k-steps; the warp takes units part, part + parts, ... of the piece.
-// rp: 8 plane pointers, the lane's row's words `at` on from theirs (`lane_rows`).
-template <int B, int R>
+// rp: 8 plane pointers, the lane's row's words `at` on from theirs (`lane_rows`). HOLD: rows that
+// lie in one slab stream from pointers held in registers (below).
+template <int B, int R, bool HOLD>
 __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, int base, int part,
                           int parts, const PopcX* px, int (&acc)[16][R]) {
     const int lane = threadIdx.x & 31, t = lane & 3, chunks = words / 16;
@@ -966,52 +967,70 @@ __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, i
 #ifdef PWCTL_POPC_NO_STREAM  // timing probe, never built by pwctl: no plane loads, no mma
     return;
 #endif
-    // words w .. w + 3 of plane p (w % 4 == 0: one side of a split). The row pointers are read
-    // from shared memory at each use: held in registers they pushed the accumulators to local memory.
-    auto row_of = [&](int p, int w) {
-        const volatile RowPtr& r = rp[p];
-        return (w < r.split ? r.p0 : r.p1) + at + tiled(w);
-    };
-    auto quad = [&](int p, int w) { return __ldg((const uint4*)row_of(p, w)); };
     // Loads at the top of each chunk: a chunk in flight a warp. Measured slower on the H200
     // (docs/PERF.md, session 10): the next chunk in registers too (3 CTAs an SM), L2 prefetches
     // 2 or 4 chunks ahead, a 4-stage cp.async ring in shared memory.
-    for (int u = k0 / 2 + part; u < u_end; u += parts) {
-        uint4 q[B];
-        #pragma unroll
-        for (int p = 0; p < B; ++p) q[p] = quad(p, 16 * u + 4 * t);
-        if constexpr (R == 4) {  // a k-step a call, as the code was before R = 2: a rewrite
-            // with unchanged registers made the 4-bit kernels 4% slower (120.5 -> 125.5 us)
+    // row_of(p, w): where words w .. w + 3 of plane p lie (w % 4 == 0: one side of a split)
+    const auto stream = [&](auto row_of) {
+        const auto quad = [&](int p, int w) { return __ldg((const uint4*)row_of(p, w)); };
+        for (int u = k0 / 2 + part; u < u_end; u += parts) {
+            uint4 q[B];
             #pragma unroll
-            for (int s = 0; s < 2; ++s) {
-                u32 lo[B], hi[B];
+            for (int p = 0; p < B; ++p) q[p] = quad(p, 16 * u + 4 * t);
+            if constexpr (R == 4) {  // a k-step a call, as the code was before R = 2: a rewrite
+                // with unchanged registers made the 4-bit kernels 4% slower (120.5 -> 125.5 us)
+                #pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    u32 lo[B], hi[B];
+                    #pragma unroll
+                    for (int p = 0; p < B; ++p)
+                        lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
+                    const uint4 a = __ldg(&px->a[2 * u + s - base][lane]);
+                    popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
+                }
+            } else {
+                u32 lo[2][B], hi[2][B];
                 #pragma unroll
                 for (int p = 0; p < B; ++p)
-                    lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
-                const uint4 a = __ldg(&px->a[2 * u + s - base][lane]);
-                popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
+                    lo[0][p] = q[p].x, hi[0][p] = q[p].y, lo[1][p] = q[p].z, hi[1][p] = q[p].w;
+                popc_step<B, R, true>(acc, k8, __ldg(&px->a[2 * u - base][lane]), lo[0], hi[0],
+                                      __ldg(&px->a[2 * u + 1 - base][lane]), lo[1], hi[1]);
             }
-        } else {
-            u32 lo[2][B], hi[2][B];
+        }
+        // 8-word k-steps past the full chunks (the piece's part of them), 8-byte loads
+        const int first = max(k0, 2 * chunks);
+        for (int ks = first + part; ks < k1; ks += parts) {
+            const int w = step_word(ks, chunks, t);
+            u32 lo[B], hi[B];
             #pragma unroll
-            for (int p = 0; p < B; ++p)
-                lo[0][p] = q[p].x, hi[0][p] = q[p].y, lo[1][p] = q[p].z, hi[1][p] = q[p].w;
-            popc_step<B, R, true>(acc, k8, __ldg(&px->a[2 * u - base][lane]), lo[0], hi[0],
-                                  __ldg(&px->a[2 * u + 1 - base][lane]), lo[1], hi[1]);
+            for (int p = 0; p < B; ++p) {
+                const uint2 v = w < words ? __ldg((const uint2*)row_of(p, w)) : make_uint2(0u, 0u);
+                lo[p] = v.x, hi[p] = v.y;
+            }
+            const uint4 a = __ldg(&px->a[ks - base][lane]);
+            popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
         }
-    }
-    // 8-word k-steps past the full chunks (the piece's part of them), 8-byte loads
-    const int first = max(k0, 2 * chunks);
-    for (int ks = first + part; ks < k1; ks += parts) {
-        const int w = step_word(ks, chunks, t);
-        u32 lo[B], hi[B];
+    };
+    // HOLD (the one-token 4-bit gate_up, whose lanes read their own rows' pointers): rows that
+    // lie in one slab (every row of a Mixtral gate or up block: its groups tile the slabs) stream
+    // from pointers held in registers. Read from shared memory at each chunk, the own rows'
+    // pointers meet in 4-way bank conflicts, and the layer ran 4% slower (docs/PERF.md, session
+    // 28); the builds up to 3 bits read a group's pointers (a broadcast) and spilled with them
+    // held. Otherwise, and for rows that straddle a slab edge, the side is chosen at each load.
+    const volatile RowPtr* vr = rp;
+    bool flat = HOLD;
+    #pragma unroll
+    for (int p = 0; p < B; ++p) flat = flat && vr[p].split >= words;
+    if (HOLD && __all_sync(0xffffffffu, flat)) {
+        const u32* row[B];
         #pragma unroll
-        for (int p = 0; p < B; ++p) {
-            const uint2 v = w < words ? __ldg((const uint2*)row_of(p, w)) : make_uint2(0u, 0u);
-            lo[p] = v.x, hi[p] = v.y;
-        }
-        const uint4 a = __ldg(&px->a[ks - base][lane]);
-        popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
+        for (int p = 0; p < B; ++p) row[p] = vr[p].p0 + at;
+        stream([&](int p, int w) { return row[p] + tiled(w); });
+    } else {
+        stream([&](int p, int w) {
+            const volatile RowPtr& r = vr[p];
+            return (w < r.split ? r.p0 : r.p1) + at + tiled(w);
+        });
     }
 }
 
@@ -1036,13 +1055,49 @@ __device__ __forceinline__ void row_coef(const unsigned short* tbl, float (&c)[1
             if (S >> p & 1) c[S] -= c[S ^ (1 << p)];
 }
 
+// The same for the 8 rows of a group at once, into coef[row][S] (16 a row), the warp's lanes
+// sharing the work: lane (r, q) takes row r's subsets E q .. E q + E - 1 and the transform's
+// steps over the bits of q by shuffles, where with `row_coef` the 8 lanes of a row pair repeat
+// its transform. Fewer instructions, a longer chain: the few-token 3-bit build takes it (Mixtral,
+// 2 tokens: 7% faster), and the others were 2-5% slower with it (the fold was 5-7% of a one-token
+// Mixtral layer, most of it the coefficients: docs/PERF.md, session 28).
+template <int B>
+__device__ __forceinline__ void group_coefs(const unsigned short (*tbl)[MAX_TABLE], float* coef) {
+    constexpr int N = 1 << B, E = N >= 4 ? N / 4 : 1, LB = E == 4 ? 2 : E == 2 ? 1 : 0;
+    const int lane = threadIdx.x & 31, r = lane >> 2, q = lane & 3;
+    float c[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const int S = E * q + e;
+        c[e] = S < N ? h2f(tbl[r][reversed(S, B)]) : 0.f;  // (B = 1: lanes q = 2, 3 idle)
+    }
+    #pragma unroll
+    for (int p = 0; p < LB; ++p)  // S's bits within the lane
+        #pragma unroll
+        for (int e = 0; e < E; ++e)
+            if (e >> p & 1) c[e] -= c[e ^ (1 << p)];
+    #pragma unroll
+    for (int k = 0; k < B - LB; ++k)  // S's bits LB + k: bit k of q, the lane's neighbours
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float o = __shfl_xor_sync(0xffffffffu, c[e], 1 << k);
+            if (q >> k & 1) c[e] -= o;
+        }
+    __syncwarp();  // every lane has read the last group's
+    #pragma unroll
+    for (int e = 0; e < E; ++e)
+        if (E * q + e < N) coef[16 * r + E * q + e] = c[e];
+    __syncwarp();
+}
+
 // The integer sums of k-steps [i0, i1) of a piece into the lane's fp64 partials f[0] (row 2t of
 // its 8-row group, whose tables are tbl), f[1] (row 2t + 1): acc[S] as popc_step leaves it. The
-// empty subset's term goes in once a row: lanes g = 0 of the `first` warp.
-template <int B, int R>
+// empty subset's term goes in once a row: lanes g = 0 of the `first` warp. COOP: coefficients by
+// `group_coefs`, in coef (the warp's scratch, 128 floats), else by `row_coef`.
+template <int B, int R, bool COOP>
 __device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned short (*tbl)[MAX_TABLE],
                                           const PopcX* px, int i0, int i1, bool first,
-                                          double (&f)[2]) {
+                                          double (&f)[2], float* coef) {
 #ifdef PWCTL_PROBE_NOFOLD  // timing probe, never built by pwctl: the sums, not the fold
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -1062,43 +1117,51 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned shor
         q = g == 0 ? q : 0;
     }
     const double sx = __ldg(&px->sx);
+    if constexpr (COOP) group_coefs<B>(tbl, coef);
     #pragma unroll
     for (int r = 0; r < 2; ++r) {  // one row's coefficients in registers at a time
-        float c[1 << B];
+        float own[1 << B] = {};
+        if constexpr (!COOP) row_coef<B>(tbl[2 * t + r], own);
 #ifdef PWCTL_PROBE_NOCOEF  // timing probe, never built by pwctl: no tables, no Moebius transform
-        #pragma unroll
-        for (int S = 0; S < (1 << B); ++S) c[S] = 1.f + S * r;
+        const auto c = [&](int S) { return 1.f + S * r; };
 #else
-        row_coef<B>(tbl[2 * t + r], c);
+        const auto c = [&](int S) { return COOP ? coef[16 * (2 * t + r) + S] : own[S]; };
 #endif
-        double v = (double)c[0] * q;
+        double v = (double)c(0) * q;
         #pragma unroll
         for (int S = 1; S < (1 << B); ++S) {
             int n;
             if constexpr (R == 4) n = wg * acc[S][r] + w8 * acc[S][2 + r];
             else n = wg * acc[S][r];  // x plane g + 8 is in already
-            v += (double)c[S] * (double)n;
+            v += (double)c(S) * (double)n;
         }
         f[r] += sx * v;
     }
 }
 
+// A warp's scratch for the fold's coefficients (`group_coefs`) in its CTA's `red` (16-byte
+// aligned), past the floats `popc_rows_sum` adds there (WARPS x 2 ROWS).
+__device__ __forceinline__ float* fold_scratch(float* red) {
+    return red + 2 * WARPS * ROWS + 128 * (threadIdx.x >> 5);
+}
+static_assert(RED_FLOATS >= 2 * WARPS * ROWS + 128 * WARPS, "red holds the fold's coefficients");
+
 // Run-time width -> template: one piece of one 8-row group (B <= MAXB). landing: the tables are
-// on their way (`restage`; every thread of the CTA passes here with it).
-template <int MAXB, int R>
+// on their way (`restage`; every thread of the CTA passes here with it). COOP, coef: `popc_fold`'s.
+template <int MAXB, int R, bool HOLD, bool COOP>
 __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
                                            const unsigned short (*tbl)[MAX_TABLE],
                                            int words, int k0, int k1, int base, int part,
                                            int parts, const PopcX* px, double (&f)[2],
-                                           bool landing = false) {
+                                           float* coef, bool landing = false) {
     int acc[16][R] = {};
     switch (B) {
 #define POPC_CASE(W)                                                                              \
     case W:                                                                                       \
         if constexpr (W <= MAXB) {                                                                \
-            popc_rows<W>(rp, at, words, k0, k1, base, part, parts, px, acc);                      \
+            popc_rows<W, R, HOLD>(rp, at, words, k0, k1, base, part, parts, px, acc);            \
             if (landing) tables_landed();                                                         \
-            popc_fold<W>(acc, tbl, px, k0 - base, k1 - base, part == 0, f);                       \
+            popc_fold<W, R, COOP>(acc, tbl, px, k0 - base, k1 - base, part == 0, f, coef);        \
         }                                                                                         \
         break;
         POPC_CASE(1) POPC_CASE(2) POPC_CASE(3) POPC_CASE(4)
@@ -1163,6 +1226,9 @@ __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
     return maxb <= 3 && !few ? 2 : 4;
 }
 
+// Which builds fold with `group_coefs` (popc_fold's COOP): the few-token one up to 3 bits.
+__host__ __device__ constexpr bool coop_fold(int maxb, bool few) { return maxb <= 3 && few; }
+
 // The plane pointers popc_rows reads for 8-row group `grp` of a tile: the group's row 0's, which
 // every lane reads at once (a tiled group's rows share their split: row g's words are 4 g on, and
 // `stage` keeps a group's pointers within one group of the plane past the tile's rows too);
@@ -1185,7 +1251,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
                              int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
                              const PopcX* px, Split sp) {
     __shared__ Stage st[2];
-    __shared__ float red[RED_FLOATS];
+    __shared__ __align__(16) float red[RED_FLOATS];
     __shared__ float rows[2][ROWS];
     __shared__ Run share;  // read where needed: held in registers across the streaming, it spilled
     // by tile parity: a tile's end is read before the next tile but one stages (a barrier), and
@@ -1249,7 +1315,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
         const int grp = warp & 1;
         constexpr int R = popc_regs(MAXB, FEW);
-        constexpr bool OWN = MAXB == 4 && !FEW;  // (lane_rows)
+        constexpr bool OWN = MAXB == 4 && !FEW, COOP = coop_fold(MAXB, FEW);  // (lane_rows)
         if (max(wg, wu) <= MAXB) {
             // gate on warps 0-1, up on 2-3 (8-row group warp % 2), each warp every chunk of its
             // rows in the tile's share: one fold a warp and tile, one barrier. Gate then up on all
@@ -1258,9 +1324,10 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
             const int m = warp >> 1;
             double f[2] = {};
             for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                popc_piece<MAXB, R>(m ? wu : wg, lane_rows<OWN>(st[m], grp), OWN ? 0 : lane & ~3,
-                                    st[m].tbl + 8 * grp, words_in, k0, min(ks, k0 + POPC_STEPS),
-                                    k0, kz, kn, x + i, f, moved && i == 0);
+                popc_piece<MAXB, R, OWN, COOP>(m ? wu : wg, lane_rows<OWN>(st[m], grp),
+                                               OWN ? 0 : lane & ~3, st[m].tbl + 8 * grp, words_in,
+                                               k0, min(ks, k0 + POPC_STEPS), k0, kz, kn, x + i, f,
+                                               fold_scratch(red), moved && i == 0);
             STAMP(0, 3);
             popc_warp_rows(f, grp, rows[m]);
             __syncthreads();
@@ -1300,7 +1367,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
                           float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
                           int units, const PopcX* hpx) {
     __shared__ Stage st[2];
-    __shared__ float red[RED_FLOATS];
+    __shared__ __align__(16) float red[RED_FLOATS];
     __shared__ float rows[2 * ROWS];
     STAMP(1, 0);
     const Tile c = tile_of(s, ROWS * units, slot, tile);
@@ -1324,14 +1391,16 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         const int lo = min(ks, kz * per), hi = min(ks, lo + per);
         const PopcX* x = hpx + (i64)c.lo * popc_pieces(words_in);
         constexpr int R = popc_regs(MAXB, FEW);
+        constexpr bool COOP = coop_fold(MAXB, FEW);
         wait_previous();  // h's pieces come from popc_planes
         STAMP(1, 1);
         double f[2] = {};
         if (c.row0 + ROWS * unit < H)
             for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
                 const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
-                popc_piece<MAXB, R>(wd, rp, lane & ~3, st[unit].tbl + 8 * (grp & 1), words_in,
-                                    k0, k1, i * POPC_STEPS, part, parts, x + i, f);
+                popc_piece<MAXB, R, false, COOP>(wd, rp, lane & ~3, st[unit].tbl + 8 * (grp & 1),
+                                                 words_in, k0, k1, i * POPC_STEPS, part, parts,
+                                                 x + i, f, fold_scratch(red));
                 k0 = k1;
             }
         STAMP(1, 3);
