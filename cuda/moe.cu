@@ -1232,9 +1232,10 @@ __host__ __device__ constexpr bool coop_fold(int maxb, bool few) { return maxb <
 // The plane pointers popc_rows reads for 8-row group `grp` of a tile: the group's row 0's, which
 // every lane reads at once (a tiled group's rows share their split: row g's words are 4 g on, and
 // `stage` keeps a group's pointers within one group of the plane past the tile's rows too);
-// OWN: each lane its own row's, which meet in 4-way bank conflicts. The one-token 4-bit gate_up
-// takes OWN: the other form left it 64 bytes of spills in the fold and 2.5% slower, where the
-// rest gained 1-4% (docs/PERF.md, session 26).
+// OWN: each lane its own row's, which meet in 4-way bank conflicts (so `popc_rows` holds them in
+// registers, HOLD, for rows in one slab). The one-token 4-bit gate_up takes OWN: the other form
+// left it 64 bytes of spills in the fold and 2.5% slower, where the rest gained 1-4% (docs/PERF.md,
+// session 26).
 template <bool OWN>
 __device__ __forceinline__ const RowPtr* lane_rows(const Stage& st, int grp) {
     return st.ptr + (8 * grp + (OWN ? (threadIdx.x & 31) >> 2 : 0)) * 8;
