@@ -1059,7 +1059,7 @@ __device__ __forceinline__ void row_coef(const unsigned short* tbl, float (&c)[1
 // sharing the work: lane (r, q) takes row r's subsets E q .. E q + E - 1 and the transform's
 // steps over the bits of q by shuffles, where with `row_coef` the 8 lanes of a row pair repeat
 // its transform. Fewer instructions, a longer chain: the few-token 3-bit build takes it (Mixtral,
-// 2 tokens: 7% faster), and the others were 2-5% slower with it (the fold was 5-7% of a one-token
+// 2 tokens: 7% faster), and the others were 2-9% slower with it (the fold was 5-7% of a one-token
 // Mixtral layer, most of it the coefficients: docs/PERF.md, session 28).
 template <int B>
 __device__ __forceinline__ void group_coefs(const unsigned short (*tbl)[MAX_TABLE], float* coef) {
