@@ -1011,12 +1011,12 @@ __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, i
             popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
         }
     };
-    // HOLD (the one-token 4-bit gate_up, whose lanes read their own rows' pointers): rows that
-    // lie in one slab (every row of a Mixtral gate or up block: its groups tile the slabs) stream
-    // from pointers held in registers. Read from shared memory at each chunk, the own rows'
-    // pointers meet in 4-way bank conflicts, and the layer ran 4% slower (docs/PERF.md, session
-    // 28); the builds up to 3 bits read a group's pointers (a broadcast) and spilled with them
-    // held. Otherwise, and for rows that straddle a slab edge, the side is chosen at each load.
+    // HOLD (`hold_rows`): rows that lie in one slab (every row of a Mixtral gate or up block: its
+    // groups tile the slabs) stream from pointers held in registers. Read from shared memory at
+    // each chunk, the one-token 4-bit gate_up's own rows' pointers meet in 4-way bank conflicts
+    // (Mixtral 4 bits, one token: 93.3 -> 91.7 us held there, 90.5 held in every 4-bit build;
+    // docs/PERF.md, session 28). Otherwise, and for rows that straddle a slab edge, the side is
+    // chosen at each load.
     const volatile RowPtr* vr = rp;
     bool flat = HOLD;
     #pragma unroll
@@ -1229,6 +1229,10 @@ __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
 // Which builds fold with `group_coefs` (popc_fold's COOP): the few-token one up to 3 bits.
 __host__ __device__ constexpr bool coop_fold(int maxb, bool few) { return maxb <= 3 && few; }
 
+// Which builds stream rows in one slab from pointers held in registers (popc_rows' HOLD): the
+// 4-bit ones; the builds up to 3 bits spilled with them.
+__host__ __device__ constexpr bool hold_rows(int maxb) { return maxb == 4; }
+
 // The plane pointers popc_rows reads for 8-row group `grp` of a tile: the group's row 0's, which
 // every lane reads at once (a tiled group's rows share their split: row g's words are 4 g on, and
 // `stage` keeps a group's pointers within one group of the plane past the tile's rows too);
@@ -1316,7 +1320,8 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         const PopcX* x = px + (i64)token * popc_pieces(words_in);
         const int grp = warp & 1;
         constexpr int R = popc_regs(MAXB, FEW);
-        constexpr bool OWN = MAXB == 4 && !FEW, COOP = coop_fold(MAXB, FEW);  // (lane_rows)
+        constexpr bool OWN = MAXB == 4 && !FEW;  // (lane_rows)
+        constexpr bool HOLD = hold_rows(MAXB), COOP = coop_fold(MAXB, FEW);
         if (max(wg, wu) <= MAXB) {
             // gate on warps 0-1, up on 2-3 (8-row group warp % 2), each warp every chunk of its
             // rows in the tile's share: one fold a warp and tile, one barrier. Gate then up on all
@@ -1325,10 +1330,10 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
             const int m = warp >> 1;
             double f[2] = {};
             for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                popc_piece<MAXB, R, OWN, COOP>(m ? wu : wg, lane_rows<OWN>(st[m], grp),
-                                               OWN ? 0 : lane & ~3, st[m].tbl + 8 * grp, words_in,
-                                               k0, min(ks, k0 + POPC_STEPS), k0, kz, kn, x + i, f,
-                                               fold_scratch(red), moved && i == 0);
+                popc_piece<MAXB, R, HOLD, COOP>(m ? wu : wg, lane_rows<OWN>(st[m], grp),
+                                                OWN ? 0 : lane & ~3, st[m].tbl + 8 * grp, words_in,
+                                                k0, min(ks, k0 + POPC_STEPS), k0, kz, kn, x + i, f,
+                                                fold_scratch(red), moved && i == 0);
             STAMP(0, 3);
             popc_warp_rows(f, grp, rows[m]);
             __syncthreads();
@@ -1392,16 +1397,16 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         const int lo = min(ks, kz * per), hi = min(ks, lo + per);
         const PopcX* x = hpx + (i64)c.lo * popc_pieces(words_in);
         constexpr int R = popc_regs(MAXB, FEW);
-        constexpr bool COOP = coop_fold(MAXB, FEW);
+        constexpr bool HOLD = hold_rows(MAXB), COOP = coop_fold(MAXB, FEW);
         wait_previous();  // h's pieces come from popc_planes
         STAMP(1, 1);
         double f[2] = {};
         if (c.row0 + ROWS * unit < H)
             for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
                 const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
-                popc_piece<MAXB, R, false, COOP>(wd, rp, lane & ~3, st[unit].tbl + 8 * (grp & 1),
-                                                 words_in, k0, k1, i * POPC_STEPS, part, parts,
-                                                 x + i, f, fold_scratch(red));
+                popc_piece<MAXB, R, HOLD, COOP>(wd, rp, lane & ~3, st[unit].tbl + 8 * (grp & 1),
+                                                words_in, k0, k1, i * POPC_STEPS, part, parts,
+                                                x + i, f, fold_scratch(red));
                 k0 = k1;
             }
         STAMP(1, 3);
