@@ -183,8 +183,9 @@ __device__ void popc_gemv(GEMV_PARAMS) {
 }
 
 // `popc_share*`: as `popc_one` (persistent, one chunk in flight a warp), but warp j takes the
-// j-th of the warps' equal shares of whole row groups, as gate_up_p1's CTAs and gate_up_w*'s
-// warps walk theirs, where `popc_one`'s warps take groups j, j + warps, ... (session 28)
+// j-th of the warps' equal shares of whole row groups, as gate_up_p1's CTAs walk theirs (and
+// session 28's warps-own-rows gate_up, branch gate-up-warps), where `popc_one`'s warps take
+// groups j, j + warps, ... (session 28)
 template <int B>
 __device__ void popc_share(GEMV_PARAMS) {
     const long long warps = gridDim.x * (blockDim.x >> 5), groups = R / 8;
