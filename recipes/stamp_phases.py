@@ -6,7 +6,8 @@ and each phase's median / p90 length (us, from the SM clocks). `routed`: the eng
 in the first launch) instead of given routing; `cold`: L2 flushed (`l2_flush` read) before the
 replay, as a step through many layers finds it; `prefill`: the sm_90a prefill kernels (given
 routing, eager calls) instead of decode; `waves`: also each kernel's CTAs alive every 2 us (how
-full its last wave runs). Usage (GPU machine):
+full its last wave runs); `popc` / `lookup`: one-token calls on the popc / lookup kernels whatever
+the layer's size (FusedMoE.popc_decode). Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py mixtral 1 [routed] [cold] [waves]
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe,mixtral 512 prefill"""
@@ -97,9 +98,11 @@ def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
     routed, cold = "routed" in sys.argv[3:], "cold" in sys.argv[3:]
     prefill, waves = "prefill" in sys.argv[3:], "waves" in sys.argv[3:]
+    popc = True if "popc" in sys.argv[3:] else False if "lookup" in sys.argv[3:] else None
     buf, smid = stamps()
     flush = l2_flush()
     for name, T, call in decode_calls(shapes, tokens, path="prefill" if prefill else "decode"):
+        call.func.popc_decode = popc  # (the FusedMoE)
         fn = routed_call(call) if routed else call
         run = fn if prefill else capture_graph(fn).replay  # prefill: eager calls
         for _ in range(3):

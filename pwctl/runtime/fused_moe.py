@@ -441,11 +441,16 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
     return xt
 
 
-# The popc kernels save ~15% of a one-token slot's streaming and cost ~6 us more a call (x's
-# pieces in the prep launch, popc_planes for h): on the H200 they win on Mixtral (~352M expert
-# weights a token; 1.14-1.23x at 2-4 tokens, session 16), lose on Qwen1.5-MoE (69M) and Qwen3-MoE
-# (38M). docs/PERF.md, sessions 11 and 16.
+# The popc kernels save ~15% of a one-token slot's streaming and cost more a call (x's pieces in
+# the prep launch, popc_planes for h). On the H200, one-token calls win on every shape since
+# popc_planes lets down launch early (session 29: routed, Qwen3-MoE 39.0 -> 37.8 us at 4 bits,
+# Qwen1.5-MoE 42.5 -> 38.9 at 3); calls of 2..POPC_MAX_TOKENS tokens win on Mixtral (~352M
+# expert weights a token; 1.14-1.23x, session 16) and lose on Qwen1.5-MoE (69M) and Qwen3-MoE
+# (38M; 2 tokens: 42.7 against 48.6 us at 3 bits). So one token takes them on every layer, a few
+# tokens on the layers that read at least POPC_MIN_WEIGHTS a token (docs/PERF.md).
 POPC_MIN_WEIGHTS = 128 << 20
+# FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
+POPC_DECODE: bool | None = None
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's per-tile grid: no shares
@@ -515,10 +520,10 @@ class FusedMoE:
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
         # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
-        # gate_up_p1 / _pn: one-token slots on binary tensor cores), where rows allow: True,
-        # False, or None (default): on the layers that read at least POPC_MIN_WEIGHTS expert
-        # weights a token (`_popc_pays`)
-        self.popc_decode: bool | None = None
+        # gate_up_p1 / _pn: one-token slots on binary tensor cores), where a block is narrow
+        # enough: True, False, or None (default): one-token calls on every layer, calls of a
+        # few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (`_popc_pays`)
+        self.popc_decode: bool | None = POPC_DECODE
 
     def __call__(
         self,
@@ -783,8 +788,10 @@ class FusedMoE:
     def _x_pieces(self, layer: int, T: int, device: torch.device) -> XPieces | None:
         """x's pieces when this call takes the popc kernels (else None): at most
         POPC_MAX_TOKENS tokens (their one-token slots run the binary mma, the others the lookup),
-        and popc_decode set or (None) the layer large enough."""
-        on = self._popc_pays[layer] if self.popc_decode is None else self.popc_decode
+        and popc_decode set or (None) one token, or the layer large enough."""
+        on = self.popc_decode
+        if on is None:
+            on = T == 1 or self._popc_pays[layer]
         if T > kernels.POPC_MAX_TOKENS or not on:
             return None
         if self._widths(layer)[0] > kernels.POPC_MAX_BITS:  # none on the binary mma: the lookup
