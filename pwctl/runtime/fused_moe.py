@@ -442,7 +442,7 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 
 
 # The popc kernels save ~15% of a one-token slot's streaming and cost more a call (x's pieces in
-# the prep launch, popc_planes for h). On the H200, one-token calls win on every shape since
+# the prep launch, popc_planes for h). On the H200, one-token calls win or tie on every shape since
 # popc_planes lets down launch early (session 29: routed, Qwen3-MoE 39.0 -> 37.8 us at 4 bits,
 # Qwen1.5-MoE 42.5 -> 38.9 at 3); calls of 2..POPC_MAX_TOKENS tokens win on Mixtral (~352M
 # expert weights a token; 1.14-1.23x, session 16) and lose on Qwen1.5-MoE (69M) and Qwen3-MoE
