@@ -446,8 +446,8 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 # popc_planes lets down launch early (session 29: routed, Qwen3-MoE 39.0 -> 37.8 us at 4 bits,
 # Qwen1.5-MoE 42.5 -> 38.9 at 3); calls of 2..POPC_MAX_TOKENS tokens win on Mixtral (~352M
 # expert weights a token; 1.14-1.23x, session 16) and lose on Qwen1.5-MoE (69M) and Qwen3-MoE
-# (38M; 2 tokens: 42.7 against 48.6 us at 3 bits). So one token takes them on every layer, a few
-# tokens on the layers that read at least POPC_MIN_WEIGHTS a token (docs/PERF.md).
+# (38M; 2 tokens, routed: 44.3 against 52.2 us at 3 bits). So one token takes them on every
+# layer, a few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (docs/PERF.md).
 POPC_MIN_WEIGHTS = 128 << 20
 # FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
 POPC_DECODE: bool | None = None
