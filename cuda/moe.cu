@@ -2579,10 +2579,11 @@ extern "C" __global__ void prefill_prep(const i64* index, const float* weights, 
 //
 // Every block but x's piece blocks (popc calls) takes a share of the logits (`router_logits`:
 // `slices` warps a (token, row) dot product over H in fp32, rounded to fp16 as the reference's
-// fp16 linear rounds them; row `experts` is the shared expert's gate when there is one), of x's
-// fragment-order copy and of the output's zeroing. The last of them to finish (a counter it
-// resets) picks each token's top-k in the recipe's order, writes index / weights / the shared
-// gate, and groups the pairs (`group_decode`).
+// fp16 linear rounds them; row `experts` is the shared expert's gate when there is one). x's
+// fragment-order copy and the output's zeroing go to the piece blocks, or without them to the
+// logits blocks. The last logits block to finish (a counter it resets) picks each token's top-k
+// in the recipe's order, writes index / weights / the shared gate, and groups the pairs
+// (`group_decode`).
 
 __device__ __forceinline__ float hsum2(u32 a, u32 b) {  // a.lo b.lo + a.hi b.hi, fp32
     return h2f(a & 0xffff) * h2f(b & 0xffff) + h2f(a >> 16) * h2f(b >> 16);
@@ -2648,74 +2649,88 @@ __device__ void router_logits(const unsigned short* x, int T, int H, const unsig
 #define ROUTE_PER_LANE (ROUTE_MAX_EXPERTS / 32)
 #define NEG_INF __int_as_float(0xff800000)
 
-// Floats as unsigned ints in the same order, and back.
-__device__ __forceinline__ unsigned float_order(float f) {
-    const unsigned u = __float_as_uint(f + 0.f);  // -0 + 0 = +0: they tie, as in comparisons
-    return u ^ (u >> 31 ? 0xffffffffu : 0x80000000u);
-}
-__device__ __forceinline__ float order_float(unsigned u) {
-    return __uint_as_float(u ^ (u >> 31 ? 0x80000000u : 0xffffffffu));
+// atomicAdd at gpu scope with acquire-release order: what this thread (and, through a barrier
+// before it, its block) wrote is visible to whoever acquires the value it leaves, and it sees
+// what the adds before it released.
+__device__ __forceinline__ unsigned add_acq_rel(unsigned* p, unsigned v) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+                 : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
 }
 
-// The largest of the warp's values v (ties: the lowest expert e), broadcast: two warp
-// reductions (REDUX) where a shuffle tree took ten shuffles.
-__device__ __forceinline__ void warp_argmax(float v, int e, float& best, int& at) {
-    const unsigned top = __reduce_max_sync(0xffffffffu, float_order(v));
-    at = (int)__reduce_min_sync(0xffffffffu, float_order(v) == top ? (unsigned)e : 0xffffffffu);
-    best = order_float(top);
+// A logit's key: the order of its fp16 value (router_logits rounds the logits to fp16) in the
+// high half, 0xffff - e in the low, so that one u32 max picks the largest logit and, of equal
+// ones, the lowest expert. Softmax keeps the logits' order, so the top-k of the probabilities is
+// the top-k of the keys (but for two logits within ~1e-7 of each other whose probabilities round
+// to one float: they rank by logit here). An absent expert's key is 0, below every real one.
+__device__ __forceinline__ unsigned logit_key(float v, int e) {
+    const unsigned h = f2h(v + 0.f);  // -0 + 0 = +0: they tie, as in comparisons
+    return ((h ^ (h >> 15 ? 0xffffu : 0x8000u)) << 16) | (0xffffu - e);
+}
+__device__ __forceinline__ float key_logit(unsigned key) {
+    const unsigned o = key >> 16;
+    return h2f((unsigned short)(o ^ (o >> 15 ? 0x8000u : 0xffffu)));
+}
+__device__ __forceinline__ int key_expert(unsigned key) { return 0xffff - (int)(key & 0xffffu); }
+
+// The warp's largest key (a tree over the lane's keys, then one REDUX).
+__device__ __forceinline__ unsigned warp_max_key(const unsigned (&key)[ROUTE_PER_LANE]) {
+    unsigned m[ROUTE_PER_LANE];
+    #pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; ++j) m[j] = key[j];
+    #pragma unroll
+    for (int d = 1; d < ROUTE_PER_LANE; d <<= 1)
+        #pragma unroll
+        for (int j = 0; j + d < ROUTE_PER_LANE; j += 2 * d) m[j] = max(m[j], m[j + d]);
+    return __reduce_max_sync(0xffffffffu, m[0]);
 }
 
 // Token t's top-k from its logits row (one warp): order 0 = softmax over all experts, then top-k
 // (renormalized when `norm`); order 1 = top-k of the logits, then softmax over those k. Written to
 // index / weights and to copy_index / copy_weights (the same pointers, or a shared-memory copy).
+// A round is one REDUX of the lanes' largest keys, 0.11 us: comparing floats and then experts
+// took two REDUX and a serial scan a round, 0.33 us, and Qwen3-MoE's top-8 2.6 of its 7.6 us
+// prep (docs/PERF.md, sessions 29-30). Renormalized, the probabilities' common denominator
+// cancels, so only weights that are not renormalized wait for softmax's sum.
 __device__ void route_token(const float* logits, int experts, int k, int order, int norm,
                             float scaling, i64* index, float* weights, i64* copy_index,
                             float* copy_weights) {
     const int lane = threadIdx.x & 31;
     float v[ROUTE_PER_LANE];
-    float m = NEG_INF;
+    unsigned key[ROUTE_PER_LANE];
     #pragma unroll
     for (int j = 0; j < ROUTE_PER_LANE; ++j) {
         const int e = lane + 32 * j;
         v[j] = e < experts ? __ldcg(logits + e) : NEG_INF;  // other blocks wrote them: L2
-        m = fmaxf(m, v[j]);
+        key[j] = e < experts ? logit_key(v[j], e) : 0u;
     }
-    #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-    if (order == 0) {  // probabilities first: the top-k of them (the same order as the logits')
-        float s = 0.f;
+    unsigned top = warp_max_key(key);
+    const float m = key_logit(top);  // the largest logit
+    // softmax's denominator stays in the weights only when they are not renormalized
+    const bool divide = order == 1 || norm;
+    float s = 0.f;
+    if (!divide) {
         #pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; ++j) {
-            v[j] = lane + 32 * j < experts ? expf(v[j] - m) : -1.f;
-            s += fmaxf(v[j], 0.f);
-        }
+        for (int j = 0; j < ROUTE_PER_LANE; ++j) s += lane + 32 * j < experts ? expf(v[j] - m) : 0.f;
         s = warp_sum(s);
-        #pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; ++j) v[j] = v[j] >= 0.f ? v[j] / s : -1.f;
     }
     STAMP(2, 6);
-    float top[8], total = 0.f;  // k <= 8
+    float mine = 0.f, total = 0.f;  // lane i keeps round i's exp(logit - m)
+    int mine_e = 0;
     for (int i = 0; i < k; ++i) {
-        float bv = NEG_INF;
-        int be = 0x7fffffff;
-        #pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; ++j) {
-            const int e = lane + 32 * j;
-            if (e < experts && (v[j] > bv || (v[j] == bv && e < be))) bv = v[j], be = e;
-        }
-        warp_argmax(bv, be, bv, be);
+        if (i > 0) top = warp_max_key(key);
         #pragma unroll
         for (int j = 0; j < ROUTE_PER_LANE; ++j)
-            if (lane + 32 * j == be) v[j] = NEG_INF;  // taken
-        top[i] = order == 0 ? bv : expf(bv - m);
-        total += top[i];
-        if (lane == 0) index[i] = copy_index[i] = be;
+            if (key[j] == top) key[j] = 0u;  // taken (keys are unique)
+        const float p = expf(key_logit(top) - m);
+        total += p;
+        if (lane == i) mine = p, mine_e = key_expert(top);
     }
-    if (lane == 0)
-        for (int i = 0; i < k; ++i) {
-            const bool divide = order == 1 || norm;
-            weights[i] = copy_weights[i] = (divide ? top[i] / total : top[i]) * scaling;
-        }
+    if (lane < k) {
+        index[lane] = copy_index[lane] = mine_e;
+        weights[lane] = copy_weights[lane] = (divide ? mine / total : mine / s) * scaling;
+    }
 }
 
 extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
@@ -2731,19 +2746,30 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
     // x's pieces and the routing need nothing of each other, so the routing does not wait for the
     // piece blocks (it did until session 18: Mixtral, 1 token, 0.2-0.4 us a layer, docs/PERF.md)
-    if ((int)blockIdx.x >= blocks) return x_piece(x, T, H, words, px, blockIdx.x - blocks);
+    // x's layout and out's zeroing: by the piece blocks when there are any, which nothing waits
+    // for until the grid ends (the last logits block's share was on the routing's path: Mixtral,
+    // one token, 1.1 us, docs/PERF.md session 30); else by the logits blocks, before the counter
+    // (after it, the last block's share followed the routing: Mixtral's route_prep, 4 blocks, 7.2
+    // -> 9.4 us, docs/PERF.md session 19)
+    if ((int)blockIdx.x >= blocks) {
+        const int b = blockIdx.x - blocks;
+        const int first = b * blockDim.x + threadIdx.x;
+        lay_out_x<1>(x, T, H, wpad, xf, out, out_n, first, px_blocks * blockDim.x);
+        return x_piece(x, T, H, words, px, b);
+    }
     router_logits(x, T, H, gate_w, experts, shared_gate_w, slices, logits, blocks);
     STAMP(2, 1);
-    // x's layout and out's zeroing: before the counter (after it, the last block's share of them
-    // followed the routing: Mixtral's route_prep, 4 blocks, 7.2 -> 9.4 us, docs/PERF.md session 19)
-    const int stride = blocks * blockDim.x, first = blockIdx.x * blockDim.x + threadIdx.x;
-    lay_out_x<1>(x, T, H, wpad, xf, out, out_n, first, stride);
+    if (px_blocks == 0) {
+        const int first = blockIdx.x * blockDim.x + threadIdx.x;
+        lay_out_x<1>(x, T, H, wpad, xf, out, out_n, first, blocks * blockDim.x);
+    }
     STAMP(2, 2);
     // the last logits block to get here routes: every other block's logits are written by then
+    // (the counter's add releases this block's logits and acquires the others': two fence.sc
+    // around a relaxed add cost ~0.3 us each on the last block's path, docs/PERF.md session 30)
     __shared__ bool last;
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == (unsigned)blocks - 1;
+    if (threadIdx.x == 0) last = add_acq_rel(done, 1u) == (unsigned)blocks - 1;
     __syncthreads();
     if (!last) return;
     // gate_up's CTAs may launch now (every other block has exited); they wait for this grid to
@@ -2752,7 +2778,6 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     // than either (docs/PERF.md, session 22)
     start_next();
     STAMP(2, 3);
-    __threadfence();
     STAMP(2, 5);
     // a call of at most GROUP_FEW pairs hands them to the grouping in shared memory too
     __shared__ i64 few_index[GROUP_FEW];
