@@ -544,11 +544,12 @@ __device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta, int sl
 
 // A gate_up CTA's work: halves [a, b) of its group's tiles (tile `at`, slot at / tiles, is halves
 // 2 at and 2 at + 1, which take alternate chunks of its columns). On the per-tile grid, one tile.
-// One-token calls without a shared expert run a persistent grid instead (ENTRY's RUN, `runs`
-// CTAs, a wave): CTA j takes the j-th of `runs` equal shares of the routed tiles' halves, so
-// that every CTA gets the same work to within a half (a Mixtral layer's 1792 tiles on 528 CTAs:
-// 6 or 7 halves), and each tile after its first stages without a chain of loads (`restage`).
-// A share may begin or end in the middle of a tile, whose halves then meet in split_join.
+// One-token calls of more tiles than a wave run a persistent grid instead (ENTRY's RUN, a wave
+// of CTAs, `runs` of them routed): CTA j takes the j-th of `runs` equal shares of the routed
+// tiles' halves, so that every CTA gets the same work to within a half (a Mixtral layer's 1792
+// tiles on 528 CTAs: 6 or 7 halves), and each tile after its first stages without a chain of
+// loads (`restage`); the CTAs after them share the shared expert's tiles the same way. A share
+// may begin or end in the middle of a tile, whose halves then meet in split_join.
 struct Run {
     int a, b;   // halves [a, b)
     int j;      // this CTA's share (persistent grid); its first tile's scratch is j's, its last j + 1's
@@ -2233,14 +2234,28 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
         if (at >= t_tiles * t_split) return;                                                     \
         slot = 0, tile = at % t_tiles, kz = at / t_tiles, kn = t_split;                          \
     }
-// gate_up's work (Run): the CTA's tile, or with `runs` > 0 (one-token calls without a shared
-// expert; the launcher's grid is `runs` CTAs) the j-th of `runs` shares of the routed tiles' halves.
+// gate_up's group: WHICH_GROUP's, or with `runs` > 0 (one-token calls: a persistent grid of
+// gridDim.x CTAs, one row) the routed tiles' on CTAs [0, runs), the shared expert's on the rest.
+#define GATE_UP_GROUP                                                                            \
+    const bool t = runs > 0 ? (int)blockIdx.x >= runs : (int)blockIdx.y >= n_routed;           \
+    int slot = blockIdx.y, tile = blockIdx.x;                                                    \
+    if (t && runs == 0) {                                                                        \
+        const int at = (blockIdx.y - n_routed) * gridDim.x + blockIdx.x; /* t_split = 1 */     \
+        if (at >= t_tiles) return;                                                               \
+        slot = 0, tile = at;                                                                     \
+    }
+// gate_up's work (Run): the CTA's tile, or with `runs` > 0 the j-th of its group's CTAs' equal
+// shares of the group's tiles' halves. The shared expert's shares (a layer whose routed and
+// shared tiles fill more than a wave: Qwen1.5-MoE at 4 bits, where one CTA a tile ran 1.4 waves,
+// docs/PERF.md session 30) take the scratch indices after the routed ones' [0, runs].
 #define RUN                                                                                      \
     const int tiles = t ? t_tiles : 32 * wpad_out / ROWS, at = slot * tiles + tile;              \
     Run run{2 * at, 2 * at + 2, 0, tiles};                                                       \
-    if (!t && runs > 0) {                                                                        \
-        const i64 halves = 2LL * n_routed * tiles, j = blockIdx.x;                               \
-        run = Run{(int)(j * halves / runs), (int)((j + 1) * halves / runs), (int)j, tiles};      \
+    if (runs > 0) {                                                                              \
+        const int n = t ? gridDim.x - runs : runs, j = t ? blockIdx.x - runs : blockIdx.x;     \
+        const i64 halves = 2LL * (t ? 1 : n_routed) * tiles;                                     \
+        run = Run{(int)(j * halves / n), (int)((j + 1) * halves / n), t ? runs + 1 + j : j,      \
+                  tiles};                                                                        \
     }
 #define ENTRY_AS(NAME, BOUNDS, GATE_UP, DOWN)                                                     \
     extern "C" __global__ void BOUNDS gate_up_##NAME(                                             \
@@ -2249,8 +2264,8 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
         unsigned short* t_hp, int t_I, int t_wpad_out, i64 t_bits_nbytes, int t_rpt,            \
         int t_tiles, int t_split, const PopcX* px, int runs, float* split_sum,                  \
         int* split_ticket) {                                                                     \
-        WHICH_GROUP                                                                              \
-        (void)kz, (void)kn; /* t_split = 1: gate_up splits no columns on the per-tile grid */     \
+        GATE_UP_GROUP                                                                            \
+        (void)t_split; /* 1: gate_up splits no columns on the per-tile grid */                    \
         RUN                                                                                      \
         GATE_UP(PAGED, t ? SHARED_SLOTS : SLOTS, run, xf, t ? t_hp : hp, t ? t_I : I,            \
                 words_in, wpad_in, t ? t_wpad_out : wpad_out,                                    \

@@ -565,15 +565,17 @@ def test_popc_kernels_take_calls_of_a_few_tokens(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["mixtral", "qwen3-moe", "straddle"])
+@pytest.mark.parametrize("shape", ["mixtral", "qwen3-moe", "qwen-moe", "straddle"])
 def test_one_token_runs_match_reference(shape):
     """gate_up's persistent grid (cuda/moe.cu Run): each CTA a share of the tiles' halves, the
     tiles after its first restaged by moving the pointers on (`restage`), shares that end
     mid-tile meeting through a ticket (split_join). One CTA a tile, a few CTAs (long runs), the
     launcher's choice and a CTA a half tile, at 3 and 4 bits (p1b3, p1) and mixed widths (wider
     blocks on the lookup, staged afresh), each call twice: the second half of a tile resets its
-    ticket for the next. "straddle": 560-byte rows in 16 KB slabs, so that some rows of a tile
-    move on within their slab and others cross an edge or straddle one."""
+    ticket for the next. "qwen-moe": the shared expert's tiles on CTAs of their own after the
+    routed ones' (at 4 bits its layer's tiles are more than a wave). "straddle": 560-byte rows in
+    16 KB slabs, so that some rows of a tile move on within their slab and others cross an edge
+    or straddle one."""
     spec, slab = (STRADDLE, 16384) if shape == "straddle" else (SHAPES[shape], None)
     layer = synthetic_layer(spec, seed=5, slab_bytes=slab)
     t, moe = layer.table, layer.moe
@@ -678,7 +680,8 @@ def read_pieces(buf: torch.Tensor, words: int, row: int) -> tuple[np.ndarray, li
 def test_prep_launches_build_x_pieces_as_the_twin(H):
     """x's pieces for the one-token kernels, built by decode_prep and by route_prep from
     row-major x: every token's 16-bit planes, k-step sums and piece scales as the CPU twin
-    quantizes x (popc.quantize), bit for bit."""
+    quantizes x (popc.quantize), bit for bit; and beside them x in fragment order and out
+    zeroed (route_prep's piece blocks do both)."""
     T, E, k, words = 3, 8, 2, H // 32
     spec = MoESpec(E, k, 64, H, "softmax_topk", True, 1.0, 0, False, "silu")
     gen = torch.Generator(device="cuda").manual_seed(H)
@@ -691,11 +694,13 @@ def test_prep_launches_build_x_pieces_as_the_twin(H):
     for how in ("decode", "routed"):
         poisoned = torch.full((T * popc.pieces(words) * popc.PIECE_BYTES,), 0xAB, device="cuda")
         px = XPieces.over(poisoned.to(torch.uint8), words, T)
-        out = torch.empty(T, H, device="cuda")
+        out = torch.full((T, H), float("nan"), device="cuda")
         if how == "decode":
-            prepare_decode(x, index, weights, E, wpad, out, pieces=px)
+            _, xf = prepare_decode(x, index, weights, E, wpad, out, pieces=px)
         else:
-            prepare_routed(x, gw, None, spec, wpad, out, done, pieces=px)
+            _, xf, _ = prepare_routed(x, gw, None, spec, wpad, out, done, pieces=px)
+        assert torch.equal(xf, fragment_order(x, wpad)), how
+        assert torch.equal(out, torch.zeros_like(out)), how
         for t in range(T):
             q, ksums, scales = read_pieces(px.buf, words, t)
             xs = x[t].float().cpu()
@@ -1109,6 +1114,36 @@ def test_run_shares_cover_every_tile_once(runs):
     assert all(0 < idx <= runs for idx in split)
     if runs <= 512:  # shares of at least a tile: at most one split tile between two CTAs
         assert len(split) < runs
+
+
+def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
+    """With a shared expert, a one-token gate_up whose routed and shared tiles are more than a
+    wave runs one wave of persistent CTAs, split between the two groups in proportion to their
+    tiles (routed first in the grid, each group at least one CTA and at most one a half tile);
+    under a wave, one CTA a tile. The split tiles' scratch covers both groups' shares."""
+    assert kernels.gate_up_shares(528, 384, 352) == (275, 253)  # Qwen1.5-MoE, 4 bits
+    assert kernels.gate_up_shares(528, 1792, 0) == (528, 0)
+    assert kernels.gate_up_shares(0, 384, 352) == (0, 0)
+    assert kernels.gate_up_shares(3, 384, 352) == (2, 1)
+    assert kernels.gate_up_shares(2, 1, 1000) == (1, 1)
+    assert kernels.gate_up_shares(10**6, 384, 352) == (768, 704)
+    monkeypatch.setattr(kernels, "sm_count", lambda: 100)
+    per_sm = {"n": 1}
+    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: per_sm["n"])
+    layer, _, xf, _ = _one_token_call()
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
+    moe = layer.moe
+    routed = 2 * 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS  # 512
+    shared = 32 * moe.proj[(0, True, "down")].wpad // kernels.ROWS  # 16
+    plan = moe._decode_launch(0, 2, True, "p1")
+    assert (plan.runs, plan.gate_up_grid) == (97, (100, 1))  # 100 * 512 / 528
+    assert moe._run_args(plan.runs, 100, xf.device)[0] == 97
+    n = len(moe._run_buffers[next(iter(moe._run_buffers))][1])
+    assert n == 97 + 1 + 3 + 1  # cuda/moe.cu RUN: routed [1, 97], shared [99, 101]
+    per_sm["n"], moe._launches = 6, {}  # a wave of 600 holds every tile: one CTA a tile
+    plan = moe._decode_launch(0, 2, True, "p1")
+    assert plan.runs == 0 and plan.gate_up_grid == (routed // 2, 2 + 1)
+    assert shared <= routed // 2  # (the shared expert's tiles fit one extra grid row)
 
 
 def test_one_token_gate_up_runs_a_persistent_grid(monkeypatch):

@@ -471,7 +471,7 @@ class DecodeLaunch:
     host-bound."""
 
     gate_up_grid: tuple[int, int]
-    runs: int  # gate_up's persistent CTAs (cuda/moe.cu Run), 0: one a tile
+    runs: int  # gate_up's persistent routed CTAs (cuda/moe.cu Run; the shared expert's after)
     gate_up_routed: tuple
     gate_up_shared: tuple
     down_grid: tuple[int, int, int]
@@ -722,7 +722,8 @@ class FusedMoE:
         block = (32 * kernels.WARPS,)
         gate_up = kernels.Prepared(
             f"gate_up_{kind}", plan.gate_up_grid, block,
-            common + gu_args + xpx + self._run_args(plan.runs, xf.device), early=True,
+            common + gu_args + xpx + self._run_args(plan.runs, plan.gate_up_grid[0], xf.device),
+            early=True,
         )  # fmt: skip
         planes = self._planes(list(zip(hp, dn, hps, strict=True))) if px is not None else None
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
@@ -740,17 +741,19 @@ class FusedMoE:
 
         return gate_up_then_planes, down
 
-    def _run_args(self, runs: int, device: torch.device) -> tuple:
-        """gate_up's last arguments: its persistent CTAs, and for the tiles split between two
-        shares, their halves' rows (2 halves x gate and up x ROWS floats) and tickets (zero
-        between launches: a tile's second half to finish resets the tile's)."""
+    def _run_args(self, runs: int, ctas: int, device: torch.device) -> tuple:
+        """gate_up's last arguments: its persistent routed CTAs (of `ctas`, the shared expert's
+        after them), and for the tiles split between two shares, their halves' rows (2 halves x
+        gate and up x ROWS floats) and tickets (zero between launches: a tile's second half to
+        finish resets the tile's), runs + 1 for the routed shares and as many again as the
+        shared expert's CTAs, +1 (cuda/moe.cu RUN)."""
         if runs == 0:
             return _NO_RUNS
-        if runs not in self._run_buffers:
-            rows = torch.empty((runs + 1) * 4 * kernels.ROWS, dtype=torch.float32, device=device)
-            tickets = torch.zeros(runs + 1, dtype=torch.int32, device=device)
-            self._run_buffers[runs] = rows, tickets
-        rows, tickets = self._run_buffers[runs]
+        n = runs + 1 + (ctas - runs + 1 if ctas > runs else 0)
+        if n not in self._run_buffers:
+            rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
+            self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
+        rows, tickets = self._run_buffers[n]
         return np.int32(runs), kernels.ptr(rows), kernels.ptr(tickets)
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
@@ -830,9 +833,9 @@ class FusedMoE:
     ) -> DecodeLaunch:
         """Grids and shape arguments of a decode call's two launches (cuda/moe.cu ENTRY): fixed
         by the layer, its routed slot count, whether a shared expert rides along and the
-        kernels. One-token calls without a shared expert (every slot live, the routed tiles
-        last in the grid) run gate_up on a persistent grid (`kernels.gate_up_runs`); the popc
-        kernels' down keeps to one wave (`kernels.k_split`)."""
+        kernels. One-token calls (every slot live) run gate_up on a persistent grid
+        (`kernels.gate_up_runs`), its CTAs shared by the routed tiles and the shared expert's
+        (`kernels.gate_up_shares`); the popc kernels' down keeps to one wave (`kernels.k_split`)."""
         i32, i64, rows, warps = np.int32, np.int64, kernels.ROWS, kernels.WARPS
         groups = [False] + ([True] if with_shared else [])
         gu = [self.proj[(layer, g, "gate")] for g in groups]
@@ -849,9 +852,10 @@ class FusedMoE:
         # grid rows after the routed slots' that number the shared expert's CTAs
         extra = (-(-tiles[-1] // tiles[0]), -(-ctas[-1] * split_t // (ctas[0] * split)))
         extra = extra if with_shared else (0, 0)
-        runs = 0 if with_shared else self._gate_up_runs(kind, tiles[0] * n_routed)
+        t_tiles = tiles[-1] if with_shared else 0
+        runs, t_runs = self._gate_up_runs(kind, tiles[0] * n_routed, t_tiles)
         return DecodeLaunch(
-            gate_up_grid=(runs, 1) if runs else (tiles[0], n_routed + extra[0]),
+            gate_up_grid=(runs + t_runs, 1) if runs else (tiles[0], n_routed + extra[0]),
             runs=runs,
             gate_up_routed=gate_up + (i32(n_routed),),
             gate_up_shared=(i32(gu[-1].rows), i32(dn[-1].wpad), i64(gu[-1].bits_nbytes))
@@ -873,18 +877,21 @@ class FusedMoE:
         wave = kernels.resident_ctas(f"down_{kind}") if kind.startswith("p") else None
         return kernels.k_split(ctas, words, parts, wave)
 
-    def _gate_up_runs(self, kind: str, tiles: int) -> int:
+    def _gate_up_runs(self, kind: str, tiles: int, shared_tiles: int) -> tuple[int, int]:
         """gate_up's persistent CTAs (cuda/moe.cu Run) in a one-token call of `tiles` routed
-        tiles, every slot live: `gate_up_runs` (at most a CTA a half tile), or
-        `kernels.gate_up_runs` on one wave of the kernel's CTAs; 0 (one CTA a tile) for the
-        other builds."""
+        tiles (every slot live) and the shared expert's `shared_tiles`, (routed, shared):
+        `gate_up_runs` of them (at most a CTA a half tile), or `kernels.gate_up_runs` on one
+        wave of the kernel's CTAs, split by `kernels.gate_up_shares`; (0, 0), one CTA a tile,
+        for the other builds."""
         if kind not in ("p1", "p1b3"):
-            return 0
-        if self.gate_up_runs is not None:
-            if self.gate_up_runs < 0:
-                raise ValueError(f"gate_up_runs {self.gate_up_runs}: a count of CTAs, >= 0")
-            return min(self.gate_up_runs, 2 * tiles)
-        return kernels.gate_up_runs(tiles, kernels.resident_ctas(f"gate_up_{kind}"))
+            return 0, 0
+        ctas = self.gate_up_runs
+        if ctas is not None and ctas < 0:
+            raise ValueError(f"gate_up_runs {ctas}: a count of CTAs, >= 0")
+        if ctas is None:
+            wave = kernels.resident_ctas(f"gate_up_{kind}")
+            ctas = kernels.gate_up_runs(tiles + shared_tiles, wave)
+        return kernels.gate_up_shares(ctas, tiles, shared_tiles)
 
     def _prefill(
         self,

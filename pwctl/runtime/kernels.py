@@ -335,6 +335,19 @@ def gate_up_runs(tiles: int, wave: int) -> int:
     return wave if tiles > wave else 0
 
 
+def gate_up_shares(ctas: int, tiles: int, shared_tiles: int) -> tuple[int, int]:
+    """`ctas` persistent gate_up CTAs split between `tiles` routed tiles and the shared
+    expert's `shared_tiles` in proportion, each group at least one CTA and at most one a half
+    tile; (0, 0) for none. With a shared expert a layer's tiles are one grid, so a second
+    group's one CTA a tile ran past a wave (Qwen1.5-MoE, 4 bits: 736 tiles on 528 slots)."""
+    if ctas == 0:
+        return 0, 0
+    if shared_tiles == 0:
+        return min(ctas, 2 * tiles), 0
+    routed = min(2 * tiles, max(1, min(ctas - 1, round(ctas * tiles / (tiles + shared_tiles)))))
+    return routed, max(1, min(2 * shared_tiles, ctas - routed))
+
+
 def down_units(words: int) -> int:
     """m-tiles of a down CTA (cuda/moe.cu `down`): 2 side by side, 2 warps each, when rows are too
     short (< 4 iterations of 8 words) to give 4 warps a share of one tile's columns."""
