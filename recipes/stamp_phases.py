@@ -7,7 +7,8 @@ in the first launch) instead of given routing; `cold`: L2 flushed (`l2_flush` re
 replay, as a step through many layers finds it; `prefill`: the sm_90a prefill kernels (given
 routing, eager calls) instead of decode; `waves`: also each kernel's CTAs alive every 2 us (how
 full its last wave runs); `popc` / `lookup`: one-token calls on the popc / lookup kernels whatever
-the layer's size (FusedMoE.popc_decode). Usage (GPU machine):
+the layer's size (FusedMoE.popc_decode); `runs=N`: a one-token gate_up on N persistent CTAs (0:
+one a tile; FusedMoE.gate_up_runs). Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py mixtral 1 [routed] [cold] [waves]
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe,mixtral 512 prefill"""
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from pwctl.bench.kernels import capture_graph, decode_calls, l2_flush, routed_call
-from pwctl.runtime import kernels
+from pwctl.runtime import fused_moe, kernels
 
 CTAS = 16384  # STAMP_CTAS
 KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc gate_up streams
@@ -99,6 +100,8 @@ def main() -> None:
     routed, cold = "routed" in sys.argv[3:], "cold" in sys.argv[3:]
     prefill, waves = "prefill" in sys.argv[3:], "waves" in sys.argv[3:]
     popc = True if "popc" in sys.argv[3:] else False if "lookup" in sys.argv[3:] else None
+    runs = [int(a[5:]) for a in sys.argv[3:] if a.startswith("runs=")]
+    fused_moe.GATE_UP_RUNS = runs[0] if runs else None
     buf, smid = stamps()
     flush = l2_flush()
     for name, T, call in decode_calls(shapes, tokens, path="prefill" if prefill else "decode"):
