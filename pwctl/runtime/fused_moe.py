@@ -745,11 +745,10 @@ class FusedMoE:
         """gate_up's last arguments: its persistent routed CTAs (of `ctas`, the shared expert's
         after them), and for the tiles split between two shares, their halves' rows (2 halves x
         gate and up x ROWS floats) and tickets (zero between launches: a tile's second half to
-        finish resets the tile's), runs + 1 for the routed shares and as many again as the
-        shared expert's CTAs, +1 (cuda/moe.cu RUN)."""
+        finish resets the tile's): a scratch a CTA and one more a group (cuda/moe.cu RUN)."""
         if runs == 0:
             return _NO_RUNS
-        n = runs + 1 + (ctas - runs + 1 if ctas > runs else 0)
+        n = ctas + 1 + (ctas > runs)
         if n not in self._run_buffers:
             rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
             self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
