@@ -6,7 +6,8 @@ A variant `x.cubin@runs=N@down=K@slab=S` runs x with FusedMoE.gate_up_runs = N (
 one-token gate_up's persistent grid; 0: one CTA a tile), down_split = K (CTAs sharing a down
 tile's columns), and the synthetic layers paged over slabs of S bytes instead of the pager's
 choice; `@popc=1` puts decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels,
-`@popc=0` on the lookup (FusedMoE.popc_decode; without it, the launcher's rule).
+`@popc=0` on the lookup (FusedMoE.popc_decode; without it, the launcher's rule); `@dwave=0`
+turns off down's one-wave plan beside a shared expert (fused_moe.DOWN_ONE_WAVE).
 Usage (GPU machine):
   python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
@@ -37,6 +38,7 @@ def main() -> None:
             knob = dict(k.split("=") for k in knobs)
             fused_moe.GATE_UP_RUNS = int(knob["runs"]) if "runs" in knob else None
             fused_moe.DOWN_SPLIT = int(knob["down"]) if "down" in knob else None
+            fused_moe.DOWN_ONE_WAVE = knob.get("dwave", "1") != "0"
             slab = int(knob["slab"]) if "slab" in knob else None
             fused_moe.POPC_DECODE = {"1": True, "0": False}.get(knob.get("popc", ""))
             bench.synthetic_layer = functools.partial(SYNTHETIC, slab_bytes=slab)

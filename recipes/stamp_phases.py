@@ -8,7 +8,9 @@ replay, as a step through many layers finds it; `prefill`: the sm_90a prefill ke
 routing, eager calls) instead of decode; `waves`: also each kernel's CTAs alive every 2 us (how
 full its last wave runs); `popc` / `lookup`: one-token calls on the popc / lookup kernels whatever
 the layer's size (FusedMoE.popc_decode); `runs=N`: a one-token gate_up on N persistent CTAs (0:
-one a tile; FusedMoE.gate_up_runs). Usage (GPU machine):
+one a tile; FusedMoE.gate_up_runs); `shares`: a persistent gate_up's CTA ends by the halves of
+their shares and by their SMs' halves (is the last CTA's lateness its share, its SM's load, or
+neither). Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py mixtral 1 [routed] [cold] [waves]
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe,mixtral 512 prefill"""
@@ -95,10 +97,37 @@ def summary(t: np.ndarray, sm: np.ndarray, kinds: dict = KINDS, waves: bool = Fa
     return lines
 
 
+def share_ends(t: np.ndarray, sm: np.ndarray, halves: int) -> list[str]:
+    """A persistent gate_up's CTAs (kind 0, all of them routed) by the halves of their shares
+    (cuda/moe.cu RUN: CTA j takes [j H / n, (j + 1) H / n)) and by their SM's total halves: the
+    median / max end (us) of each."""
+    rows = np.flatnonzero(t[0, :, 0] > 0)
+    t0 = t[:, :, 0][t[:, :, 0] > 0].min()
+    n, end = len(rows), (t[0, rows, 7].astype(np.int64) - int(t0)) / 1e3
+    j = rows.astype(np.int64)
+    mine = (j + 1) * halves // n - j * halves // n
+    sms = sm[0, rows]
+    per_sm = np.bincount(sms, weights=mine).astype(int)
+    lines = [f"  gate_up shares: {n} CTAs, {halves} halves"]
+    for h in np.unique(mine):
+        e = end[mine == h]
+        lines.append(
+            f"    {h} halves: {len(e)} CTAs, end median {np.median(e):.1f} max {e.max():.1f}"
+        )
+    sm_end = {s: end[sms == s].max() for s in np.unique(sms)}
+    for h in np.unique(per_sm[np.unique(sms)]):
+        e = np.array([v for s, v in sm_end.items() if per_sm[s] == h])
+        lines.append(
+            f"    SMs of {h} halves: {len(e)}, last end median {np.median(e):.1f} max {e.max():.1f}"
+        )
+    return lines
+
+
 def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
     routed, cold = "routed" in sys.argv[3:], "cold" in sys.argv[3:]
     prefill, waves = "prefill" in sys.argv[3:], "waves" in sys.argv[3:]
+    shares = "shares" in sys.argv[3:]
     popc = True if "popc" in sys.argv[3:] else False if "lookup" in sys.argv[3:] else None
     runs = [int(a[5:]) for a in sys.argv[3:] if a.startswith("runs=")]
     fused_moe.GATE_UP_RUNS = runs[0] if runs else None
@@ -123,6 +152,12 @@ def main() -> None:
             print(f"{name} T={T} {'prefill, ' if prefill else ''}{how}, replay {rep}:")
             kinds = PREFILL_KINDS if prefill else KINDS
             print("\n".join(summary(buf.get(), smid.get(), kinds, waves)), flush=True)
+            if shares:
+                moe = call.func
+                (layer, slots, _, _), plan = next(iter(moe._launches.items()))
+                tiles = 32 * moe.proj[(layer, False, "down")].wpad // kernels.ROWS
+                if plan.runs:
+                    print("\n".join(share_ends(buf.get(), smid.get(), 2 * slots * tiles)))
 
 
 if __name__ == "__main__":

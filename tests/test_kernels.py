@@ -1250,6 +1250,32 @@ def test_balanced_split_evens_the_shared_experts_iterations():
     assert kernels.balanced_split(40, 4, 8, 4, 1) == 1  # 5 iterations: one a warp at least
 
 
+def test_down_groups_fit_a_shared_expert_in_one_wave(monkeypatch):
+    """Qwen1.5-MoE's one-token down at 4 bits (wave 528: 4 CTAs on 132 SMs): routed rows of
+    2048 x 44 words on 4 slots, the shared expert's 2048 x 176. k_split and balanced_split give
+    128 x 4 routed CTAs and 128 x 3 shared ones, 896; the one-wave plan takes the routed tiles
+    two m-tiles a CTA (64 x 4) and the shared expert's split 2 (128 x 2): 512, and every warp
+    3 iterations of 8 words (routed 6 on 2 warps, shared 22 on 4 x 2)."""
+    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    routed, shared = (2048, 44), (2048, 176)
+    r, t = kernels.down_groups(routed, 4, shared, 528, one_wave=False)
+    assert (r.units, r.ctas, r.split, t.units, t.ctas, t.split) == (1, 128, 1, 1, 128, 3)
+    r, t = kernels.down_groups(routed, 4, shared, 528)
+    assert (r.units, r.ctas, r.split, t.units, t.ctas, t.split) == (2, 64, 1, 1, 128, 2)
+    assert r.ctas * 4 * r.split + t.ctas * t.split == 512
+    assert kernels.down_groups(routed, 4, shared, 2000) == kernels.down_groups(
+        routed, 4, shared, 2000, one_wave=False
+    )  # the default plan fits: kept
+    r, t = kernels.down_groups(routed, 4, shared, None)  # the lookup kernels: no wave rule
+    assert (r.units, r.split, t.split) == (1, 1, 3)
+    r, t = kernels.down_groups(routed, 4, shared, 528, split=2)  # a given split is kept
+    assert r.split == 2 and r.units == 1
+    r, t = kernels.down_groups(routed, 4, None, 528)
+    assert t is None and (r.units, r.split) == (1, 1)  # no shared expert: k_split's
+    r, t = kernels.down_groups(routed, 60, shared, 528)  # nothing fits: the default plan
+    assert (r.units, r.split) == (1, 1) and r.ctas * 60 > 528
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_popc_kernels_by_default_for_one_token_or_a_large_layer(monkeypatch, shared):
     """popc_decode None (the default) takes the popc kernels for every one-token call, and for

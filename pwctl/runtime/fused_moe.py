@@ -461,6 +461,9 @@ _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's per-tile grid:
 GATE_UP_RUNS: int | None = None
 # FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
 DOWN_SPLIT: int | None = None
+# kernels.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
+# the routed split and the shared expert's balanced one as they come; perf_kernel_ab's @dwave=0)
+DOWN_ONE_WAVE = True
 
 
 @dataclass(frozen=True)
@@ -834,8 +837,8 @@ class FusedMoE:
         by the layer, its routed slot count, whether a shared expert rides along and the
         kernels. One-token calls (every slot live) run gate_up on a persistent grid
         (`kernels.gate_up_runs`), its CTAs shared by the routed tiles and the shared expert's
-        (`kernels.gate_up_shares`); the popc kernels' down keeps to one wave (`kernels.k_split`)."""
-        i32, i64, rows, warps = np.int32, np.int64, kernels.ROWS, kernels.WARPS
+        (`kernels.gate_up_shares`); the popc kernels' down keeps to one wave (`_down_groups`)."""
+        i32, i64, rows = np.int32, np.int64, kernels.ROWS
         groups = [False] + ([True] if with_shared else [])
         gu = [self.proj[(layer, g, "gate")] for g in groups]
         dn = [self.proj[(layer, g, "down")] for g in groups]
@@ -843,13 +846,10 @@ class FusedMoE:
         gate_up, down = self._scalars(layer, False)
         # gate_up covers every padded column of h (rows past I are written as zeros)
         tiles = [32 * d.wpad // rows for d in dn]
-        units = [kernels.down_units(d.words) for d in dn]
-        ctas = [-(-d.rows // (rows * u)) for d, u in zip(dn, units, strict=True)]
-        parts = [warps // u for u in units]
-        split = self._down_split(kind, ctas[0] * n_routed, dn[0].words, parts[0])
-        split_t = kernels.balanced_split(dn[-1].words, parts[-1], dn[0].words, parts[0], split)
+        r, t = self._down_groups(kind, n_routed, dn)
+        t = t or r
         # grid rows after the routed slots' that number the shared expert's CTAs
-        extra = (-(-tiles[-1] // tiles[0]), -(-ctas[-1] * split_t // (ctas[0] * split)))
+        extra = (-(-tiles[-1] // tiles[0]), -(-t.ctas * t.split // (r.ctas * r.split)))
         extra = extra if with_shared else (0, 0)
         t_tiles = tiles[-1] if with_shared else 0
         runs, t_runs = self._gate_up_runs(kind, tiles[0] * n_routed, t_tiles)
@@ -859,22 +859,26 @@ class FusedMoE:
             gate_up_routed=gate_up + (i32(n_routed),),
             gate_up_shared=(i32(gu[-1].rows), i32(dn[-1].wpad), i64(gu[-1].bits_nbytes))
             + (i32(gu[-1].rows_per_table), i32(tiles[-1]), i32(1)),
-            down_grid=(ctas[0], n_routed + extra[1], split),
-            down_routed=down + (i32(units[0]), i32(n_routed)),
+            down_grid=(r.ctas, n_routed + extra[1], r.split),
+            down_routed=down + (i32(r.units), i32(n_routed)),
             down_shared=(i32(dn[-1].words), i32(dn[-1].wpad), i64(dn[-1].bits_nbytes))
-            + (i32(dn[-1].rows_per_table), i32(units[-1]), i32(ctas[-1]), i32(split_t)),
+            + (i32(dn[-1].rows_per_table), i32(t.units), i32(t.ctas), i32(t.split)),
         )
 
-    def _down_split(self, kind: str, ctas: int, words: int, parts: int) -> int:
-        """CTAs sharing a down tile's columns (`ctas` tiles): `down_split`, or by
-        `kernels.k_split`, which fills the GPU for the lookup kernels and one wave of the popc
-        kernels' CTAs for them."""
-        if self.down_split is not None:
-            if self.down_split < 1:
-                raise ValueError(f"down_split {self.down_split}: at least one CTA a tile")
-            return self.down_split
+    def _down_groups(
+        self, kind: str, n_routed: int, dn: list[Proj]
+    ) -> tuple[kernels.DownGroup, kernels.DownGroup | None]:
+        """down's routed group and the shared expert's (`dn[1]`, if any): the routed split
+        `down_split`, or by `kernels.k_split`, which fills the GPU for the lookup kernels and
+        one wave of the popc kernels' CTAs for them; both groups in one wave where a plan fits
+        (`kernels.down_groups`, unless DOWN_ONE_WAVE is off)."""
+        if self.down_split is not None and self.down_split < 1:
+            raise ValueError(f"down_split {self.down_split}: at least one CTA a tile")
         wave = kernels.resident_ctas(f"down_{kind}") if kind.startswith("p") else None
-        return kernels.k_split(ctas, words, parts, wave)
+        shared = (dn[1].rows, dn[1].words) if len(dn) > 1 else None
+        return kernels.down_groups(
+            (dn[0].rows, dn[0].words), n_routed, shared, wave, self.down_split, DOWN_ONE_WAVE
+        )
 
     def _gate_up_runs(self, kind: str, tiles: int, shared_tiles: int) -> tuple[int, int]:
         """gate_up's persistent CTAs (cuda/moe.cu Run) in a one-token call of `tiles` routed

@@ -9,6 +9,7 @@ import functools
 import os
 import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -374,6 +375,63 @@ def balanced_split(
     iters, like_iters = -(-words // 8), -(-like_words // 8)
     per_warp = -(-like_iters // (like_parts * like_split))
     return max(1, min(-(-iters // (parts * per_warp)), iters // parts))
+
+
+@dataclass(frozen=True)
+class DownGroup:
+    """One group of a decode `down` grid (cuda/moe.cu ENTRY): m-tiles a CTA, CTAs a slot's rows
+    (one a `units` m-tiles), CTAs sharing a tile's columns."""
+
+    units: int
+    ctas: int
+    split: int
+
+    @property
+    def parts(self) -> int:  # warps on one m-tile
+        return WARPS // self.units
+
+
+def _down_group(rows: int, units: int, split: int) -> DownGroup:
+    return DownGroup(units, -(-rows // (ROWS * units)), split)
+
+
+def down_groups(
+    routed: tuple[int, int],
+    n_routed: int,
+    shared: tuple[int, int] | None,
+    wave: int | None,
+    split: int | None = None,
+    one_wave: bool = True,
+) -> tuple[DownGroup, DownGroup | None]:
+    """down's grid groups for routed rows (`routed`: rows, words) on `n_routed` slots and the
+    shared expert's (or None). The routed split is `split`, or `k_split`'s; the shared expert's
+    evens the warps' iterations (`balanced_split`). With `wave` (the popc kernels) and
+    `one_wave`, a plan whose two groups overflow the wave takes the first of these that fits:
+    the routed tiles two m-tiles a CTA, then smaller routed splits (Qwen1.5-MoE at 4 bits: the
+    shared expert's 3 CTAs a tile put 896 CTAs on a wave of 528, 1.7 waves; docs/PERF.md,
+    session 31)."""
+    (rows, words), u0 = routed, down_units(routed[1])
+
+    def top(units: int) -> int:  # k_split's routed split at `units` m-tiles a CTA
+        return k_split(_down_group(rows, units, 1).ctas * n_routed, words, WARPS // units, wave)
+
+    def plan(units: int, s: int) -> tuple[DownGroup, DownGroup | None]:
+        r = _down_group(rows, units, s)
+        if shared is None:
+            return r, None
+        t_units = down_units(shared[1])
+        t_split = balanced_split(shared[1], WARPS // t_units, words, r.parts, s)
+        return r, _down_group(shared[0], t_units, t_split)
+
+    first = plan(u0, split if split is not None else top(u0))
+    if wave is None or shared is None or split is not None or not one_wave:
+        return first
+    for units in dict.fromkeys((u0, 2)):  # the default's m-tiles, then two a CTA
+        for s in range(top(units), 0, -1):
+            r, t = plan(units, s)
+            if r.ctas * n_routed * r.split + t.ctas * t.split <= wave:
+                return r, t
+    return first
 
 
 def n_tiles(tokens: int) -> int:
