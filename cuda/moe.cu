@@ -812,7 +812,7 @@ __device__ __forceinline__ int popc_pieces(int words) {
 // neither built nor read. A warp's instructions are the cost (each waits ~10 cycles on the last
 // with a few warps an SM: Nsight Compute, session 11), so no warp takes more steps than it must.
 template <int SPW, class At>
-__device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst) {
+__device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool stamped = false) {
     __shared__ float amax;
     const int ks = popc_steps(words), chunks = words / 16, k0 = pc * POPC_STEPS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -835,9 +835,11 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst) {
     }
     #pragma unroll
     for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+    if (stamped) STAMP(3, 2);  // (popc_planes' phases: the warp's loads are in)
     __syncthreads();
     if (lane == 0) atomicMax((int*)&amax, __float_as_int(m));  // m >= 0: ints order as floats
     __syncthreads();
+    if (stamped) STAMP(3, 3);
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     #pragma unroll
     for (int j = 0; j < SPW; ++j) {
@@ -895,7 +897,7 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     const int pos = 8 * (lane & 3) + 4 * (lane >> 4) + ((lane >> 2) & 3);
     src += (i64)row * wpad * 32;
     popc_piece_of<1>([&](int w) { return h2f(src[32 * w + pos]); }, words, blockIdx.x, blockIdx.z,
-                     dst + (i64)row * pieces + blockIdx.x);
+                     dst + (i64)row * pieces + blockIdx.x, true);
     STAMP(3, 7);
 }
 

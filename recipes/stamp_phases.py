@@ -36,7 +36,7 @@ KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc g
                  (7, "added"))),
     2: ("prep", ((0, "entry"), (1, "logits"), (2, "x laid out"), (3, "last block"),
                  (5, "fenced"), (6, "softmax"), (4, "routed"), (7, "grouped"))),
-    3: ("popc_planes", ((0, "entry"), (1, "waited"), (7, "built"))),
+    3: ("popc_planes", ((0, "entry"), (1, "waited"), (2, "loaded"), (3, "scaled"), (7, "built"))),
 }  # fmt: skip
 _WG = ((0, "entry"), (2, "staged"), (4, "first loads out"), (5, "half-chunk 0"),
        (6, "half-chunk 1"), (3, "streamed"))  # fmt: skip
@@ -156,7 +156,7 @@ def main() -> None:
                 moe = call.func
                 (layer, slots, _, _), plan = next(iter(moe._launches.items()))
                 tiles = 32 * moe.proj[(layer, False, "down")].wpad // kernels.ROWS
-                if plan.runs:
+                if plan.runs == plan.gate_up_grid[0]:  # routed CTAs only (no shared expert)
                     print("\n".join(share_ends(buf.get(), smid.get(), 2 * slots * tiles)))
 
 

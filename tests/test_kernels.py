@@ -702,17 +702,42 @@ def test_prep_launches_build_x_pieces_as_the_twin(H):
         assert torch.equal(xf, fragment_order(x, wpad)), how
         assert torch.equal(out, torch.zeros_like(out)), how
         for t in range(T):
-            q, ksums, scales = read_pieces(px.buf, words, t)
-            xs = x[t].float().cpu()
-            for pc, sx in enumerate(scales):
-                steps = popc.step_words(words)[pc * popc.PIECE_STEPS :][: popc.PIECE_STEPS]
-                cols = torch.tensor([32 * w + c for ws in steps for w in ws for c in range(32)])
-                want_q, want_sx = popc.quantize(xs[cols])
-                assert sx == pytest.approx(want_sx, rel=1e-6), (how, t, pc)
-                assert np.array_equal(q[cols.numpy()], want_q.numpy()), (how, t, pc)
-            for i, ws in enumerate(popc.step_words(words)):
-                cols = [32 * w + c for w in ws for c in range(32)]
-                assert ksums[i] == int(q[cols].sum()), (how, t, i)
+            assert_pieces_as_the_twin(px.buf, words, t, x[t], how)
+
+
+def assert_pieces_as_the_twin(buf: torch.Tensor, words: int, row: int, x: torch.Tensor, what):
+    """Row `row`'s pieces in buf hold x (one row, fp16) as the CPU twin quantizes it
+    (popc.quantize), bit for bit: each piece's 16-bit planes and scale, each k-step's sum."""
+    q, ksums, scales = read_pieces(buf, words, row)
+    xs = x.float().cpu()
+    for pc, sx in enumerate(scales):
+        steps = popc.step_words(words)[pc * popc.PIECE_STEPS :][: popc.PIECE_STEPS]
+        cols = torch.tensor([32 * w + c for ws in steps for w in ws for c in range(32)])
+        want_q, want_sx = popc.quantize(xs[cols])
+        assert sx == pytest.approx(want_sx, rel=1e-6), (what, row, pc)
+        assert np.array_equal(q[cols.numpy()], want_q.numpy()), (what, row, pc)
+    for i, ws in enumerate(popc.step_words(words)):
+        cols = [32 * w + c for w in ws for c in range(32)]
+        assert ksums[i] == int(q[cols].sum()), (what, row, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inter", [768, 1408, 14336])  # Qwen3-MoE; partial k-steps; two pieces
+def test_popc_planes_builds_h_pieces_as_the_twin(inter):
+    """popc_planes turns each pair's h (fragment order, as gate_up stores it) into its pieces
+    as the twin quantizes h, bit for bit (the one-token kernels' down reads h only so)."""
+    spec = MoESpec(4, 2, 256, inter, "softmax_topk", True, 1.0, 0, False, "silu")
+    moe = synthetic_layer(spec, device="cuda", seed=0).moe
+    dn = moe.proj[(0, False, "down")]
+    gen = torch.Generator(device="cuda").manual_seed(inter)
+    h = torch.randn(3, 32 * dn.wpad, generator=gen, device="cuda").half()
+    h[:, inter:] = 0  # h's padding columns, as gate_up writes them
+    h[1, ::97] *= 100  # outliers: a piece's scale is its own
+    buf = torch.full((3 * popc.pieces(dn.words) * popc.PIECE_BYTES,), 0xAB, device="cuda")
+    buf = buf.to(torch.uint8)
+    moe._planes([(fragment_order(h, dn.wpad), dn, buf)])()
+    for t in range(3):
+        assert_pieces_as_the_twin(buf, dn.words, t, h[t, : 32 * dn.words], "h")
 
 
 ROUTER_CASES = [  # experts, top-k, order, norm, scaling, shared gate, hidden, tokens
