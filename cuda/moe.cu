@@ -812,7 +812,8 @@ __device__ __forceinline__ int popc_pieces(int words) {
 // neither built nor read. A warp's instructions are the cost (each waits ~10 cycles on the last
 // with a few warps an SM: Nsight Compute, session 11), so no warp takes more steps than it must.
 template <int SPW, class At>
-__device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool stamped = false) {
+__device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool store = true,
+                              bool stamped = false) {
     __shared__ float amax;
     const int ks = popc_steps(words), chunks = words / 16, k0 = pc * POPC_STEPS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -835,11 +836,11 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool 
     }
     #pragma unroll
     for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-    if (stamped) STAMP(3, 2);  // (popc_planes' phases: the warp's loads are in)
+    if (stamped && store) STAMP(3, 2);  // (popc_planes' phases: the warp's loads are in)
     __syncthreads();
     if (lane == 0) atomicMax((int*)&amax, __float_as_int(m));  // m >= 0: ints order as floats
     __syncthreads();
-    if (stamped) STAMP(3, 3);
+    if (stamped && store) STAMP(3, 3);
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     #pragma unroll
     for (int j = 0; j < SPW; ++j) {
@@ -857,7 +858,7 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool 
             if (lane == k) mine = b;
         }
         // plane `lane` of word (t, h) = z: lane (lane % 8, t) of the k-step, register 2h + lane / 8
-        if (lane < 16)
+        if (store && lane < 16)
             ((u32*)&dst->a[i][4 * (lane & 7) + (z >> 1)])[2 * (z & 1) + (lane >> 3)] = mine;
         if (z == 0) {  // the k-step's sum of q, once
             int s = 0;
@@ -865,10 +866,10 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool 
             for (int h = 0; h < 8; ++h) s += __float2int_rn(v[j][h] * inv);
             #pragma unroll
             for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
-            if (lane == 0) dst->ksum[i] = s;
+            if (store && lane == 0) dst->ksum[i] = s;
         }
     }
-    if (z == 0 && threadIdx.x == 0) dst->sx = amax / 32767.f;  // the piece's scale
+    if (store && z == 0 && threadIdx.x == 0) dst->sx = amax / 32767.f;  // the piece's scale
 }
 
 // Each pair's h (fragment-order fp16 rows, from gate_up) into its pieces: piece blockIdx.x of row
@@ -885,8 +886,6 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     // CTAs entered only once gate_up had ended, and staged on the critical path (Qwen3-MoE, one
     // token, popc: 30.4 -> 27.8 us at 3 bits; docs/PERF.md, session 29)
     start_next();
-    wait_previous();  // h from gate_up
-    STAMP(3, 1);
     int row = blockIdx.y;
     if (row >= rows) row -= rows, src = t_src, wpad = t_wpad, words = t_words, dst = t_dst;
     const int pieces = popc_pieces(words);
@@ -896,8 +895,20 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     const int lane = threadIdx.x & 31;
     const int pos = 8 * (lane & 3) + 4 * (lane >> 4) + ((lane >> 2) & 3);
     src += (i64)row * wpad * 32;
-    popc_piece_of<1>([&](int w) { return h2f(src[32 * w + pos]); }, words, blockIdx.x, blockIdx.z,
-                     dst + (i64)row * pieces + blockIdx.x, true);
+    // Two passes over one copy of the build: the first, before the wait, reads h as it stands
+    // and stores nothing (its values are dropped), so that what the build needs besides h (its
+    // instructions, h's pages) is at hand when h lands; the second builds. The loads after the
+    // wait took 1.5-2.0 us on Mixtral, 0.85 with the first pass (docs/PERF.md, session 31)
+    #pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 1) {
+            wait_previous();  // h from gate_up
+            __syncthreads();  // (the first pass's scale read before the second resets it)
+            STAMP(3, 1);
+        }
+        popc_piece_of<1>([&](int w) { return h2f(src[32 * w + pos]); }, words, blockIdx.x,
+                         blockIdx.z, dst + (i64)row * pieces + blockIdx.x, pass == 1, true);
+    }
     STAMP(3, 7);
 }
 
