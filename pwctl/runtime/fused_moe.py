@@ -849,7 +849,7 @@ class FusedMoE:
         r, t = self._down_groups(kind, n_routed, dn)
         t = t or r
         # grid rows after the routed slots' that number the shared expert's CTAs
-        extra = (-(-tiles[-1] // tiles[0]), -(-t.ctas * t.split // (r.ctas * r.split)))
+        extra = (-(-tiles[-1] // tiles[0]), -(-t.slot_ctas // r.slot_ctas))
         extra = extra if with_shared else (0, 0)
         t_tiles = tiles[-1] if with_shared else 0
         runs, t_runs = self._gate_up_runs(kind, tiles[0] * n_routed, t_tiles)

@@ -9,7 +9,7 @@ import functools
 import os
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -386,13 +386,17 @@ class DownGroup:
     ctas: int
     split: int
 
+    @classmethod
+    def over(cls, rows: int, units: int, split: int = 1) -> DownGroup:
+        return cls(units, -(-rows // (ROWS * units)), split)
+
     @property
     def parts(self) -> int:  # warps on one m-tile
         return WARPS // self.units
 
-
-def _down_group(rows: int, units: int, split: int) -> DownGroup:
-    return DownGroup(units, -(-rows // (ROWS * units)), split)
+    @property
+    def slot_ctas(self) -> int:  # CTAs on one slot's rows: every tile, every split
+        return self.ctas * self.split
 
 
 def down_groups(
@@ -413,15 +417,15 @@ def down_groups(
     (rows, words), u0 = routed, down_units(routed[1])
 
     def top(units: int) -> int:  # k_split's routed split at `units` m-tiles a CTA
-        return k_split(_down_group(rows, units, 1).ctas * n_routed, words, WARPS // units, wave)
+        g = DownGroup.over(rows, units)
+        return k_split(g.ctas * n_routed, words, g.parts, wave)
 
     def plan(units: int, s: int) -> tuple[DownGroup, DownGroup | None]:
-        r = _down_group(rows, units, s)
+        r = DownGroup.over(rows, units, s)
         if shared is None:
             return r, None
-        t_units = down_units(shared[1])
-        t_split = balanced_split(shared[1], WARPS // t_units, words, r.parts, s)
-        return r, _down_group(shared[0], t_units, t_split)
+        t = DownGroup.over(shared[0], down_units(shared[1]))
+        return r, replace(t, split=balanced_split(shared[1], t.parts, words, r.parts, s))
 
     first = plan(u0, split if split is not None else top(u0))
     if wave is None or shared is None or split is not None or not one_wave:
@@ -429,7 +433,7 @@ def down_groups(
     for units in dict.fromkeys((u0, 2)):  # the default's m-tiles, then two a CTA
         for s in range(top(units), 0, -1):
             r, t = plan(units, s)
-            if r.ctas * n_routed * r.split + t.ctas * t.split <= wave:
+            if r.slot_ctas * n_routed + t.slot_ctas <= wave:
                 return r, t
     return first
 
