@@ -41,6 +41,12 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return a;
 }
 
+// A 4-byte word from global to shared memory by cp.async (`tables_landed` waits for them).
+__device__ __forceinline__ void copy_word_async(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+
 // Programmatic dependent launch (kernels.launch(early=True), Hopper on). `wait_previous`: block
 // until the previous kernel on the stream has finished and its writes are visible; `start_next`:
 // let the next kernel's CTAs launch now (they wait in their own `wait_previous`). Both are no-ops
@@ -313,7 +319,8 @@ __device__ __forceinline__ int staged_row(int r, int nrows) {
 // Fill `st` for rows [row0, row0 + 16) of `block` at width B (rows past the end: `staged_row`;
 // the tables' rows repeat the last row). Threads first, first + stride, ... take part; no barrier.
 // Returns whether every (row, plane) this thread staged lies in one slab.
-// keep: where each table word came from, for `restage` (widths up to KEEPS_SOURCES).
+// keep: where each table word came from, for `restage` (widths up to KEEPS_SOURCES); those tables
+// come by cp.async, as restage's do (the caller waits for them: `tables_landed`).
 __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
                       int row0, int nrows, Stage& st, int first, int stride, bool keep = false) {
     bool flat = true;
@@ -327,9 +334,15 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
         const int r = e / per_row, i = e % per_row;
         const i64 off = table_off(bits_nbytes, row0 + min(r, nrows - 1), rpt, B, i);
         const u32* src = (const u32*)paged(g, block, B - 1, off);
-        if (keep && B <= KEEPS_SOURCES) table_sources(st, r)[i] = src;
-        *(u32*)(st.tbl[r] + 2 * i + table_shift(B, r)) = __ldg(src);
+        unsigned short* dst = st.tbl[r] + 2 * i + table_shift(B, r);
+        if (keep && B <= KEEPS_SOURCES) {
+            table_sources(st, r)[i] = src;
+            copy_word_async(dst, src);
+        } else {
+            *(u32*)dst = __ldg(src);
+        }
     }
+    if (keep) asm volatile("cp.async.commit_group;" ::: "memory");
     return flat;
 }
 
@@ -364,8 +377,7 @@ __device__ void restage(const Paged& g, int block, int B, i64 bits_nbytes, int w
         const u32*& src = table_sources(st, r)[i];
         src = was >> g.slab_shift == off >> g.slab_shift ? src + (off - was) / 4
                                                          : (const u32*)paged(g, block, B - 1, off);
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
-                     :: "r"(smem_u32(st.tbl[r] + 2 * i + table_shift(B, r))), "l"(src) : "memory");
+        copy_word_async(st.tbl[r] + 2 * i + table_shift(B, r), src);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -508,6 +520,7 @@ struct Slots {
     const int* token;   // [pairs]: token of each pair (pairs sorted by slot)
     const float* weight;  // [pairs]: combine weight of each pair
     const int* block_ids;  // [experts (+ shared), 3]: block of gate, up, down
+    int n_ids;             // block_ids' rows
 };
 
 // (__fdividef: a plain division checks its operands and branches to a slow path; for v -> -inf the
@@ -608,6 +621,24 @@ __device__ void reduce_units(const float (&acc)[NT][4], float* red, int parts, f
 
 struct PopcX;  // x's pieces for the one-token kernels (below); the lookup kernels ignore them
 
+// Before its wait a gate_up CTA pulls into L2 what staging chases after it: the block ids, widths,
+// slab offsets and slab-map entries of one row of block_ids (CTA j: row j), 4 of the 5 dependent
+// loads before a tile's first plane word, each a miss when a layer runs cold (as in a model's
+// step: the other layers' planes pass through L2 between two of this one's). The router has not
+// chosen the experts yet, so every row's: 1-50 KB a layer.
+__device__ void prefetch_ids(const Paged& g, const Slots& s) {
+    const int j = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (j >= s.n_ids || threadIdx.x >= 96) return;
+    const int lane = threadIdx.x & 31, b = __ldg(s.block_ids + 3 * j + (threadIdx.x >> 5));
+    const int* off = g.slab_off + (i64)b * g.max_bits;
+    if (lane == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(g.width + b));
+    // the block's planes' entries lie together (the last plane's first only: the array may end
+    // there, and that plane is read at width max_bits alone)
+    const int first = __ldg(off), last = __ldg(off + g.max_bits - 1) + 1;
+    for (int e = (first & ~31) + 32 * lane; e < last; e += 32 * 32)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(g.slab_map + e));
+}
+
 // Stage rows [row0, row0 + nrows) of expert e's gate (st[0]) and up (st[1]) blocks, their widths
 // out in wg, wu; ends with a barrier. Returns whether every staged row is flat (`stage`).
 __device__ __forceinline__ bool stage_gate_up(const Paged& g, const Slots& s, int e,
@@ -690,6 +721,7 @@ __device__ void gate_up(Paged g, Slots s, Run run, const uint4* xf, unsigned sho
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
     STAMP(0, 0);
+    prefetch_ids(g, s);
     wait_previous();  // the slots and x come from decode_prep (or h's buffer is still being read)
     start_next();     // down may launch and stage while this grid runs
     STAMP(0, 1);
@@ -1164,7 +1196,7 @@ __device__ __forceinline__ float* fold_scratch(float* red) {
 static_assert(RED_FLOATS >= 2 * WARPS * ROWS + 128 * WARPS, "red holds the fold's coefficients");
 
 // Run-time width -> template: one piece of one 8-row group (B <= MAXB). landing: the tables are
-// on their way (`restage`; every thread of the CTA passes here with it). COOP, coef: `popc_fold`'s.
+// on their way (`restage`, `stage` keeping sources; every thread of the CTA passes here with it). COOP, coef: `popc_fold`'s.
 template <int MAXB, int R, bool HOLD, bool COOP>
 __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
                                            const unsigned short (*tbl)[MAX_TABLE],
@@ -1282,6 +1314,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
     STAMP(0, 0);
     if constexpr (!FEW)
         if (threadIdx.x == 0) share = run;
+    prefetch_ids(g, s);
     wait_previous();  // the slots and x's pieces come from the prep launch
     start_next();
     if constexpr (!FEW) __syncthreads();
@@ -1350,7 +1383,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
                 popc_piece<MAXB, R, HOLD, COOP>(m ? wu : wg, lane_rows<OWN>(st[m], grp),
                                                 OWN ? 0 : lane & ~3, st[m].tbl + 8 * grp, words_in,
                                                 k0, min(ks, k0 + POPC_STEPS), k0, kz, kn, x + i, f,
-                                                fold_scratch(red), moved && i == 0);
+                                                fold_scratch(red), i == 0);
             STAMP(0, 3);
             popc_warp_rows(f, grp, rows[m]);
             __syncthreads();
@@ -1359,6 +1392,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
             // a block wider than MAXB: both by the lookup (token 0 of n-tile 0 is fragment register
             // w of lanes 4i), which reads every width; a popc path beside the one above for the
             // narrower block spilled 40 bytes
+            tables_landed();  // (a block of up to KEEPS_SOURCES bits staged its tables by cp.async)
             const int kpart = kz * 2 + (warp >> 1), kparts = 2 * kn;
             int xrow[1] = {lane >> 2 == 0 ? token : -1};
             #pragma unroll 1
@@ -2220,9 +2254,9 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
 #define PAGED_ARGS const unsigned char *arena, const int *slab_map, const int *slab_off,             \
                    const int *width, int slab_shift, int max_bits
 #define SLOT_ARGS const int *s_expert, const int *s_lo, const int *s_hi, const int *s_token,          \
-                  const float *s_weight, const int *block_ids
+                  const float *s_weight, const int *block_ids, int n_ids
 #define PAGED Paged{arena, slab_map, slab_off, width, slab_shift, max_bits}
-#define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block_ids}
+#define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block_ids, n_ids}
 
 // NT n-tiles of 8 tokens per CTA: 1, 2, 4 and 8 for decode (<= 64 tokens a call; the launcher
 // picks NT by the call's token count, a bound on any slot's). BOUNDS: what each measured fastest
@@ -2238,7 +2272,7 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
 // the launcher passes the routed group twice and n_routed = gridDim.y.
 #define SHARED_SLOT_ARGS const int *t_expert, const int *t_lo, const int *t_hi, const int *t_token,   \
                          const float *t_weight
-#define SHARED_SLOTS Slots{t_expert, t_lo, t_hi, t_token, t_weight, block_ids}
+#define SHARED_SLOTS Slots{t_expert, t_lo, t_hi, t_token, t_weight, block_ids, n_ids}
 #define WHICH_GROUP                                                                              \
     const bool t = (int)blockIdx.y >= n_routed;                                                  \
     int slot = blockIdx.y, tile = blockIdx.x, kz = blockIdx.z, kn = gridDim.z;                   \

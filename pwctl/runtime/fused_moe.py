@@ -59,7 +59,7 @@ class Pairs:
         return (p(self.expert), p(self.lo), p(self.hi), p(self.token), p(self.weight))
 
     def kernel_args(self, block_ids: torch.Tensor) -> tuple:
-        return self.slot_args() + (kernels.ptr(block_ids),)
+        return self.slot_args() + (kernels.ptr(block_ids), np.int32(block_ids.shape[0]))
 
 
 def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs:
