@@ -1416,6 +1416,22 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
     STAMP(0, 7);
 }
 
+// Chunks a warp of down_popc pulls into L2 before its wait: 2 took 0.5-1.5 us off one-token
+// layers, 1 less, 8 (a Qwen warp's whole slice) nothing (docs/PERF.md, session 32).
+#define DOWN_PREFETCH_CHUNKS 2
+
+// Before its wait a down_popc warp pulls into L2 the first `n` chunks it streams after it (units
+// u0, u0 + step, ... below u_end, `popc_rows`' order): a chunk of an 8-row group's plane is 4
+// lines of 128 bytes (docs/FORMAT.md, tiled), so 4 wd lanes a chunk. rp: the group's row 0.
+__device__ void prefetch_chunks(const RowPtr* rp, int wd, int words, int u0, int u_end, int step,
+                                int n) {
+    for (int l = threadIdx.x & 31; l < 4 * wd * n; l += 32) {
+        const int q = l & 3, p = (l >> 2) % wd, u = u0 + (l >> 2) / wd * step;
+        if (u < u_end)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(word_ptr(rp[p], 16 * u + 4 * q)));
+    }
+}
+
 // down for one-token slots: `units` m-tiles of 16 rows (8-row groups over the warps, which
 // split the columns when there are fewer groups than warps), columns split kn ways (this CTA:
 // kz). hpx: h's pieces (popc_planes), a row per pair. Blocks wider than MAXB: the lookup.
@@ -1449,6 +1465,9 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         const PopcX* x = hpx + (i64)c.lo * popc_pieces(words_in);
         constexpr int R = popc_regs(MAXB, FEW);
         constexpr bool HOLD = hold_rows(MAXB), COOP = coop_fold(MAXB, FEW);
+        if (c.row0 + ROWS * unit < H)
+            prefetch_chunks(rp, wd, words_in, lo / 2 + part, min(words_in / 16, hi / 2), parts,
+                            DOWN_PREFETCH_CHUNKS);
         wait_previous();  // h's pieces come from popc_planes
         STAMP(1, 1);
         double f[2] = {};
