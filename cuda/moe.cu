@@ -352,9 +352,10 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
 // (the pager's slabs hold whole tiles: a Mixtral plane's 256 KB slab holds 32); any other is
 // staged afresh.
 // The tables come by cp.async: the fold waits for them (`tables_landed`), so their latency hides
-// behind the streaming, where `stage` waits on a chain of 5 loads first (2.8 us of a ~16 us
-// Mixtral CTA, all of it on the kernel's critical path: docs/PERF.md, session 25). No barrier;
-// no flatness either (`stage`'s, for the lookup, which a block this narrow never takes).
+// behind the streaming, where a `stage` that loads them waits on a chain of 5 loads first (2.8
+// us of a ~16 us Mixtral CTA, all of it on the kernel's critical path: docs/PERF.md, session 25;
+// since session 32 `stage` keeping sources copies them so too). No barrier; no flatness either
+// (`stage`'s, for the lookup, which a block this narrow never takes).
 __device__ void restage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
                         int row0, Stage& st) {
     const i64 step = ROWS * 4LL * words, span = 4 * tiled(words - 1) + 4;  // ROWS: whole groups
@@ -625,7 +626,7 @@ struct PopcX;  // x's pieces for the one-token kernels (below); the lookup kerne
 // slab offsets and slab-map entries of one row of block_ids (CTA j: row j), 4 of the 5 dependent
 // loads before a tile's first plane word, each a miss when a layer runs cold (as in a model's
 // step: the other layers' planes pass through L2 between two of this one's). The router has not
-// chosen the experts yet, so every row's: 1-50 KB a layer.
+// chosen the experts yet, so every row's: ~20 KB of lines a Mixtral layer, ~100 KB a Qwen3-MoE.
 __device__ void prefetch_ids(const Paged& g, const Slots& s) {
     const int j = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     if (j >= s.n_ids || threadIdx.x >= 96) return;
@@ -1196,7 +1197,8 @@ __device__ __forceinline__ float* fold_scratch(float* red) {
 static_assert(RED_FLOATS >= 2 * WARPS * ROWS + 128 * WARPS, "red holds the fold's coefficients");
 
 // Run-time width -> template: one piece of one 8-row group (B <= MAXB). landing: the tables are
-// on their way (`restage`, `stage` keeping sources; every thread of the CTA passes here with it). COOP, coef: `popc_fold`'s.
+// on their way (`restage`, or `stage` keeping sources; every thread of the CTA passes here with
+// it). COOP, coef: `popc_fold`'s.
 template <int MAXB, int R, bool HOLD, bool COOP>
 __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
                                            const unsigned short (*tbl)[MAX_TABLE],

@@ -1090,6 +1090,20 @@ def _one_token_call():
     return layer, pairs, xf, all_tokens(1, None, 4, cpu)
 
 
+def test_slot_arguments_end_with_block_ids_and_their_rows():
+    """The kernels that take the slots (SLOT_ARGS: the decode and prefill ones) take block_ids
+    and its row count after them (`prefetch_ids` reads one row a CTA, and only rows that
+    exist)."""
+    pairs, _ = decode_buffers(1, 2, 4, 8, torch.device("cpu"))
+    ids = torch.zeros(5, 3, dtype=torch.int32)
+    args = pairs.kernel_args(ids)
+    for name in ("gate_up_##NAME", "down_##NAME"):
+        names = _kernel_params(name)
+        first = names.index("s_expert")
+        assert names[first : first + len(args)][-2:] == ["block_ids", "n_ids"], name
+    assert args[-2] == kernels.ptr(ids) and args[-1] == 5
+
+
 @pytest.mark.parametrize("popc_on", [False, True])
 def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     """The decode launches are packed once for `routed`: gate_up has no hole, down one, its
