@@ -41,6 +41,11 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     return a;
 }
 
+// The line holding p into L2 (a hint: nothing waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // A 4-byte word from global to shared memory by cp.async (`tables_landed` waits for them).
 __device__ __forceinline__ void copy_word_async(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src)
@@ -632,12 +637,12 @@ __device__ void prefetch_ids(const Paged& g, const Slots& s) {
     if (j >= s.n_ids || threadIdx.x >= 96) return;
     const int lane = threadIdx.x & 31, b = __ldg(s.block_ids + 3 * j + (threadIdx.x >> 5));
     const int* off = g.slab_off + (i64)b * g.max_bits;
-    if (lane == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(g.width + b));
+    if (lane == 0) prefetch_l2(g.width + b);
     // the block's planes' entries lie together (the last plane's first only: the array may end
     // there, and that plane is read at width max_bits alone)
     const int first = __ldg(off), last = __ldg(off + g.max_bits - 1) + 1;
     for (int e = (first & ~31) + 32 * lane; e < last; e += 32 * 32)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(g.slab_map + e));
+        prefetch_l2(g.slab_map + e);
 }
 
 // Stage rows [row0, row0 + nrows) of expert e's gate (st[0]) and up (st[1]) blocks, their widths
@@ -1429,8 +1434,7 @@ __device__ void prefetch_chunks(const RowPtr* rp, int wd, int words, int u0, int
                                 int n) {
     for (int l = threadIdx.x & 31; l < 4 * wd * n; l += 32) {
         const int q = l & 3, p = (l >> 2) % wd, u = u0 + (l >> 2) / wd * step;
-        if (u < u_end)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(word_ptr(rp[p], 16 * u + 4 * q)));
+        if (u < u_end) prefetch_l2(word_ptr(rp[p], 16 * u + 4 * q));
     }
 }
 
@@ -1986,7 +1990,7 @@ __device__ __forceinline__ void prefetch_ahead(const Stage& st, int B, int words
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const RowPtr rp = st.ptr[(g + 8 * h) * 8 + p];
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(word_ptr(rp, w)));
+            prefetch_l2(word_ptr(rp, w));
         }
     }
 }
