@@ -89,8 +89,17 @@ __device__ __forceinline__ void stamp(int kind, int phase) {
 #define STAMP(kind, phase) stamp(kind, phase)
 #define STAMP_KIND(job, k) (job).kind = (k)
 #else
+#undef PWCTL_STAMPS_CHAIN
 #define STAMP(kind, phase)
 #define STAMP_KIND(job, k)
+#endif
+// Probe (-DPWCTL_STAMPS -DPWCTL_STAMPS_CHAIN; `stamp_phases.py ... chain`): the popc gate_up's
+// staging chain, each stamp once the value it names has arrived (a branch on it).
+#ifdef PWCTL_STAMPS_CHAIN
+#define STAMP_AFTER(kind, phase, v) \
+    if ((int)(v) != (int)0x80000001) STAMP(kind, phase)
+#else
+#define STAMP_AFTER(kind, phase, v)
 #endif
 
 struct Paged {
@@ -101,6 +110,12 @@ struct Paged {
     int slab_shift;
     int max_bits;
 };
+
+// Byte `off` of the plane whose first slab-map entry is `first`.
+__device__ __forceinline__ const unsigned char* paged_at(const Paged& g, int first, i64 off) {
+    const i64 slab = __ldg(g.slab_map + first + (int)(off >> g.slab_shift));
+    return g.arena + (slab << g.slab_shift) + (off & ((1LL << g.slab_shift) - 1));
+}
 
 __device__ __forceinline__ const unsigned char* paged(const Paged& g, int block, int plane, i64 off) {
     int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
@@ -130,10 +145,11 @@ struct RowPtr {
     int split;
 };
 
-__device__ __forceinline__ RowPtr row_ptr(const Paged& g, int block, int plane, int row, int words) {
+// (first: the plane's first slab-map entry)
+__device__ __forceinline__ RowPtr row_ptr_at(const Paged& g, int first, int row, int words) {
     const i64 off = row_start(row, words);
     const i64 mask = (1LL << g.slab_shift) - 1, left = (mask + 1) - (off & mask);
-    const int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
+    const int entry = first + (int)(off >> g.slab_shift);
     RowPtr rp;
     rp.p0 = (const u32*)(g.arena + ((i64)__ldg(g.slab_map + entry) << g.slab_shift) + (off & mask));
     rp.split = (int)min((i64)words, 4 * ((left + 127) >> 7));  // the row's units are 128 bytes apart
@@ -141,6 +157,14 @@ __device__ __forceinline__ RowPtr row_ptr(const Paged& g, int block, int plane, 
         ? (const u32*)(g.arena + ((i64)__ldg(g.slab_map + entry + 1) << g.slab_shift) - left)
         : rp.p0;
     return rp;
+}
+
+__device__ __forceinline__ int plane_entry(const Paged& g, int block, int plane) {
+    return __ldg(g.slab_off + block * g.max_bits + plane);
+}
+
+__device__ __forceinline__ RowPtr row_ptr(const Paged& g, int block, int plane, int row, int words) {
+    return row_ptr_at(g, plane_entry(g, block, plane), row, words);
 }
 
 // Where word w of a row's plane lies, on whichever side of its page split.
@@ -345,6 +369,66 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
             copy_word_async(dst, src);
         } else {
             *(u32*)dst = __ldg(src);
+        }
+    }
+    if (keep) asm volatile("cp.async.commit_group;" ::: "memory");
+    return flat;
+}
+
+// `stage` for two (block, rows) at once, into st[0] and st[1] (`count` 1: st[0] only): gate's and
+// up's rows of a tile, or two tiles of one block (`stage_down`). A thread's loads for both go out
+// together, the slab offsets and then the slab-map entries of its pointer and its table word,
+// where two `stage` calls, each a loop of pointers and then one of tables, waited for 8 dependent
+// loads one after another: 1.7 us of the ~3 us a one-token Qwen3-MoE gate_up CTA staged for
+// after its wait, with L2 cold or warm (docs/PERF.md, session 33). Both (block, rows) are real,
+// nrows >= 1: with count 1 the second repeats the first (its loads are made, its stores are not).
+__device__ bool stage_two(const Paged& g, const int (&block)[2], const int (&B)[2],
+                          i64 bits_nbytes, int words, int rpt, const int (&row0)[2],
+                          const int (&nrows)[2], int count, Stage (&st)[2], bool keep) {
+    int per_row[2], n = 0;
+    #pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        per_row[m] = max(1, (1 << B[m]) / 2);  // u32 words of one row's table
+        if (m < count) n = max(n, ROWS * max(B[m], per_row[m]));
+    }
+    bool flat = true;
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        // element e of each: pointer (row r, plane p), table word i of row rt. Every load is
+        // issued whether or not the element exists (clamped to one that does): a load behind a
+        // branch waits for the one before it
+        int r[2], p[2], rt[2], i[2], fp[2], ft[2];
+        #pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            r[m] = min(e / B[m], ROWS - 1), p[m] = e % B[m];
+            rt[m] = min(e / per_row[m], ROWS - 1), i[m] = e % per_row[m];
+            fp[m] = plane_entry(g, block[m], p[m]);
+            ft[m] = plane_entry(g, block[m], B[m] - 1);
+        }
+        RowPtr rp[2];
+        const u32* src[2];
+        #pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            rp[m] = row_ptr_at(g, fp[m], row0[m] + staged_row(r[m], nrows[m]), words);
+            const i64 off =
+                table_off(bits_nbytes, row0[m] + min(rt[m], nrows[m] - 1), rpt, B[m], i[m]);
+            src[m] = (const u32*)paged_at(g, ft[m], off);
+        }
+        #pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            if (m >= count) break;
+            if (e < ROWS * B[m]) {
+                st[m].ptr[r[m] * 8 + p[m]] = rp[m];
+                flat = flat && rp[m].split >= words;
+            }
+            if (e < ROWS * per_row[m]) {
+                unsigned short* dst = st[m].tbl[rt[m]] + 2 * i[m] + table_shift(B[m], rt[m]);
+                if (keep && B[m] <= KEEPS_SOURCES) {
+                    table_sources(st[m], rt[m])[i[m]] = src[m];
+                    copy_word_async(dst, src[m]);
+                } else {
+                    *(u32*)dst = __ldg(src[m]);
+                }
+            }
         }
     }
     if (keep) asm volatile("cp.async.commit_group;" ::: "memory");
@@ -651,12 +735,12 @@ __device__ __forceinline__ bool stage_gate_up(const Paged& g, const Slots& s, in
                                               i64 bits_nbytes, int words, int rpt, int row0,
                                               int nrows, Stage (&st)[2], int& wg, int& wu,
                                               bool keep = false) {
-    const int bg = __ldg(s.block_ids + 3 * e), bu = __ldg(s.block_ids + 3 * e + 1);
-    wg = __ldg(g.width + bg), wu = __ldg(g.width + bu);
-    bool flat = stage(g, bg, wg, bits_nbytes, words, rpt, row0, nrows, st[0], threadIdx.x,
-                      blockDim.x, keep);
-    flat &= stage(g, bu, wu, bits_nbytes, words, rpt, row0, nrows, st[1], threadIdx.x, blockDim.x,
-                  keep);
+    const int b[2] = {__ldg(s.block_ids + 3 * e), __ldg(s.block_ids + 3 * e + 1)};
+    wg = __ldg(g.width + b[0]), wu = __ldg(g.width + b[1]);
+    STAMP_AFTER(0, 5, wg + wu);
+    const int B[2] = {wg, wu}, r0[2] = {row0, row0}, nr[2] = {nrows, nrows};
+    const bool flat = stage_two(g, b, B, bits_nbytes, words, rpt, r0, nr, 2, st, keep);
+    STAMP_AFTER(0, 3, (size_t)st[0].ptr[0].p0 + (size_t)st[1].ptr[0].p0);
     return __syncthreads_and(flat);
 }
 
@@ -667,13 +751,11 @@ __device__ __forceinline__ bool stage_down(const Paged& g, const Slots& s, int e
                                            Stage (&st)[2], int& wd) {
     const int bd = __ldg(s.block_ids + 3 * e + 2);
     wd = __ldg(g.width + bd);
-    bool flat = true;
-    for (int u = 0; u < units; ++u) {
-        const int r0 = row0 + ROWS * u;
-        if (r0 < H)
-            flat &= stage(g, bd, wd, bits_nbytes, words, rpt, r0, min(ROWS, H - r0), st[u],
-                          threadIdx.x, blockDim.x);
-    }
+    // (row0 < H: the caller's)
+    const int count = units == 2 && row0 + ROWS < H ? 2 : 1, second = row0 + ROWS * (count - 1);
+    const int b[2] = {bd, bd}, B[2] = {wd, wd}, r0[2] = {row0, second};
+    const int nr[2] = {min(ROWS, H - row0), min(ROWS, H - second)};
+    const bool flat = stage_two(g, b, B, bits_nbytes, words, rpt, r0, nr, count, st, false);
     return __syncthreads_and(flat);
 }
 
@@ -1338,6 +1420,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         h += kn == 1 ? 2 : 1;
         const int tiles = FEW ? run.tiles : share.tiles;
         const Tile c = tile_of(s, ROWS, at / tiles, at % tiles);
+        const int e = __ldg(s.expert + c.slot);  // (out with the slot's bounds, not after them)
         if (c.T <= 0) continue;
         // FEW (`gate_up_pn`: calls of up to POPC_MAX_TOKENS tokens; one tile a CTA): a slot of
         // several tokens takes the lookup, whose work does not grow with tokens as the binary
@@ -1357,7 +1440,8 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         TileEnd end{c.lo, c.row0, kz, kn, (FEW ? run.j : share.j) + 1 - kz};
         if constexpr (!FEW)  // (a tile a CTA: in registers, as it fits there)
             if (threadIdx.x == 0) ends[at & 1] = end;
-        const int e = __ldg(s.expert + c.slot), token = __ldg(s.token + c.lo);
+        const int token = __ldg(s.token + c.lo);
+        STAMP_AFTER(0, 4, e);
         // the next tile of the block st holds (tile at - 1, which is full when this one is and
         // shares its slot), its sources kept: no chain
         const bool moved = after && c.row0 > 0 && nrows == ROWS &&
@@ -1391,7 +1475,9 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
                                                 OWN ? 0 : lane & ~3, st[m].tbl + 8 * grp, words_in,
                                                 k0, min(ks, k0 + POPC_STEPS), k0, kz, kn, x + i, f,
                                                 fold_scratch(red), i == 0);
+#ifndef PWCTL_STAMPS_CHAIN
             STAMP(0, 3);
+#endif
             popc_warp_rows(f, grp, rows[m]);
             __syncthreads();
             STAMP(0, 6);

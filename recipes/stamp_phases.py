@@ -13,7 +13,8 @@ their shares and by their SMs' halves (is the last CTA's lateness its share, its
 neither). Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
   PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py mixtral 1 [routed] [cold] [waves]
-  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe,mixtral 512 prefill"""
+  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe,mixtral 512 prefill
+  (a -DPWCTL_STAMPS_CHAIN build, `chain`: the popc gate_up's staging chain, stamp by stamp)"""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc g
     2: ("prep", ((0, "entry"), (1, "logits"), (2, "x laid out"), (3, "last block"),
                  (5, "fenced"), (6, "softmax"), (4, "routed"), (7, "grouped"))),
     3: ("popc_planes", ((0, "entry"), (1, "waited"), (2, "loaded"), (3, "scaled"), (7, "built"))),
+}  # fmt: skip
+CHAIN = {  # -DPWCTL_STAMPS_CHAIN: the popc gate_up's staging chain (`chain`)
+    0: ("gate_up", ((0, "entry"), (1, "waited"), (4, "slot's expert"), (5, "widths"),
+                    (3, "row pointers"), (2, "staged"), (6, "summed"), (7, "stored"))),
 }  # fmt: skip
 _WG = ((0, "entry"), (2, "staged"), (4, "first loads out"), (5, "half-chunk 0"),
        (6, "half-chunk 1"), (3, "streamed"))  # fmt: skip
@@ -127,7 +132,7 @@ def main() -> None:
     shapes, tokens = sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")]
     routed, cold = "routed" in sys.argv[3:], "cold" in sys.argv[3:]
     prefill, waves = "prefill" in sys.argv[3:], "waves" in sys.argv[3:]
-    shares = "shares" in sys.argv[3:]
+    shares, chain = "shares" in sys.argv[3:], "chain" in sys.argv[3:]
     popc = True if "popc" in sys.argv[3:] else False if "lookup" in sys.argv[3:] else None
     runs = [int(a[5:]) for a in sys.argv[3:] if a.startswith("runs=")]
     fused_moe.GATE_UP_RUNS = runs[0] if runs else None
@@ -150,7 +155,7 @@ def main() -> None:
             torch.cuda.synchronize()
             how = ("routed" if routed else "given routing") + (", cold L2" if cold else "")
             print(f"{name} T={T} {'prefill, ' if prefill else ''}{how}, replay {rep}:")
-            kinds = PREFILL_KINDS if prefill else KINDS
+            kinds = PREFILL_KINDS if prefill else {**KINDS, **CHAIN} if chain else KINDS
             print("\n".join(summary(buf.get(), smid.get(), kinds, waves)), flush=True)
             if shares:
                 moe = call.func
