@@ -117,6 +117,9 @@ __device__ __forceinline__ const unsigned char* paged_at(const Paged& g, int fir
     return g.arena + (slab << g.slab_shift) + (off & ((1LL << g.slab_shift) - 1));
 }
 
+// `paged_at` of the plane's first entry (`plane_entry`), kept in its own form: written as that
+// call, ptxas reorders the staging of the prefill kernels and of the one-token gate_up (cubin_diff,
+// session 33), which were measured as they are.
 __device__ __forceinline__ const unsigned char* paged(const Paged& g, int block, int plane, i64 off) {
     int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
     i64 slab = __ldg(g.slab_map + entry);
@@ -348,10 +351,8 @@ __device__ __forceinline__ int staged_row(int r, int nrows) {
 // Fill `st` for rows [row0, row0 + 16) of `block` at width B (rows past the end: `staged_row`;
 // the tables' rows repeat the last row). Threads first, first + stride, ... take part; no barrier.
 // Returns whether every (row, plane) this thread staged lies in one slab.
-// keep: where each table word came from, for `restage` (widths up to KEEPS_SOURCES); those tables
-// come by cp.async, as restage's do (the caller waits for them: `tables_landed`).
 __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
-                      int row0, int nrows, Stage& st, int first, int stride, bool keep = false) {
+                      int row0, int nrows, Stage& st, int first, int stride) {
     bool flat = true;
     for (int e = first; e < ROWS * B; e += stride) {
         const int r = e / B, p = e % B;
@@ -363,15 +364,8 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
         const int r = e / per_row, i = e % per_row;
         const i64 off = table_off(bits_nbytes, row0 + min(r, nrows - 1), rpt, B, i);
         const u32* src = (const u32*)paged(g, block, B - 1, off);
-        unsigned short* dst = st.tbl[r] + 2 * i + table_shift(B, r);
-        if (keep && B <= KEEPS_SOURCES) {
-            table_sources(st, r)[i] = src;
-            copy_word_async(dst, src);
-        } else {
-            *(u32*)dst = __ldg(src);
-        }
+        *(u32*)(st.tbl[r] + 2 * i + table_shift(B, r)) = __ldg(src);
     }
-    if (keep) asm volatile("cp.async.commit_group;" ::: "memory");
     return flat;
 }
 
@@ -382,6 +376,8 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
 // loads one after another: 1.7 us of the ~3 us a one-token Qwen3-MoE gate_up CTA staged for
 // after its wait, with L2 cold or warm (docs/PERF.md, session 33). Both (block, rows) are real,
 // nrows >= 1: with count 1 the second repeats the first (its loads are made, its stores are not).
+// keep: where each table word came from, for `restage` (widths up to KEEPS_SOURCES); those tables
+// come by cp.async, as restage's do (the caller waits for them: `tables_landed`).
 __device__ bool stage_two(const Paged& g, const int (&block)[2], const int (&B)[2],
                           i64 bits_nbytes, int words, int rpt, const int (&row0)[2],
                           const int (&nrows)[2], int count, Stage (&st)[2], bool keep) {
@@ -443,8 +439,8 @@ __device__ bool stage_two(const Paged& g, const int (&block)[2], const int (&B)[
 // The tables come by cp.async: the fold waits for them (`tables_landed`), so their latency hides
 // behind the streaming, where a `stage` that loads them waits on a chain of 5 loads first (2.8
 // us of a ~16 us Mixtral CTA, all of it on the kernel's critical path: docs/PERF.md, session 25;
-// since session 32 `stage` keeping sources copies them so too). No barrier; no flatness either
-// (`stage`'s, for the lookup, which a block this narrow never takes).
+// since session 32 a first staging keeping sources copies them so too). No barrier; no flatness
+// either (`stage`'s, for the lookup, which a block this narrow never takes).
 __device__ void restage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
                         int row0, Stage& st) {
     const i64 step = ROWS * 4LL * words, span = 4 * tiled(words - 1) + 4;  // ROWS: whole groups
@@ -1284,8 +1280,8 @@ __device__ __forceinline__ float* fold_scratch(float* red) {
 static_assert(RED_FLOATS >= 2 * WARPS * ROWS + 128 * WARPS, "red holds the fold's coefficients");
 
 // Run-time width -> template: one piece of one 8-row group (B <= MAXB). landing: the tables are
-// on their way (`restage`, or `stage` keeping sources; every thread of the CTA passes here with
-// it). COOP, coef: `popc_fold`'s.
+// on their way (`restage`, or `stage_two` keeping sources; every thread of the CTA passes here
+// with it). COOP, coef: `popc_fold`'s.
 template <int MAXB, int R, bool HOLD, bool COOP>
 __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
                                            const unsigned short (*tbl)[MAX_TABLE],
