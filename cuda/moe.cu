@@ -1993,7 +1993,8 @@ struct WgJob {
     int B;
     bool live, flat;
     bool uniform;  // every warp of the CTA reads the same width (down always; gate_up mostly)
-    int words;
+    int words;  // the row's plane words up to the job's last chunk
+    int c0;     // the job's first chunk (8 plane words; down's stream-K shares start mid-row)
     const unsigned short* tile;
 #ifdef PWCTL_STAMPS
     int kind;  // the kernel's STAMP kind: 0 gate_up, 1 down
@@ -2157,7 +2158,7 @@ __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc,
         wg_load_pair<B, FLAT>(st, job, 8 * (hc / 2 + 1) + 2 * (threadIdx.x & 3), Pa0, Pa1, Pb0,
                               Pb1);
     }
-    mbar_wait(&sm.full[U], (hc / 2) & 1);  // buffer U's (hc / 2)-th copy
+    mbar_wait(&sm.full[U], (hc / 2) & 1);  // buffer U's copy for chunk hc / 2 (wg_job's phase)
     wgmma_fence();
     const unsigned long long desc = b_desc(&sm.b[U][0][0][0][0]);
     #pragma unroll
@@ -2169,8 +2170,8 @@ __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc,
     if (hc + 1 < halves) load_b(sm, U ^ 1, job.tile, hc + 1);
 }
 
-// d = W[64 rows] x^T for the 128 tokens of the job's tile, over all columns, at width B (0: each
-// warp's own, chosen per half-chunk). Lane (g, t) of warp q ends with row 16q + g + 8(r / 2),
+// d = W[64 rows] x^T for the 128 tokens of the job's tile, over its chunks' columns, at width B
+// (0: each warp's own, chosen per half-chunk). Lane (g, t) of warp q ends with row 16q + g + 8(r / 2),
 // token 8j + 2t + (r % 2) in d[4j + r].
 template <int B, bool FLAT>
 __device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, float (&d)[64]) {
@@ -2184,9 +2185,9 @@ __device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, f
     if constexpr (kRing<B, FLAT>) {
         __syncwarp();  // every lane has its table in registers: the ring may overwrite it
         #pragma unroll
-        for (int c = 0; c < RING_SLOTS - 1; ++c) ring_fill<B>(st, job, c);
+        for (int c = 0; c < RING_SLOTS - 1; ++c) ring_fill<B>(st, job, job.c0 + c);
     } else {
-        wg_load_pair<B, FLAT>(st, job, 2 * t, Pa0, Pa1, Pb0, Pb1);
+        wg_load_pair<B, FLAT>(st, job, 8 * job.c0 + 2 * t, Pa0, Pa1, Pb0, Pb1);
     }
     #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.f;
@@ -2194,11 +2195,11 @@ __device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, f
     #pragma unroll
     for (int s = 0; s < WG_KSTEPS; ++s) Ab[s][0] = Ab[s][1] = Ab[s][2] = Ab[s][3] = 0u;
     STAMP(job.kind, 4);
-    for (int hc = 0; hc < halves; hc += 2) {
+    for (int hc = 2 * job.c0; hc < halves; hc += 2) {
         wg_half<B, FLAT, 0>(sm, job, hc, halves, L0, L1, Pa0, Pa1, Pb0, Pb1, Aa, Ab, d);
-        if (hc == 0) STAMP(job.kind, 5);
+        if (hc == 2 * job.c0) STAMP(job.kind, 5);
         wg_half<B, FLAT, 1>(sm, job, hc + 1, halves, L0, L1, Pa0, Pa1, Pb0, Pb1, Ab, Aa, d);
-        if (hc == 0) STAMP(job.kind, 6);
+        if (hc == 2 * job.c0) STAMP(job.kind, 6);
     }
     wgmma_wait<0>();
     hold(Ab);
@@ -2224,38 +2225,64 @@ __device__ __forceinline__ void prefill_wg(PrefillWG& sm, const WgJob& job, floa
     }
 }
 
-// Where a CTA is: blockIdx.x = row tile, blockIdx.y = token tile; tile_info[tile] = (slot, pass),
-// slot -1 past the last tile (the launcher sizes the grid by a bound: no host sync).
-__device__ __forceinline__ Tile wg_tile(const Slots& s, const int* tile_info, int rows_per_cta) {
+// Row tile `rt` of token tile `tile`: tile_info[tile] = (slot, pass), slot -1 past the last tile
+// (the launcher sizes the grid by a bound: no host sync).
+__device__ __forceinline__ Tile wg_tile(const Slots& s, const int* tile_info, int tile, int rt,
+                                        int rows_per_cta) {
     Tile c;
-    c.slot = __ldg(tile_info + 2 * blockIdx.y);
-    c.row0 = blockIdx.x * rows_per_cta;
-    c.base = WG_TOKENS * __ldg(tile_info + 2 * blockIdx.y + 1);
+    c.slot = __ldg(tile_info + 2 * tile);
+    c.row0 = rt * rows_per_cta;
+    c.base = WG_TOKENS * __ldg(tile_info + 2 * tile + 1);
     c.lo = c.slot < 0 ? 0 : __ldg(s.lo + c.slot);
     c.T = c.slot < 0 ? 0 : __ldg(s.hi + c.slot) - c.lo;
     return c;
 }
 
-// Stage warp q's m-tile (rows mrow0..+15 of `block`) and describe the CTA's job.
+// Chunks [c0, c1) of a row (c1 = WHOLE_ROW: to its end); `phases`: the phases B's mbarriers
+// completed in the CTA's earlier jobs (down's stream-K shares; each buffer completes as many).
+struct Chunks {
+    int c0, c1, phases;
+};
+#define WHOLE_ROW (1 << 27)
+
+// The phases B's mbarriers have completed after a job of chunks `ch` (wg_job).
+__device__ __forceinline__ int phases_after(Chunks ch) {
+    return ch.phases + ((ch.phases - ch.c0) & 1) + ch.c1 - ch.c0;
+}
+
+// Stage warp q's m-tile (rows mrow0..+15 of `block`) and describe the CTA's job: token tile
+// `tile` over chunks `ch`. The CTA's first job (ch.phases = 0) sets up B's mbarriers; a later
+// one must follow a barrier behind the last one's wgmma. Chunk c's copies wait on parity c & 1
+// (wg_half), so where the phases so far and c0 differ in parity, one arrival completes an empty
+// phase of each buffer first: the loop keeps no parity of its own (a register more made ptxas
+// serialize down's wgmma, C7512).
 __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block, int mrow0,
                                         int rows, i64 bits_nbytes, int words, int rpt,
-                                        const unsigned short* tiles, int wpad, bool uniform) {
+                                        const unsigned short* tiles, int tile, Chunks ch, int wpad,
+                                        bool uniform) {
     const int warp = threadIdx.x >> 5, nrows = min(ROWS, rows - mrow0);
     WgJob job;
     job.B = __ldg(g.width + block);
     job.uniform = uniform;
     job.live = nrows > 0;
-    job.words = words;
-    job.tile = tiles + (i64)blockIdx.y * WG_TOKENS * 32 * wpad;
+    job.words = ch.c1 == WHOLE_ROW ? words : min(words, 8 * ch.c1);
+    job.c0 = ch.c0;
+    job.tile = tiles + (i64)tile * WG_TOKENS * 32 * wpad;
     bool flat = true;
     if (job.live)
         flat = stage(g, block, job.B, bits_nbytes, words, rpt, mrow0, nrows, sm.st[warp],
                      threadIdx.x & 31, 32);
     if (threadIdx.x == 0) {  // B's mbarriers, visible to every thread after the barrier below
-        mbar_init(&sm.full[0], 1);
-        mbar_init(&sm.full[1], 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        load_b(sm, 0, job.tile, 0);  // the first half-chunk of B lands while the CTA stages
+        if (ch.phases == 0) {
+            mbar_init(&sm.full[0], 1);
+            mbar_init(&sm.full[1], 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        if ((ch.phases - ch.c0) & 1)
+            for (int u = 0; u < 2; ++u)
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(&sm.full[u]))
+                             : "memory");
+        load_b(sm, 0, job.tile, 2 * ch.c0);  // the first half-chunk of B lands while the CTA stages
     }
     job.flat = __syncthreads_and(flat);
     return job;
@@ -2271,15 +2298,16 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
                                                    int rpt, const int* tile_info) {
     PrefillWG& sm = shared_as<PrefillWG>();
     STAMP(0, 0);
-    const Tile c = wg_tile(s, tile_info, 2 * ROWS);
+    const Tile c = wg_tile(s, tile_info, blockIdx.y, blockIdx.x, 2 * ROWS);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + (warp >> 1));
     const int mrow0 = c.row0 + ROWS * (warp & 1);
     const int wg = __ldg(g.width + __ldg(s.block_ids + 3 * e));
     const bool uniform = wg == __ldg(g.width + __ldg(s.block_ids + 3 * e + 1));  // gate, up
-    WgJob job =
-        wg_job(sm, g, block, mrow0, I, bits_nbytes, words_in, rpt, x, wpad_in, uniform);
+    const Chunks all{0, WHOLE_ROW, 0};
+    WgJob job = wg_job(sm, g, block, mrow0, I, bits_nbytes, words_in, rpt, x, blockIdx.y, all,
+                       wpad_in, uniform);
     STAMP_KIND(job, 0);
     STAMP(0, 2);
     float d[64];
@@ -2317,18 +2345,17 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
     STAMP(0, 7);
 }
 
-// out[token] += weight * (down h) for the tokens of one h tile: 64 rows (warp q: 16q..16q+15).
-__device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned short* hp,
-                                                float* out, int H, int words_in, int wpad_in,
-                                                i64 bits_nbytes, int rpt, const int* tile_info) {
-    PrefillWG& sm = shared_as<PrefillWG>();
-    STAMP(1, 0);
-    const Tile c = wg_tile(s, tile_info, 4 * ROWS);
-    if (c.base >= c.T || c.row0 >= H) return;
+// One job of down: 64 rows of tile `tile` (warp q: rows 16q..16q+15) over chunks `ch` of their
+// columns, out[token] += weight * (down h) for the tile's tokens.
+__device__ __forceinline__ void down_prefill_job(PrefillWG& sm, const Paged& g, const Slots& s,
+                                                 const unsigned short* hp, float* out, int H,
+                                                 int words_in, int wpad_in, i64 bits_nbytes,
+                                                 int rpt, const Tile& c, int tile, Chunks ch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + 2);
     const int mrow0 = c.row0 + ROWS * warp;
-    WgJob job = wg_job(sm, g, block, mrow0, H, bits_nbytes, words_in, rpt, hp, wpad_in, true);
+    WgJob job = wg_job(sm, g, block, mrow0, H, bits_nbytes, words_in, rpt, hp, tile, ch, wpad_in,
+                       true);
     STAMP_KIND(job, 1);
     STAMP(1, 2);
     float d[64];
@@ -2354,6 +2381,74 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
         }
     }
     STAMP(1, 7);
+}
+
+// down's work is units (token tile, row tile of 64 rows), unit = tile * row_tiles + row tile, of
+// `chunks` chunks (8 plane words of a row) each; a CTA's span is a range of chunks in unit order.
+// sk = 0: CTA (x, y) takes unit (y, x) whole. sk > 0 (a wave of CTAs; the launcher's rule: long
+// rows, e.g. Mixtral's 56 chunks), a 1-D grid: of the N units of the plan's live tiles, CTAs
+// b < D = (N / sk) sk take unit b whole, and the next sk CTAs equal shares of the chunks of the
+// N - D units left, at most a unit each. One CTA a unit left those to run as a partial wave at
+// the end: Mixtral at 512 tokens, 832 units on 264 CTAs, took 4 waves' time for 3.15 waves'
+// work (docs/PERF.md, session 34). A share may end or begin inside a unit: its partial sums are
+// added as a whole unit's are (atomics, which down needs anyway).
+struct Span {
+    int lo, hi;
+};
+
+__device__ __forceinline__ Span down_span(const int* tile_info, int tiles, int row_tiles,
+                                          int chunks, int sk) {
+    if (sk == 0) {
+        const int u = blockIdx.y * row_tiles + blockIdx.x;
+        return Span{u * chunks, (u + 1) * chunks};
+    }
+    // a plan ends with a dead tile whose pass is the count of live tiles (plan_tiles)
+    const int n = __ldg(tile_info + 2 * tiles - 1) * row_tiles, b = blockIdx.x;
+    const int d = n / sk * sk;
+    if (b < d) return Span{b * chunks, (b + 1) * chunks};
+    if (b - d >= sk) return Span{0, 0};
+    const i64 rest = (i64)(n - d) * chunks;
+    return Span{d * chunks + (int)((b - d) * rest / sk), d * chunks + (int)((b - d + 1) * rest / sk)};
+}
+
+// Job k (0 or 1) of the CTA's span, which covers at most two: the end of one unit and the start
+// of the next. Each job computes the span anew from opaque copies of the arguments, so that
+// nothing of it is held in registers across the first job's loop (a loop over jobs, or 3 more
+// live registers, made ptxas serialize the wgmma: C7512).
+__device__ __forceinline__ void down_prefill_part(PrefillWG& sm, const Paged& g, const Slots& s,
+                                                  const unsigned short* hp, float* out, int H,
+                                                  int words_in, int wpad_in, i64 bits_nbytes,
+                                                  int rpt, const int* tile_info, int sk,
+                                                  int row_tiles, int tiles, int k) {
+    asm volatile("" : "+r"(words_in), "+r"(row_tiles), "+r"(tiles), "+r"(sk), "+l"(tile_info));
+    const int chunks = (words_in + 7) / 8;
+    const Span span = down_span(tile_info, tiles, row_tiles, chunks, sk);
+    const int unit0 = span.lo / chunks, mid = min(span.hi, (unit0 + 1) * chunks);
+    const Chunks first{span.lo - unit0 * chunks, mid - unit0 * chunks, 0};
+    if (k == 1 && mid >= span.hi) return;
+    const int unit = unit0 + k;
+    const Chunks ch = k == 0 ? first : Chunks{0, span.hi - unit * chunks, phases_after(first)};
+    if (ch.c0 >= ch.c1) return;
+    const Tile c = wg_tile(s, tile_info, unit / row_tiles, unit % row_tiles, 4 * ROWS);
+    if (c.base >= c.T || c.row0 >= H) return;  // (sk = 0 only: the wave's units are live)
+    if (k == 1) __syncthreads();  // every warp is past the first job's wgmma: B is free
+    down_prefill_job(sm, g, s, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, c,
+                     unit / row_tiles, ch);
+}
+
+// out[token] += weight * (down h) for the tokens of h's tiles: each job 64 rows (warp q:
+// 16q..16q+15) of one tile over a range of its columns (down_span).
+__device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned short* hp,
+                                                float* out, int H, int words_in, int wpad_in,
+                                                i64 bits_nbytes, int rpt, const int* tile_info,
+                                                int sk, int row_tiles, int tiles) {
+    PrefillWG& sm = shared_as<PrefillWG>();
+    STAMP(1, 0);
+    down_prefill_part(sm, g, s, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, tile_info, sk,
+                      row_tiles, tiles, 0);
+    if (sk > 0)
+        down_prefill_part(sm, g, s, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, tile_info,
+                          sk, row_tiles, tiles, 1);
 }
 #endif
 
@@ -2478,9 +2573,9 @@ extern "C" __global__ void __launch_bounds__(128, 2) gate_up_prefill_wg(
 }
 extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
     PAGED_ARGS, SLOT_ARGS, const unsigned short* hp, float* out, int H, int words_in, int wpad_in,
-    i64 bits_nbytes, int rpt, const int* tile_info) {
+    i64 bits_nbytes, int rpt, const int* tile_info, int sk, int row_tiles, int tiles) {
     WG_BODY(down_prefill_wg(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt,
-                            tile_info))
+                            tile_info, sk, row_tiles, tiles))
 }
 
 // The sm_90a prefill's token tiles in one pass (fused_moe.wgmma_tiles, which gathers, reorders
@@ -2702,7 +2797,7 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
 }
 
 // The sm_90a prefill's token tiles (`fused_moe.tile_plan`): per tile (slot, pass), each slot's
-// ceil(pairs / 128) tiles consecutive, (-1, 0) past the last up to `tiles` (a bound). One warp.
+// ceil(pairs / 128) tiles consecutive, then (-1, live tiles) up to `tiles` (a bound). One warp.
 __device__ void plan_tiles(const int* s_lo, const int* s_hi, int slots, int* tile_info, int tiles) {
     const int lane = threadIdx.x & 31;
     int start = 0;
@@ -2713,7 +2808,8 @@ __device__ void plan_tiles(const int* s_lo, const int* s_hi, int slots, int* til
             tile_info[2 * t] = s, tile_info[2 * t + 1] = p;
         start += __shfl_sync(0xffffffffu, inc, 31);
     }
-    for (int t = start + lane; t < tiles; t += 32) tile_info[2 * t] = -1, tile_info[2 * t + 1] = 0;
+    // dead tiles (a plan has at least one: the bound exceeds the live count) hold that count
+    for (int t = start + lane; t < tiles; t += 32) tile_info[2 * t] = -1, tile_info[2 * t + 1] = start;
 }
 
 // What a prefill call needs before its kernels, in one launch (`fused_moe.prepare_prefill`; ~30

@@ -156,19 +156,37 @@ def test_tile_plan_gives_each_slot_its_passes():
     assert plan.tiles == 4 + 4  # bound: 457 pairs / 128, rounded up, + 4 slots
     assert plan.info[:6].tolist() == [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1], [3, 2]]
     assert plan.info[6:, 0].eq(-1).all()  # past the last tile: its CTAs exit
+    assert plan.info[6:, 1].eq(6).all()  # dead tiles hold the live count (cuda/moe.cu down_span)
     tiles = plan.pair.view(-1, 128)
     assert tiles[0].tolist() == list(range(128)) and tiles[1, :2].tolist() == [128, 129]
     assert tiles[1, 2:].eq(129).all() and tiles[2, -1] == 199  # past the end: the last pair
     assert tiles[5, 0] == 456 and tiles[6:].ge(0).all() and tiles[6:].lt(457).all()
 
 
+@pytest.mark.parametrize(
+    "units, sk, chunks",
+    [(832, 264, 56), (768, 264, 56), (32, 264, 22), (1, 4, 3), (9, 4, 1), (264, 264, 56)],
+)
+def test_down_spans_cover_each_chunk_once_and_even_out_the_last_wave(units, sk, chunks):
+    spans = fused_moe.down_spans(units, sk, chunks)
+    assert spans[0][0] == 0 and spans[-1][1] == units * chunks
+    # contiguous: each chunk once
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    whole = units // sk * sk
+    assert all(hi - lo == chunks for lo, hi in spans[:whole])  # one unit a CTA before the wave
+    wave = [hi - lo for lo, hi in spans[whole:]]
+    assert len(wave) == sk and max(wave) - min(wave) <= 1  # the wave's CTAs: equal shares
+    assert max(wave) <= chunks  # at most a unit: a share spans at most two (the kernel's jobs)
+
+
 @pytest.mark.parametrize("T", [1, 127, 128, 129, 700])
 def test_shared_expert_tiles_are_its_slots_plan(T):
-    """The shared expert's cached plan (one slot of every token) is `tile_plan`'s live tiles:
-    exact for one slot, so it needs none of the bound's dead tiles."""
+    """The shared expert's cached plan (one slot of every token) is `tile_plan`'s: its live tiles
+    and, the bound being exact for one slot, the one dead tile that ends every plan."""
     shared = fused_moe.all_tokens(T, None, 8, torch.device("cpu"))
     want = tile_plan(shared).info
-    assert torch.equal(fused_moe._one_slot_tiles(T, torch.device("cpu")), want[want[:, 0] >= 0])
+    assert want[-1].tolist() == [-1, -(-T // 128)] and want[:-1, 0].eq(0).all()
+    assert torch.equal(fused_moe._one_slot_tiles(T, torch.device("cpu")), want)
 
 
 def test_wgmma_order_matches_the_kernels_a_registers():
@@ -499,6 +517,29 @@ def test_kernels_match_reference(shape):
                 case = f"{shape} width {width} tokens {T} {kind}"
                 assert err < 1e-3, f"{case}: relative error {err:.2e}"
     print(shape, "max relative error", max(worst.values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(PREFILL_KINDS[0] != "wgmma", reason="the sm_90a prefill needs Hopper")
+@pytest.mark.parametrize("shape", ["qwen3-moe", *TEST_SPECS])
+def test_prefill_down_on_its_stream_k_wave_matches_reference(shape):
+    """down's stream-K wave (cuda/moe.cu down_span) on shapes the launcher's rule leaves off:
+    short rows, so that shares begin and end inside units and CTAs run several jobs; ring (3
+    bits) and register (6 bits) loops, the mixed layer, fewer units than the wave and more."""
+    layer = synthetic_layer(SHAPES.get(shape) or TEST_SPECS[shape], seed=5)
+    t, rng = layer.table, np.random.default_rng(5)
+    layer.moe.prefill_kernel, layer.moe.down_stream_k = "wgmma", True
+    for width in ["3", "6", "mixed"]:
+        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
+        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        for T in (65, 700):
+            x, weights, index, scale = random_routing(layer.spec, T, seed=T)
+            want = layer.moe(0, x, weights, index, scale, reference=True)
+            _poison(layer.moe)
+            got = layer.moe(0, x, weights, index, scale)
+            torch.cuda.synchronize()
+            err = float((got - want).norm() / want.norm())
+            assert err < 1e-3, f"{shape} width {width} tokens {T}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu
@@ -871,9 +912,7 @@ def test_prefill_prep_matches_group_and_tile_plan(T, k, E):
     assert filled.sum() < filled.numel() or T == 1  # the cases hold empty slots
     assert torch.equal(pairs.expert[filled], want.expert[filled])
     plan = tile_plan(want)
-    live = plan.info[:, 0] >= 0
-    assert info.shape == plan.info.shape and torch.equal(info[live], plan.info[live])
-    assert info[~live, 0].eq(-1).all()  # past the last tile: the CTAs exit
+    assert torch.equal(info, plan.info)  # dead tiles too: slot -1, pass the live count
     assert out.eq(0).all()
 
 

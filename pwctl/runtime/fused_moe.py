@@ -338,9 +338,11 @@ def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.de
 
 @functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
 def _one_slot_tiles(T: int, device: torch.device) -> torch.Tensor:
-    """The token tiles of one slot of T pairs (`all_tokens`): (0, pass) for each pass."""
-    passes = torch.arange(-(-T // TILE_TOKENS), dtype=torch.int32, device=device)
-    return torch.stack([torch.zeros_like(passes), passes], 1)
+    """The token tiles of one slot of T pairs (`all_tokens`): (0, pass) for each pass, then the
+    dead tile that ends every plan (`TilePlan`), (-1, passes)."""
+    n = -(-T // TILE_TOKENS)
+    info = [[0, p] for p in range(n)] + [[-1, n]]
+    return torch.tensor(info, dtype=torch.int32, device=device)
 
 
 def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
@@ -391,7 +393,9 @@ def wgmma_tiles(x: torch.Tensor, wpad: int, rows: torch.Tensor) -> torch.Tensor:
 class TilePlan:
     """The sm_90a prefill's token tiles: one per (slot, pass), each slot's tiles consecutive. The
     tile count is a bound known from shapes (pairs / 128 + slots), so planning needs no host sync;
-    tiles past the last real one have slot -1 and their CTAs exit at once."""
+    tiles past the last real one have slot -1 and their CTAs exit at once. The bound exceeds the
+    live tiles, so a plan ends with a dead tile; a dead tile's pass is the count of live tiles
+    (cuda/moe.cu down_span reads it from the last)."""
 
     info: torch.Tensor  # int32 [tiles, 2]: (slot, pass) of each tile
     pair: torch.Tensor  # int64 [tiles * 128]: pair of each tile token (past a slot's end: its last)
@@ -419,8 +423,21 @@ def tile_plan(pairs: Pairs) -> TilePlan:
     pas = tile - (end - per)[slot]
     pair = lo[slot, None] + TILE_TOKENS * pas[:, None] + torch.arange(TILE_TOKENS, device=lo.device)
     pair = torch.minimum(pair, hi[slot, None] - 1).clamp(min=0).reshape(-1)
-    info = torch.stack([torch.where(tile < end[-1], slot, -1), pas], 1).to(torch.int32)
+    live = tile < end[-1]
+    info = torch.stack([torch.where(live, slot, -1), torch.where(live, pas, end[-1])], 1)
+    info = info.to(torch.int32)
     return TilePlan(info, pair)
+
+
+def down_spans(units: int, sk: int, chunks: int) -> list[tuple[int, int]]:
+    """CPU twin of cuda/moe.cu `down_span` on its stream-K wave (sk > 0 CTAs): each CTA's range of
+    chunks, in unit order, of `units` live units of `chunks` chunks. CTAs b < D = (units / sk) sk
+    take unit b whole, the next sk CTAs equal shares of the rest (at most a unit each)."""
+    d = units // sk * sk
+    whole = [(b * chunks, (b + 1) * chunks) for b in range(d)]
+    rest = (units - d) * chunks
+    shares = [d * chunks + j * rest // sk for j in range(sk + 1)]
+    return whole + list(zip(shares, shares[1:], strict=False))
 
 
 def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) -> torch.Tensor:
@@ -461,6 +478,12 @@ _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's per-tile grid:
 GATE_UP_RUNS: int | None = None
 # FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
 DOWN_SPLIT: int | None = None
+# The sm_90a prefill's down on a wave of CTAs that split the last units' columns (cuda/moe.cu
+# down_span) where its rows are at least this many chunks of 8 plane words long (Mixtral: 56;
+# Qwen1.5-MoE's shared expert 22, its routed experts 6; docs/PERF.md, session 34).
+DOWN_STREAM_K_CHUNKS = 16
+# FusedMoE.down_stream_k's default: None, by the rule above; True / False (perf_kernel_ab's @sk=)
+DOWN_STREAM_K: bool | None = None
 # kernels.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
 # the routed split and the shared expert's balanced one as they come; perf_kernel_ab's @dwave=0)
 DOWN_ONE_WAVE = True
@@ -511,6 +534,7 @@ class FusedMoE:
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
         self.down_split = DOWN_SPLIT  # CTAs sharing a down tile's columns (None: auto)
+        self.down_stream_k = DOWN_STREAM_K  # prefill down on a stream-K wave (None: auto)
         # `routed`'s launches by (layer, T, shared gate, kernels): made once, their buffers reused
         self._routed_plans: dict[tuple, tuple] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
@@ -920,17 +944,28 @@ class FusedMoE:
             xt = token_tiles(x, gu.wpad, pairs, tiles)
             n_tiles = tiles.shape[0]
             hp = x.new_empty(n_tiles * TILE_TOKENS, 32 * dn.wpad, dtype=torch.float16)
-            smem, extra = kernels.PREFILL_WG_SMEM, (ptr(tiles),)
-            grids = [(n, n_tiles) for n in row_tiles]
+            smem, sk = kernels.PREFILL_WG_SMEM, self._down_stream_k(dn)
+            # the stream-K wave's CTAs follow the whole units' (at most every unit the bound plans)
+            down_grid = (n_tiles * row_tiles[1] + sk,) if sk else (row_tiles[1], n_tiles)
+            grids = [(row_tiles[0], n_tiles), down_grid]
+            extras = [(ptr(tiles),), (ptr(tiles), i32(sk), i32(row_tiles[1]), i32(n_tiles))]
             names = ("gate_up_prefill_wg", "down_prefill_wg")
         else:
             most = int((pairs.hi - pairs.lo).max())
             passes = max(1, -(-most // kernels.PREFILL_TOKENS))
             xt = fragment_order(x, gu.wpad)
             hp = torch.empty(pairs.token.numel(), dn.wpad, 32, dtype=torch.float16, device=x.device)
-            smem, extra = kernels.PREFILL_SMEM, (i32(passes),)
+            smem, extras = kernels.PREFILL_SMEM, [(i32(passes),)] * 2
             grids = [(passes * n, pairs.expert.numel()) for n in row_tiles]
             names = ("gate_up_prefill", "down_prefill")
         io = ((ptr(xt), ptr(hp)) + gate_up, (ptr(hp), ptr(out)) + down)
-        for name, grid, args in zip(names, grids, io, strict=True):
+        for name, grid, args, extra in zip(names, grids, io, extras, strict=True):
             kernels.launch(name, grid, block, common + args + extra, shared_mem=smem)
+
+    def _down_stream_k(self, dn: Proj) -> int:
+        """CTAs of the sm_90a prefill down's stream-K wave (cuda/moe.cu down_span), or 0 for one
+        CTA a (token tile, row tile): `down_stream_k`, or by DOWN_STREAM_K_CHUNKS."""
+        on = self.down_stream_k
+        if on is None:
+            on = -(-dn.words // 8) >= DOWN_STREAM_K_CHUNKS
+        return kernels.resident_prefill_ctas("down_prefill_wg") if on else 0

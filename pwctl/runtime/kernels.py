@@ -319,11 +319,20 @@ def resident_ctas(name: str) -> int:
     return ctas_per_sm(name, 32 * WARPS) * sm_count()
 
 
+def resident_prefill_ctas(name: str) -> int:
+    """CTAs of sm_90a prefill kernel `name` (PREFILL_WARPS warps and PREFILL_WG_SMEM bytes of
+    shared memory a CTA) the whole GPU holds at once: one wave."""
+    device = torch.cuda.current_device()
+    _opt_in(name, PREFILL_WG_SMEM, device)  # the driver counts none above the function's limit
+    return _occupancy(name, 32 * PREFILL_WARPS, device, PREFILL_WG_SMEM) * sm_count()
+
+
 @functools.cache
-def _occupancy(name: str, threads: int, device: int) -> int:
+def _occupancy(name: str, threads: int, device: int, shared_mem: int = 0) -> int:
     n = ctypes.c_int()
     fn = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
-    err = fn(ctypes.byref(n), ctypes.c_void_p(_handle(name, device)), threads, ctypes.c_size_t(0))
+    handle = ctypes.c_void_p(_handle(name, device))
+    err = fn(ctypes.byref(n), handle, threads, ctypes.c_size_t(shared_mem))
     if err != 0:
         raise PwctlError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor: CUDA driver error {err}")
     return n.value
