@@ -2387,11 +2387,12 @@ __device__ __forceinline__ void down_prefill_job(PrefillWG& sm, const Paged& g, 
 // `chunks` chunks (8 plane words of a row) each; a CTA's span is a range of chunks in unit order.
 // sk = 0: CTA (x, y) takes unit (y, x) whole. sk > 0 (a wave of CTAs; the launcher's rule: long
 // rows, e.g. Mixtral's 56 chunks), a 1-D grid: of the N units of the plan's live tiles, CTAs
-// b < D = (N / sk) sk take unit b whole, and the next sk CTAs equal shares of the chunks of the
-// N - D units left, at most a unit each. One CTA a unit left those to run as a partial wave at
-// the end: Mixtral at 512 tokens, 832 units on 264 CTAs, took 4 waves' time for 3.15 waves'
-// work (docs/PERF.md, session 34). A share may end or begin inside a unit: its partial sums are
-// added as a whole unit's are (atomics, which down needs anyway).
+// b < D = (N / sk) sk take unit b whole, and when the N - D units left would fill at most half
+// a wave, the next sk CTAs take equal shares of their chunks (at most a unit each; else those
+// units go whole too). One CTA a unit left them to run as a partial wave at the end: Mixtral at
+// 512 tokens, 832 units on 264 CTAs, took 4 waves' time for 3.15 waves' work (docs/PERF.md,
+// session 34). A share may end or begin inside a unit: its partial sums are added as a whole
+// unit's are (atomics, which down needs anyway).
 struct Span {
     int lo, hi;
 };
@@ -2404,7 +2405,7 @@ __device__ __forceinline__ Span down_span(const int* tile_info, int tiles, int r
     }
     // a plan ends with a dead tile whose pass is the count of live tiles (plan_tiles)
     const int n = __ldg(tile_info + 2 * tiles - 1) * row_tiles, b = blockIdx.x;
-    const int d = n / sk * sk;
+    const int d = 2 * (n % sk) > sk ? n : n / sk * sk;
     if (b < d) return Span{b * chunks, (b + 1) * chunks};
     if (b - d >= sk) return Span{0, 0};
     const i64 rest = (i64)(n - d) * chunks;

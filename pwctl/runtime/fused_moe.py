@@ -432,8 +432,9 @@ def tile_plan(pairs: Pairs) -> TilePlan:
 def down_spans(units: int, sk: int, chunks: int) -> list[tuple[int, int]]:
     """CPU twin of cuda/moe.cu `down_span` on its stream-K wave (sk > 0 CTAs): each CTA's range of
     chunks, in unit order, of `units` live units of `chunks` chunks. CTAs b < D = (units / sk) sk
-    take unit b whole, the next sk CTAs equal shares of the rest (at most a unit each)."""
-    d = units // sk * sk
+    take unit b whole; the next sk CTAs equal shares of the rest (at most a unit each) if it fills
+    at most half a wave, else whole units too (then D = units and the shares are empty)."""
+    d = units if 2 * (units % sk) > sk else units // sk * sk
     whole = [(b * chunks, (b + 1) * chunks) for b in range(d)]
     rest = (units - d) * chunks
     shares = [d * chunks + j * rest // sk for j in range(sk + 1)]
@@ -479,9 +480,10 @@ GATE_UP_RUNS: int | None = None
 # FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
 DOWN_SPLIT: int | None = None
 # The sm_90a prefill's down on a wave of CTAs that split the last units' columns (cuda/moe.cu
-# down_span) where its rows are at least this many chunks of 8 plane words long (Mixtral: 56;
-# Qwen1.5-MoE's shared expert 22, its routed experts 6; docs/PERF.md, session 34).
-DOWN_STREAM_K_CHUNKS = 16
+# down_span) where its rows are at least this many chunks of 8 plane words long: Mixtral (56)
+# gained 2.7-6% at 512 tokens; Qwen1.5-MoE's shared expert (22) gained nothing measurable, and
+# short rows lose (docs/PERF.md, session 34).
+DOWN_STREAM_K_CHUNKS = 32
 # FusedMoE.down_stream_k's default: None, by the rule above; True / False (perf_kernel_ab's @sk=)
 DOWN_STREAM_K: bool | None = None
 # kernels.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
