@@ -481,7 +481,7 @@ GATE_UP_RUNS: int | None = None
 DOWN_SPLIT: int | None = None
 # The sm_90a prefill's down on a wave of CTAs that split the last units' columns (cuda/moe.cu
 # down_span) where its rows are at least this many chunks of 8 plane words long: Mixtral (56)
-# gained 2.7-6% at 512 tokens; Qwen1.5-MoE's shared expert (22) gained nothing measurable, and
+# gained 2-6% at 512 tokens; Qwen1.5-MoE's shared expert (22) gained nothing measurable, and
 # short rows lose (docs/PERF.md, session 34).
 DOWN_STREAM_K_CHUNKS = 32
 # FusedMoE.down_stream_k's default: None, by the rule above; True / False (perf_kernel_ab's @sk=)
