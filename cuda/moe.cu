@@ -2171,8 +2171,8 @@ __device__ __forceinline__ void wg_half(PrefillWG& sm, const WgJob& job, int hc,
 }
 
 // d = W[64 rows] x^T for the 128 tokens of the job's tile, over its chunks' columns, at width B
-// (0: each warp's own, chosen per half-chunk). Lane (g, t) of warp q ends with row 16q + g + 8(r / 2),
-// token 8j + 2t + (r % 2) in d[4j + r].
+// (0: each warp's own, chosen per half-chunk). Lane (g, t) of warp q ends with row
+// 16q + g + 8(r / 2), token 8j + 2t + (r % 2) in d[4j + r].
 template <int B, bool FLAT>
 __device__ __forceinline__ void prefill_wg_at(PrefillWG& sm, const WgJob& job, float (&d)[64]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -2388,8 +2388,8 @@ __device__ __forceinline__ void down_prefill_job(PrefillWG& sm, const Paged& g, 
 // sk = 0: CTA (x, y) takes unit (y, x) whole. sk > 0 (a wave of CTAs; the launcher's rule: long
 // rows, e.g. Mixtral's 56 chunks), a 1-D grid: of the N units of the plan's live tiles, CTAs
 // b < D = (N / sk) sk take unit b whole, and when the N - D units left would fill at most half
-// a wave, the next sk CTAs take equal shares of their chunks (at most a unit each; else those
-// units go whole too). One CTA a unit left them to run as a partial wave at the end: Mixtral at
+// a wave, the next sk CTAs take equal shares of their chunks (at most half a unit each; else
+// those units go whole too). One CTA a unit left them to run as a partial wave at the end: Mixtral at
 // 512 tokens, 832 units on 264 CTAs, took 4 waves' time for 3.15 waves' work (docs/PERF.md,
 // session 34). A share may end or begin inside a unit: its partial sums are added as a whole
 // unit's are (atomics, which down needs anyway).
