@@ -2238,18 +2238,6 @@ __device__ __forceinline__ Tile wg_tile(const Slots& s, const int* tile_info, in
     return c;
 }
 
-// Spin until *count reaches target (gpu-scope acquire), then order the async proxy's reads (B's
-// bulk copies) after it: down's CTAs, let in early (PDL), wait for gate_up's CTAs of their tile.
-__device__ __forceinline__ void wait_count(const int* count, int target) {
-    for (;;) {
-        int v;
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
-        if (v >= target) break;
-        __nanosleep(200);
-    }
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
 // Chunks [c0, c1) of a row (c1 = WHOLE_ROW: to its end); `phases`: the phases B's mbarriers
 // completed in the CTA's earlier jobs (down's stream-K shares; each buffer completes as many).
 struct Chunks {
@@ -2267,13 +2255,11 @@ __device__ __forceinline__ int phases_after(Chunks ch) {
 // one must follow a barrier behind the last one's wgmma. Chunk c's copies wait on parity c & 1
 // (wg_half), so where the phases so far and c0 differ in parity, one arrival completes an empty
 // phase of each buffer first: the loop keeps no parity of its own (a register more made ptxas
-// serialize down's wgmma, C7512). `ready` (down let in early): B's tile is read once its count
-// reaches `target` (gate_up's CTAs a tile), which thread 0 waits for after its staging.
+// serialize down's wgmma, C7512).
 __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block, int mrow0,
                                         int rows, i64 bits_nbytes, int words, int rpt,
                                         const unsigned short* tiles, int tile, Chunks ch, int wpad,
-                                        bool uniform, const int* ready = nullptr,
-                                        int target = 0) {
+                                        bool uniform) {
     const int warp = threadIdx.x >> 5, nrows = min(ROWS, rows - mrow0);
     WgJob job;
     job.B = __ldg(g.width + block);
@@ -2296,7 +2282,6 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
             for (int u = 0; u < 2; ++u)
                 asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(&sm.full[u]))
                              : "memory");
-        if (ready) wait_count(ready + tile, target);
         load_b(sm, 0, job.tile, 2 * ch.c0);  // the first half-chunk of B lands while the CTA stages
     }
     job.flat = __syncthreads_and(flat);
@@ -2310,10 +2295,9 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
 __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsigned short* x,
                                                    unsigned short* hp, int I, int words_in,
                                                    int wpad_in, int wpad_out, i64 bits_nbytes,
-                                                   int rpt, const int* tile_info, int* ready) {
+                                                   int rpt, const int* tile_info) {
     PrefillWG& sm = shared_as<PrefillWG>();
     STAMP(0, 0);
-    start_next();  // down (let in early) may launch once every CTA here has started
     const Tile c = wg_tile(s, tile_info, blockIdx.y, blockIdx.x, 2 * ROWS);
     if (c.base >= c.T) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2358,13 +2342,6 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
         if (k < ntok && row < 32 * wpad_out)
             *reinterpret_cast<u32*>(h + tile_pos(k, row)) = low ? v[0] | got << 16 : got | v[1] << 16;
     }
-    if (ready) {  // this CTA's part of h's tile is written: count it for down (wait_count)
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(ready + blockIdx.y, 1);
-        }
-    }
     STAMP(0, 7);
 }
 
@@ -2373,13 +2350,12 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
 __device__ __forceinline__ void down_prefill_job(PrefillWG& sm, const Paged& g, const Slots& s,
                                                  const unsigned short* hp, float* out, int H,
                                                  int words_in, int wpad_in, i64 bits_nbytes,
-                                                 int rpt, const Tile& c, int tile, Chunks ch,
-                                                 const int* ready, int target) {
+                                                 int rpt, const Tile& c, int tile, Chunks ch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = __ldg(s.expert + c.slot), block = __ldg(s.block_ids + 3 * e + 2);
     const int mrow0 = c.row0 + ROWS * warp;
     WgJob job = wg_job(sm, g, block, mrow0, H, bits_nbytes, words_in, rpt, hp, tile, ch, wpad_in,
-                       true, ready, target);
+                       true);
     STAMP_KIND(job, 1);
     STAMP(1, 2);
     float d[64];
@@ -2444,8 +2420,7 @@ __device__ __forceinline__ void down_prefill_part(PrefillWG& sm, const Paged& g,
                                                   const unsigned short* hp, float* out, int H,
                                                   int words_in, int wpad_in, i64 bits_nbytes,
                                                   int rpt, const int* tile_info, int sk,
-                                                  int row_tiles, int tiles, const int* ready,
-                                                  int target, int k) {
+                                                  int row_tiles, int tiles, int k) {
     asm volatile("" : "+r"(words_in), "+r"(row_tiles), "+r"(tiles), "+r"(sk), "+l"(tile_info));
     const int chunks = (words_in + 7) / 8;
     const Span span = down_span(tile_info, tiles, row_tiles, chunks, sk);
@@ -2459,26 +2434,22 @@ __device__ __forceinline__ void down_prefill_part(PrefillWG& sm, const Paged& g,
     if (c.base >= c.T || c.row0 >= H) return;  // (sk = 0 only: the wave's units are live)
     if (k == 1) __syncthreads();  // every warp is past the first job's wgmma: B is free
     down_prefill_job(sm, g, s, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, c,
-                     unit / row_tiles, ch, ready, target);
+                     unit / row_tiles, ch);
 }
 
 // out[token] += weight * (down h) for the tokens of h's tiles: each job 64 rows (warp q:
-// 16q..16q+15) of one tile over a range of its columns (down_span). `ready` (launched early
-// behind gate_up, PDL): a job reads h's tile once gate_up's `target` CTAs of it have counted
-// themselves in (wait_count), so down's CTAs fill gate_up's last wave instead of waiting for its
-// end; null: launched after gate_up's end.
+// 16q..16q+15) of one tile over a range of its columns (down_span).
 __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned short* hp,
                                                 float* out, int H, int words_in, int wpad_in,
                                                 i64 bits_nbytes, int rpt, const int* tile_info,
-                                                int sk, int row_tiles, int tiles,
-                                                const int* ready, int target) {
+                                                int sk, int row_tiles, int tiles) {
     PrefillWG& sm = shared_as<PrefillWG>();
     STAMP(1, 0);
     down_prefill_part(sm, g, s, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, tile_info, sk,
-                      row_tiles, tiles, ready, target, 0);
+                      row_tiles, tiles, 0);
     if (sk > 0)
         down_prefill_part(sm, g, s, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, tile_info,
-                          sk, row_tiles, tiles, ready, target, 1);
+                          sk, row_tiles, tiles, 1);
 }
 #endif
 
@@ -2597,16 +2568,15 @@ extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) down_prefill(
 #endif
 extern "C" __global__ void __launch_bounds__(128, 2) gate_up_prefill_wg(
     PAGED_ARGS, SLOT_ARGS, const unsigned short* x, unsigned short* hp, int I, int words_in,
-    int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, const int* tile_info, int* ready) {
+    int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, const int* tile_info) {
     WG_BODY(gate_up_prefill_wg(PAGED, SLOTS, x, hp, I, words_in, wpad_in, wpad_out, bits_nbytes,
-                               rpt, tile_info, ready))
+                               rpt, tile_info))
 }
 extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
     PAGED_ARGS, SLOT_ARGS, const unsigned short* hp, float* out, int H, int words_in, int wpad_in,
-    i64 bits_nbytes, int rpt, const int* tile_info, int sk, int row_tiles, int tiles,
-    const int* ready, int target) {
+    i64 bits_nbytes, int rpt, const int* tile_info, int sk, int row_tiles, int tiles) {
     WG_BODY(down_prefill_wg(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt,
-                            tile_info, sk, row_tiles, tiles, ready, target))
+                            tile_info, sk, row_tiles, tiles))
 }
 
 // The sm_90a prefill's token tiles in one pass (fused_moe.wgmma_tiles, which gathers, reorders
@@ -2616,9 +2586,8 @@ extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
 // -1 in tile_info) are left unwritten: no CTA reads them.
 extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad, const int* token,
                                        const int* s_lo, const int* s_hi, const int* tile_info,
-                                       uint4* xt, int* ready) {
+                                       uint4* xt) {
     const int t = blockIdx.y, units = wpad / 4 * 2048;  // half-chunks x (8 x 16 x 2 x 8) units
-    if (blockIdx.x == 0 && threadIdx.x == 0) ready[t] = 0;  // gate_up's count of h's tile t
     const int slot = tile_info[2 * t];
     if (slot < 0) return;
     // the tile's first pair; tokens past the slot's end repeat its last (computed, never stored)

@@ -8,8 +8,7 @@ tile's columns), and the synthetic layers paged over slabs of S bytes instead of
 choice; `@popc=1` puts decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels,
 `@popc=0` on the lookup (FusedMoE.popc_decode; without it, the launcher's rule); `@dwave=0`
 turns off down's one-wave plan beside a shared expert (fused_moe.DOWN_ONE_WAVE); `@sk=1` / `@sk=0`
-puts the sm_90a prefill's down on its stream-K wave or one CTA a unit (fused_moe.DOWN_STREAM_K);
-`@ov=0` launches the prefill's down after gate_up's end (fused_moe.PREFILL_OVERLAP).
+puts the sm_90a prefill's down on its stream-K wave or one CTA a unit (fused_moe.DOWN_STREAM_K).
 Usage (GPU machine):
   python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
@@ -42,7 +41,6 @@ def main() -> None:
             fused_moe.DOWN_SPLIT = int(knob["down"]) if "down" in knob else None
             fused_moe.DOWN_ONE_WAVE = knob.get("dwave", "1") != "0"
             fused_moe.DOWN_STREAM_K = {"1": True, "0": False}.get(knob.get("sk", ""))
-            fused_moe.PREFILL_OVERLAP = knob.get("ov", "1") != "0"
             slab = int(knob["slab"]) if "slab" in knob else None
             fused_moe.POPC_DECODE = {"1": True, "0": False}.get(knob.get("popc", ""))
             bench.synthetic_layer = functools.partial(SYNTHETIC, slab_bytes=slab)

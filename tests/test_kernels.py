@@ -535,16 +535,14 @@ def test_prefill_down_on_its_stream_k_wave_matches_reference(shape):
     for width in ["3", "6", "mixed"]:
         w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
         layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
-        for T, overlap in ((65, True), (700, True), (700, False)):
+        for T in (65, 700):
             x, weights, index, scale = random_routing(layer.spec, T, seed=T)
             want = layer.moe(0, x, weights, index, scale, reference=True)
-            layer.moe.prefill_overlap = overlap  # down let in early (wait_count), or after
             _poison(layer.moe)
             got = layer.moe(0, x, weights, index, scale)
             torch.cuda.synchronize()
             err = float((got - want).norm() / want.norm())
-            case = f"{shape} width {width} tokens {T} overlap {overlap}"
-            assert err < 1e-3, f"{case}: relative error {err:.2e}"
+            assert err < 1e-3, f"{shape} width {width} tokens {T}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu
@@ -892,8 +890,7 @@ def test_token_tiles_kernel_matches_wgmma_tiles():
     token = torch.randint(0, 40, (300,), generator=gen, device="cuda", dtype=torch.int32)
     pairs = Pairs(token, torch.ones(300, device="cuda"), hi[:4].int(), hi[:4].int(), hi[1:].int())
     plan = tile_plan(pairs)
-    got, ready = token_tiles(x, 16, pairs, plan.info)
-    assert ready.eq(0).all()  # each tile's count of gate_up CTAs, zeroed
+    got = token_tiles(x, 16, pairs, plan.info)
     want = wgmma_tiles(x, 16, token[plan.pair].long()).reshape(plan.tiles, -1)
     live = plan.info[:, 0] >= 0  # the kernel leaves tiles past the last real one unwritten
     assert int(live.sum()) == 5 and torch.equal(got[live], want[live])

@@ -441,27 +441,22 @@ def down_spans(units: int, sk: int, chunks: int) -> list[tuple[int, int]]:
     return whole + list(zip(shares, shares[1:], strict=False))
 
 
-def token_tiles(
-    x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) -> torch.Tensor:
     """`wgmma_tiles(x, wpad, pairs.token[tile_plan(pairs).pair])` in one launch (CUDA), flat
     [tiles, 128 * 32 * wpad], for the tiles `info` plans (`tile_plan(pairs).info`). Tiles past
-    the last real one (slot -1) are left unwritten: no kernel reads them. Also each tile's count
-    of the gate_up CTAs that wrote their part of h, zeroed (cuda/moe.cu wait_count)."""
+    the last real one (slot -1) are left unwritten: no kernel reads them."""
     xh = x.half().contiguous()
     tiles = info.shape[0]
     xt = torch.empty(tiles, TILE_TOKENS * 32 * wpad, dtype=torch.float16, device=x.device)
-    ready = torch.empty(tiles, dtype=torch.int32, device=x.device)
     units = wpad // 4 * 2048  # 16-byte units a tile (cuda/moe.cu token_tiles)
     p, i = kernels.ptr, np.int32
     kernels.launch(
         "token_tiles",
         (min(64, -(-units // 256)), tiles),
         (256,),
-        (p(xh), i(x.shape[1]), i(wpad), p(pairs.token), p(pairs.lo), p(pairs.hi), p(info), p(xt))
-        + (p(ready),),
+        (p(xh), i(x.shape[1]), i(wpad), p(pairs.token), p(pairs.lo), p(pairs.hi), p(info), p(xt)),
     )
-    return xt, ready
+    return xt
 
 
 # The popc kernels save ~15% of a one-token slot's streaming and cost more a call (x's pieces in
@@ -491,9 +486,6 @@ DOWN_SPLIT: int | None = None
 DOWN_STREAM_K_CHUNKS = 32
 # FusedMoE.down_stream_k's default: None, by the rule above; True / False (perf_kernel_ab's @sk=)
 DOWN_STREAM_K: bool | None = None
-# FusedMoE.prefill_overlap's default: the sm_90a prefill's down let in early (PDL) to start on
-# the tiles gate_up has finished (cuda/moe.cu wait_count); perf_kernel_ab's @ov=0 turns it off
-PREFILL_OVERLAP = True
 # kernels.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
 # the routed split and the shared expert's balanced one as they come; perf_kernel_ab's @dwave=0)
 DOWN_ONE_WAVE = True
@@ -545,7 +537,6 @@ class FusedMoE:
         self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
         self.down_split = DOWN_SPLIT  # CTAs sharing a down tile's columns (None: auto)
         self.down_stream_k = DOWN_STREAM_K  # prefill down on a stream-K wave (None: auto)
-        self.prefill_overlap = PREFILL_OVERLAP  # prefill down starts on gate_up's finished tiles
         # `routed`'s launches by (layer, T, shared gate, kernels): made once, their buffers reused
         self._routed_plans: dict[tuple, tuple] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
@@ -952,20 +943,14 @@ class FusedMoE:
         row_tiles = (-(-32 * dn.wpad // rows["gate_up"]), -(-dn.rows // rows["down"]))
         block = (32 * kernels.PREFILL_WARPS,)
         if self.prefill_kernel == "wgmma" and dn.rows % 2 == 0:  # down adds row pairs
-            xt, ready = token_tiles(x, gu.wpad, pairs, tiles)
+            xt = token_tiles(x, gu.wpad, pairs, tiles)
             n_tiles = tiles.shape[0]
             hp = x.new_empty(n_tiles * TILE_TOKENS, 32 * dn.wpad, dtype=torch.float16)
             smem, sk = kernels.PREFILL_WG_SMEM, self._down_stream_k(dn)
             # the stream-K wave's CTAs follow the whole units' (at most every unit the bound plans)
             down_grid = (n_tiles * row_tiles[1] + sk,) if sk else (row_tiles[1], n_tiles)
             grids = [(row_tiles[0], n_tiles), down_grid]
-            # down let in while gate_up's last CTAs run, each job waiting for its tile's count
-            early = [False, self.prefill_overlap and kernels.has_pdl()]
-            rp = ptr(ready) if early[1] else np.uint64(0)
-            extras = [
-                (ptr(tiles), rp),
-                (ptr(tiles), i32(sk), i32(row_tiles[1]), i32(n_tiles), rp, i32(row_tiles[0])),
-            ]
+            extras = [(ptr(tiles),), (ptr(tiles), i32(sk), i32(row_tiles[1]), i32(n_tiles))]
             names = ("gate_up_prefill_wg", "down_prefill_wg")
         else:
             most = int((pairs.hi - pairs.lo).max())
@@ -974,11 +959,10 @@ class FusedMoE:
             hp = torch.empty(pairs.token.numel(), dn.wpad, 32, dtype=torch.float16, device=x.device)
             smem, extras = kernels.PREFILL_SMEM, [(i32(passes),)] * 2
             grids = [(passes * n, pairs.expert.numel()) for n in row_tiles]
-            names, early = ("gate_up_prefill", "down_prefill"), [False, False]
+            names = ("gate_up_prefill", "down_prefill")
         io = ((ptr(xt), ptr(hp)) + gate_up, (ptr(hp), ptr(out)) + down)
-        for name, grid, args, extra, ahead in zip(names, grids, io, extras, early, strict=True):
-            args = common + args + extra
-            kernels.launch(name, grid, block, args, shared_mem=smem, early=ahead)
+        for name, grid, args, extra in zip(names, grids, io, extras, strict=True):
+            kernels.launch(name, grid, block, common + args + extra, shared_mem=smem)
 
     def _down_stream_k(self, dn: Proj) -> int:
         """CTAs of the sm_90a prefill down's stream-K wave (cuda/moe.cu down_span), or 0 for one
