@@ -524,11 +524,13 @@ def test_kernels_match_reference(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(PREFILL_KINDS[0] != "wgmma", reason="the sm_90a prefill needs Hopper")
-@pytest.mark.parametrize("shape", ["qwen3-moe", *TEST_SPECS])
+@pytest.mark.parametrize("shape", ["qwen-moe", "qwen3-moe", *TEST_SPECS])
 def test_prefill_down_on_its_stream_k_wave_matches_reference(shape):
     """down's stream-K wave (cuda/moe.cu down_span) on shapes the launcher's rule leaves off:
-    short rows, so that shares begin and end inside units and CTAs run several jobs; ring (3
-    bits) and register (6 bits) loops, the mixed layer, fewer units than the wave and more."""
+    shares that begin inside units (odd first chunks: an empty mbarrier phase first), fewer
+    units than the wave and more; ring (3 bits) and register (6 bits) loops, the mixed layer.
+    Qwen1.5-MoE's shared expert at 65 tokens (32 units of 22 chunks, shares of 2-3) has CTAs
+    that run two jobs (the routed layers' draws may not)."""
     layer = synthetic_layer(SHAPES.get(shape) or TEST_SPECS[shape], seed=5)
     t, rng = layer.table, np.random.default_rng(5)
     layer.moe.prefill_kernel, layer.moe.down_stream_k = "wgmma", True

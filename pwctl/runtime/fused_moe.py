@@ -432,8 +432,9 @@ def tile_plan(pairs: Pairs) -> TilePlan:
 def down_spans(units: int, sk: int, chunks: int) -> list[tuple[int, int]]:
     """CPU twin of cuda/moe.cu `down_span` on its stream-K wave (sk > 0 CTAs): each CTA's range of
     chunks, in unit order, of `units` live units of `chunks` chunks. CTAs b < D = (units / sk) sk
-    take unit b whole; the next sk CTAs equal shares of the rest (at most a unit each) if it fills
-    at most half a wave, else whole units too (then D = units and the shares are empty)."""
+    take unit b whole; the next sk CTAs equal shares of the rest (at most half a unit each) if
+    it fills at most half a wave, else whole units too (then D = units and the shares are
+    empty)."""
     d = units if 2 * (units % sk) > sk else units // sk * sk
     whole = [(b * chunks, (b + 1) * chunks) for b in range(d)]
     rest = (units - d) * chunks
