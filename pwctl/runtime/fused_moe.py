@@ -338,11 +338,8 @@ def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.de
 
 @functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
 def _one_slot_tiles(T: int, device: torch.device) -> torch.Tensor:
-    """The token tiles of one slot of T pairs (`all_tokens`): (0, pass) for each pass, then the
-    dead tile that ends every plan (`TilePlan`), (-1, passes)."""
-    n = -(-T // TILE_TOKENS)
-    info = [[0, p] for p in range(n)] + [[-1, n]]
-    return torch.tensor(info, dtype=torch.int32, device=device)
+    """The token tiles of one slot of T pairs (`all_tokens`): `tile_plan`'s, made once per T."""
+    return tile_plan(all_tokens(T, None, 0, device)).info
 
 
 def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
