@@ -400,6 +400,13 @@ __device__ bool stage_two(const Paged& g, const int (&block)[2], const int (&B)[
             fp[m] = plane_entry(g, block[m], p[m]);
             ft[m] = plane_entry(g, block[m], B[m] - 1);
         }
+#ifdef PWCTL_STAMPS_CHAIN  // once this thread's quotients by the run-time widths and rpt are
+        // known (keep: the popc gate_up's staging, whose stamps these are)
+        if (keep)
+            STAMP_AFTER(0, 6, r[0] + p[0] + rt[0] + i[0] + r[1] + p[1] + rt[1] + i[1] +
+                                  (row0[0] + min(rt[0], nrows[0] - 1)) / rpt +
+                                  (row0[1] + min(rt[1], nrows[1] - 1)) / rpt);
+#endif
         RowPtr rp[2];
         const u32* src[2];
         #pragma unroll
@@ -1476,7 +1483,9 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
 #endif
             popc_warp_rows(f, grp, rows[m]);
             __syncthreads();
+#ifndef PWCTL_STAMPS_CHAIN  // (phase 6 stamps stage_two's quotients there)
             STAMP(0, 6);
+#endif
         } else {
             // a block wider than MAXB: both by the lookup (token 0 of n-tile 0 is fragment register
             // w of lanes 4i), which reads every width; a popc path beside the one above for the

@@ -41,7 +41,7 @@ KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc g
 }  # fmt: skip
 CHAIN = {  # -DPWCTL_STAMPS_CHAIN: the popc gate_up's staging chain (`chain`)
     0: ("gate_up", ((0, "entry"), (1, "waited"), (4, "slot's expert"), (5, "widths"),
-                    (3, "row pointers"), (2, "staged"), (6, "summed"), (7, "stored"))),
+                    (6, "quotients"), (3, "row pointers"), (2, "staged"), (7, "stored"))),
 }  # fmt: skip
 _WG = ((0, "entry"), (2, "staged"), (4, "first loads out"), (5, "half-chunk 0"),
        (6, "half-chunk 1"), (3, "streamed"))  # fmt: skip
