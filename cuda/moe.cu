@@ -763,7 +763,7 @@ __device__ __forceinline__ bool stage_down(const Paged& g, const Slots& s, int e
 }
 
 // h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection: the CTA's
-// 16 rows for tile c of a slot (also the few-token popc kernels' slots of three tokens or more).
+// 16 rows for tile c of a slot (also the few-token popc kernels' slots of several tokens).
 template <int NT>
 __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, const Tile& c,
                                              Stage (&st)[2], float (&red)[RED_FLOATS],
@@ -1072,29 +1072,24 @@ __device__ __forceinline__ u32 subset_and(const u32 (&w)[B]) {
 // combined after the chunk, acc[S][r] = d[r] + k8 d[2 + r] with k8 = +-256 (x's top plane is
 // negative), and the fold multiplies by 2^g (exact: a piece's |acc| <= 32 * 256 * 257 < 2^22).
 // Half the registers across the loop for two integer operations a subset and chunk (popc_regs
-// says which builds take it). TK tokens (a slot of two in the few-token builds): x's planes of
-// token t in a0[t], a1[t], its sums in acc[t]; a subset's AND serves every token.
-template <int B, int R, bool TWO, int TK, int S = 1>
-__device__ __forceinline__ void popc_step(int (&acc)[TK][16][R], int k8, const uint4 (&a0)[TK],
+// says which builds take it).
+template <int B, int R, bool TWO, int S = 1>
+__device__ __forceinline__ void popc_step(int (&acc)[16][R], int k8, const uint4& a0,
                                           const u32 (&lo0)[B], const u32 (&hi0)[B],
-                                          const uint4 (&a1)[TK], const u32 (&lo1)[B],
+                                          const uint4& a1, const u32 (&lo1)[B],
                                           const u32 (&hi1)[B]) {
     if constexpr (S < (1 << B)) {
-        const u32 l0 = subset_and<B, S>(lo0), h0 = subset_and<B, S>(hi0);
-        #pragma unroll
-        for (int t = 0; t < TK; ++t) {
-            if constexpr (R == 4) {
-                static_assert(!TWO, "R = 4 takes one k-step a call");
-                mma_popc(acc[t][S], a0[t], l0, h0);
-            } else {
-                int d[4] = {acc[t][S][0], acc[t][S][1], 0, 0};
-                mma_popc(d, a0[t], l0, h0);
-                if constexpr (TWO) mma_popc(d, a1[t], subset_and<B, S>(lo1), subset_and<B, S>(hi1));
-                acc[t][S][0] = d[0] + k8 * d[2];
-                acc[t][S][1] = d[1] + k8 * d[3];
-            }
+        if constexpr (R == 4) {
+            static_assert(!TWO, "R = 4 takes one k-step a call");
+            mma_popc(acc[S], a0, subset_and<B, S>(lo0), subset_and<B, S>(hi0));
+        } else {
+            int d[4] = {acc[S][0], acc[S][1], 0, 0};
+            mma_popc(d, a0, subset_and<B, S>(lo0), subset_and<B, S>(hi0));
+            if constexpr (TWO) mma_popc(d, a1, subset_and<B, S>(lo1), subset_and<B, S>(hi1));
+            acc[S][0] = d[0] + k8 * d[2];
+            acc[S][1] = d[1] + k8 * d[3];
         }
-        popc_step<B, R, TWO, TK, S + 1>(acc, k8, a0, lo0, hi0, a1, lo1, hi1);
+        popc_step<B, R, TWO, S + 1>(acc, k8, a0, lo0, hi0, a1, lo1, hi1);
     }
 }
 
@@ -1102,11 +1097,10 @@ __device__ __forceinline__ void popc_step(int (&acc)[TK][16][R], int k8, const u
 // px: the piece that starts at k-step `base`. Work units are full chunks, then single 8-word
 // k-steps; the warp takes units part, part + parts, ... of the piece.
 // rp: 8 plane pointers, the lane's row's words `at` on from theirs (`lane_rows`). HOLD: rows that
-// lie in one slab stream from pointers held in registers (below). TK tokens: token t's piece is
-// px + t dx.
-template <int B, int R, bool HOLD, int TK>
+// lie in one slab stream from pointers held in registers (below).
+template <int B, int R, bool HOLD>
 __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, int base, int part,
-                          int parts, const PopcX* px, i64 dx, int (&acc)[TK][16][R]) {
+                          int parts, const PopcX* px, int (&acc)[16][R]) {
     const int lane = threadIdx.x & 31, t = lane & 3, chunks = words / 16;
     const int k8 = lane >> 2 == 7 ? -256 : 256;  // R = 2: x plane g + 8's weight against g's
     const int u_end = min(chunks, k1 / 2);
@@ -1123,32 +1117,24 @@ __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, i
             uint4 q[B];
             #pragma unroll
             for (int p = 0; p < B; ++p) q[p] = quad(p, 16 * u + 4 * t);
-            if constexpr (R == 4 || TK > 1) {  // a k-step a call, as the code was before R = 2
-                // (a rewrite with unchanged registers made the 4-bit kernels 4% slower, 120.5 ->
-                // 125.5 us); TK > 1: half the x fragments live at once
+            if constexpr (R == 4) {  // a k-step a call, as the code was before R = 2: a rewrite
+                // with unchanged registers made the 4-bit kernels 4% slower (120.5 -> 125.5 us)
                 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
                     u32 lo[B], hi[B];
                     #pragma unroll
                     for (int p = 0; p < B; ++p)
                         lo[p] = s ? q[p].z : q[p].x, hi[p] = s ? q[p].w : q[p].y;
-                    uint4 a[TK];
-                    #pragma unroll
-                    for (int j = 0; j < TK; ++j) a[j] = __ldg(&px[j * dx].a[2 * u + s - base][lane]);
-                    popc_step<B, R, false, TK>(acc, k8, a, lo, hi, a, lo, hi);
+                    const uint4 a = __ldg(&px->a[2 * u + s - base][lane]);
+                    popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
                 }
             } else {
                 u32 lo[2][B], hi[2][B];
                 #pragma unroll
                 for (int p = 0; p < B; ++p)
                     lo[0][p] = q[p].x, hi[0][p] = q[p].y, lo[1][p] = q[p].z, hi[1][p] = q[p].w;
-                uint4 a0[TK], a1[TK];
-                #pragma unroll
-                for (int j = 0; j < TK; ++j) {
-                    a0[j] = __ldg(&px[j * dx].a[2 * u - base][lane]);
-                    a1[j] = __ldg(&px[j * dx].a[2 * u + 1 - base][lane]);
-                }
-                popc_step<B, R, true, TK>(acc, k8, a0, lo[0], hi[0], a1, lo[1], hi[1]);
+                popc_step<B, R, true>(acc, k8, __ldg(&px->a[2 * u - base][lane]), lo[0], hi[0],
+                                      __ldg(&px->a[2 * u + 1 - base][lane]), lo[1], hi[1]);
             }
         }
         // 8-word k-steps past the full chunks (the piece's part of them), 8-byte loads
@@ -1161,10 +1147,8 @@ __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, i
                 const uint2 v = w < words ? __ldg((const uint2*)row_of(p, w)) : make_uint2(0u, 0u);
                 lo[p] = v.x, hi[p] = v.y;
             }
-            uint4 a[TK];
-            #pragma unroll
-            for (int j = 0; j < TK; ++j) a[j] = __ldg(&px[j * dx].a[ks - base][lane]);
-            popc_step<B, R, false, TK>(acc, k8, a, lo, hi, a, lo, hi);
+            const uint4 a = __ldg(&px->a[ks - base][lane]);
+            popc_step<B, R, false>(acc, k8, a, lo, hi, a, lo, hi);
         }
     };
     // HOLD (`hold_rows`): rows that lie in one slab (every row of a Mixtral gate or up block: its
@@ -1246,42 +1230,33 @@ __device__ __forceinline__ void group_coefs(const unsigned short (*tbl)[MAX_TABL
     __syncwarp();
 }
 
-// The integer sums of k-steps [i0, i1) of a piece into the lane's fp64 partials f[k][0] (token
-// k, row 2t of its 8-row group, whose tables are tbl), f[k][1] (row 2t + 1): acc[k][S] as
-// popc_step leaves it; token k's piece is px + k dx. The empty subset's term goes in once a row:
-// lanes g = 0 of the `first` warp. COOP: coefficients by `group_coefs`, in coef (the warp's
-// scratch, 128 floats), else by `row_coef`; either way once for every token.
-template <int B, int R, bool COOP, int TK>
-__device__ __forceinline__ void popc_fold(int (&acc)[TK][16][R],
-                                          const unsigned short (*tbl)[MAX_TABLE], const PopcX* px,
-                                          i64 dx, int i0, int i1, bool first, double (&f)[TK][2],
-                                          float* coef) {
+// The integer sums of k-steps [i0, i1) of a piece into the lane's fp64 partials f[0] (row 2t of
+// its 8-row group, whose tables are tbl), f[1] (row 2t + 1): acc[S] as popc_step leaves it. The
+// empty subset's term goes in once a row: lanes g = 0 of the `first` warp. COOP: coefficients by
+// `group_coefs`, in coef (the warp's scratch, 128 floats), else by `row_coef`.
+template <int B, int R, bool COOP>
+__device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned short (*tbl)[MAX_TABLE],
+                                          const PopcX* px, int i0, int i1, bool first,
+                                          double (&f)[2], float* coef) {
 #ifdef PWCTL_PROBE_NOFOLD  // timing probe, never built by pwctl: the sums, not the fold
     #pragma unroll
-    for (int k = 0; k < TK; ++k)
+    for (int r = 0; r < 2; ++r) {
+        int v = 0;
         #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            int v = 0;
-            #pragma unroll
-            for (int S = 1; S < (1 << B); ++S) v += acc[k][S][r] + (R == 4 ? acc[k][S][2 + r] : 0);
-            f[k][r] += v;
-        }
+        for (int S = 1; S < (1 << B); ++S) v += acc[S][r] + (R == 4 ? acc[S][2 + r] : 0);
+        f[r] += v;
+    }
     return;
 #endif
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = 1 << g, w8 = g == 7 ? -32768 : 1 << (g + 8);
-    int q[TK] = {};
-    double sx[TK];
-    #pragma unroll
-    for (int k = 0; k < TK; ++k) {
-        const PopcX* x = px + k * dx;
-        if (first) {  // a lane a k-step (i1 - i0 <= POPC_STEPS = 32): one load, not a chain
-            q[k] = i0 + lane < i1 ? __ldg(&x->ksum[i0 + lane]) : 0;
-            q[k] = __reduce_add_sync(0xffffffffu, q[k]);
-            q[k] = g == 0 ? q[k] : 0;
-        }
-        sx[k] = __ldg(&x->sx);
+    int q = 0;
+    if (first) {  // a lane a k-step (i1 - i0 <= POPC_STEPS = 32): one load, not a chain of them
+        q = i0 + lane < i1 ? __ldg(&px->ksum[i0 + lane]) : 0;
+        q = __reduce_add_sync(0xffffffffu, q);
+        q = g == 0 ? q : 0;
     }
+    const double sx = __ldg(&px->sx);
     if constexpr (COOP) group_coefs<B>(tbl, coef);
     #pragma unroll
     for (int r = 0; r < 2; ++r) {  // one row's coefficients in registers at a time
@@ -1292,18 +1267,15 @@ __device__ __forceinline__ void popc_fold(int (&acc)[TK][16][R],
 #else
         const auto c = [&](int S) { return COOP ? coef[16 * (2 * t + r) + S] : own[S]; };
 #endif
+        double v = (double)c(0) * q;
         #pragma unroll
-        for (int k = 0; k < TK; ++k) {
-            double v = (double)c(0) * q[k];
-            #pragma unroll
-            for (int S = 1; S < (1 << B); ++S) {
-                int n;
-                if constexpr (R == 4) n = wg * acc[k][S][r] + w8 * acc[k][S][2 + r];
-                else n = wg * acc[k][S][r];  // x plane g + 8 is in already
-                v += (double)c(S) * (double)n;
-            }
-            f[k][r] += sx[k] * v;
+        for (int S = 1; S < (1 << B); ++S) {
+            int n;
+            if constexpr (R == 4) n = wg * acc[S][r] + w8 * acc[S][2 + r];
+            else n = wg * acc[S][r];  // x plane g + 8 is in already
+            v += (double)c(S) * (double)n;
         }
+        f[r] += sx * v;
     }
 }
 
@@ -1314,24 +1286,23 @@ __device__ __forceinline__ float* fold_scratch(float* red) {
 }
 static_assert(RED_FLOATS >= 2 * WARPS * ROWS + 128 * WARPS, "red holds the fold's coefficients");
 
-// Run-time width -> template: one piece of one 8-row group (B <= MAXB), for TK tokens (token k's
-// piece: px + k dx). landing: the tables are on their way (`restage`, or `stage_two` keeping
-// sources; every thread of the CTA passes here with it). COOP, coef: `popc_fold`'s.
-template <int MAXB, int R, bool HOLD, bool COOP, int TK>
+// Run-time width -> template: one piece of one 8-row group (B <= MAXB). landing: the tables are
+// on their way (`restage`, or `stage_two` keeping sources; every thread of the CTA passes here
+// with it). COOP, coef: `popc_fold`'s.
+template <int MAXB, int R, bool HOLD, bool COOP>
 __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
                                            const unsigned short (*tbl)[MAX_TABLE],
                                            int words, int k0, int k1, int base, int part,
-                                           int parts, const PopcX* px, i64 dx, double (&f)[TK][2],
+                                           int parts, const PopcX* px, double (&f)[2],
                                            float* coef, bool landing = false) {
-    int acc[TK][16][R] = {};
+    int acc[16][R] = {};
     switch (B) {
 #define POPC_CASE(W)                                                                              \
     case W:                                                                                       \
         if constexpr (W <= MAXB) {                                                                \
-            popc_rows<W, R, HOLD, TK>(rp, at, words, k0, k1, base, part, parts, px, dx, acc);    \
+            popc_rows<W, R, HOLD>(rp, at, words, k0, k1, base, part, parts, px, acc);            \
             if (landing) tables_landed();                                                         \
-            popc_fold<W, R, COOP, TK>(acc, tbl, px, dx, k0 - base, k1 - base, part == 0, f,      \
-                                      coef);                                                      \
+            popc_fold<W, R, COOP>(acc, tbl, px, k0 - base, k1 - base, part == 0, f, coef);        \
         }                                                                                         \
         break;
         POPC_CASE(1) POPC_CASE(2) POPC_CASE(3) POPC_CASE(4)
@@ -1392,16 +1363,9 @@ __device__ bool split_join(const Split& sp, const TileEnd& c, float (&rows)[2][R
 // one-token 3-bit build (6 CTAs an SM against 5: Mixtral 3 bits, one token, 93.9 -> 90.2 us);
 // elsewhere the fragment's 4 (the 4-bit builds were 1.5-2% slower with 2 at 4 CTAs and spilled at
 // 5; `pnb3` at 6 CTAs was 3% slower in the routed 4-token call; docs/PERF.md, session 23).
-// A few-token build's slots of two tokens (tk = 2) hold 2: twice the sums in the same registers.
-__host__ __device__ constexpr int popc_regs(int maxb, bool few, int tk = 1) {
-    return tk == 2 || (maxb <= 3 && !few) ? 2 : 4;
+__host__ __device__ constexpr int popc_regs(int maxb, bool few) {
+    return maxb <= 3 && !few ? 2 : 4;
 }
-
-// A count as a type, for the lambdas that a slot's token count (1 or 2) instantiates.
-template <int V>
-struct Count {
-    static constexpr int value = V;
-};
 
 // Which builds fold with `group_coefs` (popc_fold's COOP): the few-token one up to 3 bits.
 __host__ __device__ constexpr bool coop_fold(int maxb, bool few) { return maxb <= 3 && few; }
@@ -1422,8 +1386,8 @@ __device__ __forceinline__ const RowPtr* lane_rows(const Stage& st, int grp) {
     return st.ptr + (8 * grp + (OWN ? (threadIdx.x & 31) >> 2 : 0)) * 8;
 }
 
-// gate_up for one-token slots (FEW: slots of one or two tokens): the CTA's 16 rows of gate and
-// up, then h as `gate_up` stores it. px: x's pieces (the prep launch's), a row per token. Blocks wider than MAXB bits take `mma_block` (the
+// gate_up for one-token slots: the CTA's 16 rows of gate and up, then h as `gate_up` stores it.
+// px: x's pieces (popc_planes), a row per token. Blocks wider than MAXB bits take `mma_block` (the
 // lookup) on the fragment-order x. MAXB = 4: `gate_up_p1`; MAXB = 3: `gate_up_p1b3`, whose
 // accumulators take a quarter of the registers (7 subsets, popc_regs), so that 6 CTAs an SM fit
 // instead of 4 (the launcher takes it when no block of the layer is wider than 3 bits: more warps
@@ -1434,7 +1398,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
                              const PopcX* px, Split sp) {
     __shared__ Stage st[2];
     __shared__ __align__(16) float red[RED_FLOATS];
-    __shared__ float rows[FEW ? 2 : 1][2][ROWS];  // [token of the slot][gate, up][row]
+    __shared__ float rows[2][ROWS];
     __shared__ Run share;  // read where needed: held in registers across the streaming, it spilled
     // by tile parity: a tile's end is read before the next tile but one stages (a barrier), and
     // only then does thread 0 write that tile's
@@ -1462,32 +1426,24 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         const int e = __ldg(s.expert + c.slot);  // (out with the slot's bounds, not after them)
         if (c.T <= 0) continue;
         // FEW (`gate_up_pn`: calls of up to POPC_MAX_TOKENS tokens; one tile a CTA): a slot of
-        // more than two tokens takes the lookup, whose work does not grow with tokens as the
-        // binary mma's does (a slot of two: the binary mma for both, twice the mma on one AND
-        // of the planes). Compiled out of the one-token build: there it took 8 bytes of stack
-        // (121 against 117-118 us, one run)
+        // several tokens takes the lookup, whose work does not grow with tokens as the binary
+        // mma's does. Compiled out of the one-token build: there it took 8 bytes of stack (121
+        // against 117-118 us, one run)
         if constexpr (FEW)
-            if (c.T > 2) {
+            if (c.T > 1) {
                 gate_up_tile<1>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out,
                                 bits_nbytes, rpt);
                 continue;  // FEW grids hold a tile a CTA: nothing to restage after it
             }
         const int nrows = min(ROWS, I - c.row0);
         if (nrows <= 0) {  // a tile of h's padding columns: zeros
-            if constexpr (FEW) {
-                if (threadIdx.x < ROWS * c.T)
-                    store_h(hp, c.lo + threadIdx.x / ROWS, c.row0 + threadIdx.x % ROWS, I,
-                            wpad_out, 0.f, 0.f);
-            } else if (threadIdx.x < ROWS) {
-                store_h(hp, c.lo, c.row0 + threadIdx.x, I, wpad_out, 0.f, 0.f);
-            }
+            if (threadIdx.x < ROWS) store_h(hp, c.lo, c.row0 + threadIdx.x, I, wpad_out, 0.f, 0.f);
             continue;
         }
         TileEnd end{c.lo, c.row0, kz, kn, (FEW ? run.j : share.j) + 1 - kz};
         if constexpr (!FEW)  // (a tile a CTA: in registers, as it fits there)
             if (threadIdx.x == 0) ends[at & 1] = end;
         const int token = __ldg(s.token + c.lo);
-        const int token1 = FEW && c.T == 2 ? __ldg(s.token + c.lo + 1) : token;  // (FEW)
         STAMP_AFTER(0, 4, e);
         // the next tile of the block st holds (tile at - 1, which is full when this one is and
         // shares its slot), its sources kept: no chain
@@ -1505,10 +1461,9 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         }
         STAMP(0, 2);
         const int ks = popc_steps(words_in);
-        const int pieces = popc_pieces(words_in);
-        const PopcX* x = px + (i64)token * pieces;
-        const i64 dx = (i64)(token1 - token) * pieces;  // the second token's pieces, from x's
+        const PopcX* x = px + (i64)token * popc_pieces(words_in);
         const int grp = warp & 1;
+        constexpr int R = popc_regs(MAXB, FEW);
         constexpr bool OWN = MAXB == 4 && !FEW;  // (lane_rows)
         constexpr bool HOLD = hold_rows(MAXB), COOP = coop_fold(MAXB, FEW);
         if (max(wg, wu) <= MAXB) {
@@ -1517,56 +1472,44 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
             // 4 warps (a column half a warp, a fold every 4 chunks, 4 barriers) was 6% slower at
             // one token (docs/PERF.md, session 27). A split tile's halves take alternate chunks.
             const int m = warp >> 1;
-            const auto stream = [&](auto tokens) {  // the slot's TK tokens
-                constexpr int TK = decltype(tokens)::value, R = popc_regs(MAXB, FEW, TK);
-                double f[TK][2] = {};
-                for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
-                    popc_piece<MAXB, R, HOLD, COOP, TK>(
-                        m ? wu : wg, lane_rows<OWN>(st[m], grp), OWN ? 0 : lane & ~3,
-                        st[m].tbl + 8 * grp, words_in, k0, min(ks, k0 + POPC_STEPS), k0, kz, kn,
-                        x + i, dx, f, fold_scratch(red), i == 0);
+            double f[2] = {};
+            for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
+                popc_piece<MAXB, R, HOLD, COOP>(m ? wu : wg, lane_rows<OWN>(st[m], grp),
+                                                OWN ? 0 : lane & ~3, st[m].tbl + 8 * grp, words_in,
+                                                k0, min(ks, k0 + POPC_STEPS), k0, kz, kn, x + i, f,
+                                                fold_scratch(red), i == 0);
 #ifndef PWCTL_STAMPS_CHAIN
-                STAMP(0, 3);
+            STAMP(0, 3);
 #endif
-                #pragma unroll
-                for (int k = 0; k < TK; ++k) popc_warp_rows(f[k], grp, rows[k][m]);
-            };
-            if (FEW && c.T == 2) stream(Count<FEW ? 2 : 1>{});
-            else stream(Count<1>{});
+            popc_warp_rows(f, grp, rows[m]);
             __syncthreads();
 #ifndef PWCTL_STAMPS_CHAIN  // (phase 6 stamps stage_two's quotients there)
             STAMP(0, 6);
 #endif
         } else {
-            // a block wider than MAXB: both by the lookup (token k of n-tile 0 is fragment
-            // register 2 (lane % 4) + warp % 2 of lanes 4i: `reduce_units`), which reads every
-            // width; a popc path beside the one above for the narrower block spilled 40 bytes
+            // a block wider than MAXB: both by the lookup (token 0 of n-tile 0 is fragment register
+            // w of lanes 4i), which reads every width; a popc path beside the one above for the
+            // narrower block spilled 40 bytes
             tables_landed();  // (a block of up to KEEPS_SOURCES bits staged its tables by cp.async)
             const int kpart = kz * 2 + (warp >> 1), kparts = 2 * kn;
-            int xrow[1] = {lane >> 2 == 0 ? token : FEW && lane >> 2 < c.T ? token1 : -1};
+            int xrow[1] = {lane >> 2 == 0 ? token : -1};
             #pragma unroll 1
             for (int m = 0; m < 2; ++m) {
                 float acc[1][4], sum[2][1];
                 mma_block<1>(st[m], m ? wu : wg, flat, words_in, wpad_in, xf, xrow, 1,
                              (kpart >> 1) * WARPS + warp, kparts / 2 * WARPS, acc);
                 reduce_units<1>(acc, red, WARPS, sum);
-                if ((lane & 3) == 0 && (warp & 1) < (FEW ? c.T : 1))
-                    rows[FEW ? warp & 1 : 0][m][(lane >> 2) + 8 * (warp >> 1)] = sum[0][0];
+                if ((lane & 3) == 0 && (warp & 1) == 0)
+                    rows[m][(lane >> 2) + 8 * (warp >> 1)] = sum[0][0];
                 __syncthreads();
             }
         }
         if constexpr (!FEW) end = ends[((h - 1) >> 1) & 1];  // this tile's (h has moved on)
-        if (end.kn > 1 && !split_join(sp, end, rows[0]))
-            continue;  // the other half stores h (never in FEW grids: a tile a CTA)
-        if constexpr (FEW) {
-            if (threadIdx.x < ROWS * c.T) {
-                const int k = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
-                store_h(hp, end.lo + k, end.row0 + r, I, wpad_out, rows[k][0][r], rows[k][1][r]);
-            }
-        } else if (threadIdx.x < ROWS) {
-            store_h(hp, end.lo, end.row0 + threadIdx.x, I, wpad_out, rows[0][0][threadIdx.x],
-                    rows[0][1][threadIdx.x]);
-        }
+        if (end.kn > 1 && !split_join(sp, end, rows))
+            continue;  // the other half stores h
+        if (threadIdx.x < ROWS)
+            store_h(hp, end.lo, end.row0 + threadIdx.x, I, wpad_out, rows[0][threadIdx.x],
+                    rows[1][threadIdx.x]);
     }
     STAMP(0, 7);
 }
@@ -1586,22 +1529,21 @@ __device__ void prefetch_chunks(const RowPtr* rp, int wd, int words, int u0, int
     }
 }
 
-// down for one-token slots (FEW: one or two tokens): `units` m-tiles of 16 rows (8-row groups
-// over the warps, which split the columns when there are fewer groups than warps), columns split
-// kn ways (this CTA: kz). hpx: h's pieces (popc_planes), a row per pair. Blocks wider than MAXB:
-// the lookup.
+// down for one-token slots: `units` m-tiles of 16 rows (8-row groups over the warps, which
+// split the columns when there are fewer groups than warps), columns split kn ways (this CTA:
+// kz). hpx: h's pieces (popc_planes), a row per pair. Blocks wider than MAXB: the lookup.
 template <int MAXB, bool FEW>
 __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, const uint4* hp,
                           float* out, int H, int words_in, int wpad_in, i64 bits_nbytes, int rpt,
                           int units, const PopcX* hpx) {
     __shared__ Stage st[2];
     __shared__ __align__(16) float red[RED_FLOATS];
-    __shared__ float rows[FEW ? 2 : 1][2 * ROWS];  // [token of the slot][row]
+    __shared__ float rows[2 * ROWS];
     STAMP(1, 0);
     const Tile c = tile_of(s, ROWS * units, slot, tile);
     if (c.T <= 0 || c.row0 >= H) return;
-    if constexpr (FEW)  // as in gate_up_popc: past two tokens the lookup, on h from gate_up_tile
-        if (c.T > 2)
+    if constexpr (FEW)  // as in gate_up_popc: the lookup, on h from gate_up_tile
+        if (c.T > 1)
             return down_tile<1>(g, s, c, kz, kn, st, red, hp, out, H, words_in, wpad_in,
                                 bits_nbytes, rpt, units);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1617,59 +1559,42 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
         const int ks = popc_steps(words_in);
         const int per = ((ks + kn - 1) / kn + 1) & ~1;  // even: a slice starts on a full chunk
         const int lo = min(ks, kz * per), hi = min(ks, lo + per);
-        const int pieces = popc_pieces(words_in);
-        const PopcX* x = hpx + (i64)c.lo * pieces;  // a row a pair: the slot's second is next
+        const PopcX* x = hpx + (i64)c.lo * popc_pieces(words_in);
+        constexpr int R = popc_regs(MAXB, FEW);
         constexpr bool HOLD = hold_rows(MAXB), COOP = coop_fold(MAXB, FEW);
         if (c.row0 + ROWS * unit < H)
             prefetch_chunks(rp, wd, words_in, lo / 2 + part, min(words_in / 16, hi / 2), parts,
                             DOWN_PREFETCH_CHUNKS);
         wait_previous();  // h's pieces come from popc_planes
         STAMP(1, 1);
-        const auto stream = [&](auto tokens) {  // the slot's TK tokens
-            constexpr int TK = decltype(tokens)::value, R = popc_regs(MAXB, FEW, TK);
-            double f[TK][2] = {};
-            if (c.row0 + ROWS * unit < H)
-                for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
-                    const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
-                    popc_piece<MAXB, R, HOLD, COOP, TK>(
-                        wd, rp, lane & ~3, st[unit].tbl + 8 * (grp & 1), words_in, k0, k1,
-                        i * POPC_STEPS, part, parts, x + i, pieces, f, fold_scratch(red));
-                    k0 = k1;
-                }
-            STAMP(1, 3);
-            #pragma unroll
-            for (int k = 0; k < TK; ++k)
-                popc_rows_sum(f[k], grp, part, (float (*)[2 * ROWS])red, rows[k], nrows);
-        };
-        if (FEW && c.T == 2) stream(Count<FEW ? 2 : 1>{});
-        else stream(Count<1>{});
+        double f[2] = {};
+        if (c.row0 + ROWS * unit < H)
+            for (int k0 = lo; k0 < hi;) {  // the slice's parts of the pieces it meets
+                const int i = k0 / POPC_STEPS, k1 = min(hi, (i + 1) * POPC_STEPS);
+                popc_piece<MAXB, R, HOLD, COOP>(wd, rp, lane & ~3, st[unit].tbl + 8 * (grp & 1),
+                                                words_in, k0, k1, i * POPC_STEPS, part, parts,
+                                                x + i, f, fold_scratch(red));
+                k0 = k1;
+            }
+        STAMP(1, 3);
+        popc_rows_sum(f, grp, part, (float (*)[2 * ROWS])red, rows, nrows);
         STAMP(1, 4);
-    } else {  // the lookup, as `down` does it for n-tile 0 (token k: fragment register
-        // 2 (lane % 4) + warp % 2 of lanes 4i, `reduce_units`)
+    } else {  // the lookup, as `down` does it for n-tile 0
         const int parts = WARPS / units, unit = warp / parts;
-        int xrow[1] = {lane >> 2 < (FEW ? c.T : 1) ? c.lo + (lane >> 2) : -1};
+        int xrow[1] = {lane >> 2 == 0 ? c.lo : -1};
         wait_previous();
         float acc[1][4] = {}, sum[2][1];
         if (c.row0 + ROWS * unit < H)
             mma_block<1>(st[unit], wd, flat, words_in, wpad_in, hp, xrow, 1,
                          kz * parts + warp % parts, kn * parts, acc);
         reduce_units<1>(acc, red, parts, sum);
-        if ((lane & 3) == 0 && (warp & 1) < (FEW ? c.T : 1))
-            for (int u = 0; u < units; ++u)
-                rows[FEW ? warp & 1 : 0][ROWS * u + (lane >> 2) + 8 * (warp >> 1)] = sum[u][0];
+        if ((lane & 3) == 0 && (warp & 1) == 0)
+            for (int u = 0; u < units; ++u) rows[ROWS * u + (lane >> 2) + 8 * (warp >> 1)] = sum[u][0];
         __syncthreads();
     }
-    if constexpr (FEW) {
-        if (threadIdx.x < nrows * c.T) {
-            const int k = threadIdx.x / nrows, r = threadIdx.x % nrows;
-            if (c.row0 + r < H)
-                atomicAdd(out + (i64)__ldg(s.token + c.lo + k) * H + c.row0 + r,
-                          __ldg(s.weight + c.lo + k) * rows[k][r]);
-        }
-    } else if (threadIdx.x < nrows && c.row0 + threadIdx.x < H) {
+    if (threadIdx.x < nrows && c.row0 + threadIdx.x < H)
         atomicAdd(out + (i64)__ldg(s.token + c.lo) * H + c.row0 + threadIdx.x,
-                  __ldg(s.weight + c.lo) * rows[0][threadIdx.x]);
-    }
+                  __ldg(s.weight + c.lo) * rows[threadIdx.x]);
     STAMP(1, 7);
 }
 
@@ -2629,8 +2554,7 @@ ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, false>), (down_p
 // up to 3 bits: 2 registers a subset (popc_regs), 80 registers, 6 CTAs an SM (session 23; with 4
 // a subset: 96 registers and 5 CTAs, and at 6 it spilled and was slower on Mixtral)
 ENTRY_AS(p1b3, __launch_bounds__(32 * WARPS, 6), (gate_up_popc<3, false>), (down_popc<3, false>))
-// calls of 2..POPC_MAX_TOKENS tokens: slots of one or two tokens on the binary mma (two: R = 2,
-// the sums of both tokens in the registers one token's take with R = 4), the others the lookup
+// calls of 2..POPC_MAX_TOKENS tokens: one-token slots on the binary mma, the others the lookup
 ENTRY_AS(pn, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, true>), (down_popc<4, true>))
 ENTRY_AS(pnb3, __launch_bounds__(32 * WARPS, 5), (gate_up_popc<3, true>), (down_popc<3, true>))
 

@@ -407,7 +407,7 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     rows_h = spec.top_k + (1 if shared else 0)  # routed pairs, then the shared expert's
     steps = max(popc.steps(moe.proj[(0, g, "down")].words) for g in {False, shared})
     assert one[2][1:] == ((popc.pieces(dn.words), rows_h, kernels.POPC_SPLIT), (32 * steps,))
-    # up to POPC_MAX_TOKENS tokens the same kernels (their slots of three tokens or more take the
+    # up to POPC_MAX_TOKENS tokens the same kernels (their slots of several tokens take the
     # lookup inside them), with every token's x pieces; past it the lookup kernels
     two = decode(2, True)
     assert [n for n, _, _ in two] == ["decode_prep", "gate_up_pn", "popc_planes", "down_pn"]
@@ -588,11 +588,10 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_popc_kernels_take_calls_of_a_few_tokens(shape):
-    """Calls of 2..POPC_MAX_TOKENS tokens on the popc kernels: slots of one or two tokens on the
-    binary mma, the others (and a shared expert's slot of three tokens or more) on the lookup
-    inside the same launch, against the reference at 3 and 4 bits and mixed widths (pnb3 at 3
-    bits; mixed: blocks wider than the build, whose lookup takes both tokens of a pair). The
-    last calls route tokens in pairs, so that every slot holds two of them."""
+    """Calls of 2..POPC_MAX_TOKENS tokens on the popc kernels: slots of one token on the binary
+    mma, the others (and a shared expert's slot of every token) on the lookup inside the same
+    launch, against the reference at 3 and 4 bits and mixed widths (pnb3 at 3 bits). The last
+    calls route tokens in pairs, so that slots of exactly two tokens are certain."""
     layer = synthetic_layer(SHAPES[shape], seed=4)
     t = layer.table
     rng = np.random.default_rng(4)

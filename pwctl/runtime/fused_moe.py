@@ -547,9 +547,9 @@ class FusedMoE:
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
         # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
-        # gate_up_p1 / _pn: slots of one or two tokens on binary tensor cores), where a block is
-        # narrow enough: True, False, or None (default): one-token calls on every layer, calls of
-        # a few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (`_popc_pays`)
+        # gate_up_p1 / _pn: one-token slots on binary tensor cores), where a block is narrow
+        # enough: True, False, or None (default): one-token calls on every layer, calls of a
+        # few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (`_popc_pays`)
         self.popc_decode: bool | None = POPC_DECODE
 
     def __call__(
@@ -789,7 +789,7 @@ class FusedMoE:
 
     def _popc_kind(self, layer: int, T: int) -> str:
         """The popc kernels for a call of T tokens in `layer`: "p1" for one token, "pn" for up to
-        POPC_MAX_TOKENS (their slots of three tokens or more take the lookup inside the launch; kept
+        POPC_MAX_TOKENS (their slots of several tokens take the lookup inside the launch; kept
         apart so that the one-token build carries none of it), with "b3" (binary mma up to 3
         bits; 6 CTAs an SM for one token, 5 for several, against 4) when no block of the layer
         is wider than 3 bits in the widths the kernels read (the last `DeviceTable.sync`).
@@ -816,8 +816,7 @@ class FusedMoE:
 
     def _x_pieces(self, layer: int, T: int, device: torch.device) -> XPieces | None:
         """x's pieces when this call takes the popc kernels (else None): at most
-        POPC_MAX_TOKENS tokens (their slots of one or two tokens run the binary mma, the others the
-        lookup),
+        POPC_MAX_TOKENS tokens (their one-token slots run the binary mma, the others the lookup),
         and popc_decode set or (None) one token, or the layer large enough."""
         on = self.popc_decode
         if on is None:
