@@ -644,19 +644,8 @@ __device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta, int sl
     c.T = __ldg(s.hi + c.slot) - c.lo;
     c.base = 0;
     c.row0 = tile * rows_per_cta;
-    c.live = (c.T + 7) / 8;  // (the lookup kernels: of the pass, `next_pass`)
+    c.live = (c.T + 7) / 8;  // a launch's NT fits its largest possible slot; most slots are smaller
     return c;
-}
-
-// The lookup kernels' next pass over a slot of more tokens than their NT n-tiles hold (the
-// launcher sizes NT by the slots it expects, `kernels.decode_tiles`, not by the largest one a
-// call could have: a larger tile cost the same call 10-15%, docs/PERF.md session 35): tokens
-// [base, base + 8 NT). False past the slot's last token.
-template <int NT>
-__device__ __forceinline__ bool next_pass(Tile& c, bool first) {
-    if (!first) c.base += 8 * NT;
-    c.live = min(NT, (c.T - c.base + 7) / 8);
-    return c.base < c.T;
 }
 
 // A gate_up CTA's work: halves [a, b) of its group's tiles (tile `at`, slot at / tiles, is halves
@@ -828,10 +817,9 @@ __device__ void gate_up(Paged g, Slots s, Run run, const uint4* xf, unsigned sho
     start_next();     // down may launch and stage while this grid runs
     STAMP(0, 1);
     const int at = run.a / 2;  // one tile a CTA
-    Tile c = tile_of(s, ROWS, at / run.tiles, at % run.tiles);
-    for (bool first = true; next_pass<NT>(c, first); first = false)
-        gate_up_tile<NT>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes,
-                         rpt);
+    const Tile c = tile_of(s, ROWS, at / run.tiles, at % run.tiles);
+    if (c.base >= c.T) return;
+    gate_up_tile<NT>(g, s, c, st, red, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt);
     STAMP(0, 7);
 }
 
@@ -886,11 +874,9 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
     __shared__ Stage st[2];
     __shared__ float red[RED_FLOATS];
     STAMP(1, 0);
-    Tile c = tile_of(s, ROWS * units, slot, tile);
-    if (c.row0 >= H) return;
-    for (bool first = true; next_pass<NT>(c, first); first = false)
-        down_tile<NT>(g, s, c, kz, kn, st, red, hp, out, H, words_in, wpad_in, bits_nbytes, rpt,
-                      units);
+    const Tile c = tile_of(s, ROWS * units, slot, tile);
+    if (c.base >= c.T || c.row0 >= H) return;
+    down_tile<NT>(g, s, c, kz, kn, st, red, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, units);
     STAMP(1, 7);
 }
 

@@ -92,19 +92,6 @@ def test_launchers_size_the_grouping_as_the_kernels_do():
     assert kernels.group_smem(60, split - 1) == kernels.group_smem(60) == 4 * 60
 
 
-def test_decode_tiles_fit_the_expected_slot_and_keep_a_shared_experts():
-    # Mixtral's routing (top-2 of 8): a slot expects 4 of 16 tokens (sd 1.7), one n-tile with
-    # passes past it; of 64, 16 (sd 3.5): 4 n-tiles where the largest slot possible needs 8
-    assert kernels.decode_tiles(16, 8, 2, False) == 1
-    assert kernels.decode_tiles(64, 8, 2, False) == 4
-    assert kernels.decode_tiles(64, 128, 8, False) == 1  # Qwen3-MoE: 4 of 64 (sd 1.9)
-    assert kernels.decode_tiles(40, 4, 4, False) == kernels.n_tiles(40)  # every slot every token
-    for T in range(1, kernels.DECODE_MAX_TOKENS + 1):
-        for E, k in ((8, 2), (60, 4), (128, 8)):
-            assert kernels.decode_tiles(T, E, k, False) <= kernels.n_tiles(T)
-            assert kernels.decode_tiles(T, E, k, True) == kernels.n_tiles(T)
-
-
 def test_fragment_order_layout():
     x = torch.randn(3, 70)
     xf = fragment_order(x, 8)
@@ -428,8 +415,7 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     assert two[2][1][1] == 2 * rows_h
     past = kernels.POPC_MAX_TOKENS + 1
     names = [n for n, _, _ in decode(past, True)]
-    n = f"n{kernels.decode_tiles(past, spec.num_experts, spec.top_k, shared)}"
-    assert n == ("n2" if shared else "n1")  # a routed slot expects 4.5 of 9 tokens (sd 1.5)
+    n = f"n{kernels.n_tiles(past)}"
     assert names == ["decode_prep", f"gate_up_{n}", f"down_{n}"]
     # no block of the layer the binary mma reads (all wider than 4 bits): the lookup kernels
     widths[:] = 5
@@ -597,34 +583,6 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
                 err = float((y - want).norm() / want.norm())
                 case = f"{shape} width {width} outlier {outlier} popc {on}"
                 assert err < 1e-3, f"{case}: relative error {err:.2e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("shape", "calls"), [("mixtral", (12, 40)), ("qwen3-moe", (12, 40)), ("words-2-mod-4", (40,))]
-)
-def test_lookup_kernels_take_slots_past_their_tile_in_passes(shape, calls):
-    """A slot of more tokens than the lookup kernels' tile (`kernels.decode_tiles` sizes it by
-    the slot a call expects) takes passes of 8 NT tokens (cuda/moe.cu `next_pass`): every token
-    routed to token 0's experts, so that one slot a chosen expert holds them all."""
-    spec = SHAPES.get(shape) or TEST_SPECS[shape]
-    layer = synthetic_layer(spec, seed=6)
-    t, rng = layer.table, np.random.default_rng(6)
-    layer.moe.popc_decode = False
-    for width in ["4", "mixed"]:
-        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
-        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
-        for T in calls:
-            x, weights, index, scale = random_routing(spec, T, seed=T)
-            index[:] = index[0]
-            nt = kernels.decode_tiles(T, spec.num_experts, spec.top_k, spec.has_shared)
-            assert 8 * nt < T, f"{shape}, {T} tokens: one pass ({nt} n-tiles)"
-            want = layer.moe(0, x, weights, index, scale, reference=True)
-            _poison(layer.moe)
-            got = layer.moe(0, x, weights, index, scale)
-            torch.cuda.synchronize()
-            err = float((got - want).norm() / want.norm())
-            assert err < 1e-3, f"{shape} width {width}, {T} tokens: relative error {err:.2e}"
 
 
 @pytest.mark.gpu

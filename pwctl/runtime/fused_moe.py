@@ -784,12 +784,8 @@ class FusedMoE:
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
-        are given (`_x_pieces`), else the lookup kernels of the n-tiles a slot is expected to
-        fill (`kernels.decode_tiles`; larger slots take passes)."""
-        if px is not None:
-            return self._popc_kind(layer, T)
-        spec = self.spec
-        return f"n{kernels.decode_tiles(T, spec.num_experts, spec.top_k, spec.has_shared)}"
+        are given (`_x_pieces`), else the lookup kernels of T's n-tiles."""
+        return self._popc_kind(layer, T) if px is not None else f"n{kernels.n_tiles(T)}"
 
     def _popc_kind(self, layer: int, T: int) -> str:
         """The popc kernels for a call of T tokens in `layer`: "p1" for one token, "pn" for up to

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import struct
 import threading
@@ -454,17 +453,3 @@ def n_tiles(tokens: int) -> int:
         if tokens <= 8 * nt:
             return nt
     raise ValueError(f"{tokens} tokens per slot: decode kernels take at most {DECODE_MAX_TOKENS}")
-
-
-def decode_tiles(tokens: int, experts: int, top_k: int, shared: bool) -> int:
-    """The lookup kernels' tile (n-tiles of 8 tokens a slot) for a call of `tokens` tokens, each
-    routed to top_k of `experts`: the smallest that holds a routed slot of its mean plus two
-    standard deviations under uniform routing (binomial). A slot of more tokens takes passes
-    (cuda/moe.cu `next_pass`); a tile sized for the largest slot a call could have
-    (`n_tiles(tokens)`) cost the same call 10-15% a size up (H200, docs/PERF.md session 35). A
-    shared expert's slot holds every token, so its layers keep `n_tiles(tokens)`."""
-    if shared:
-        return n_tiles(tokens)
-    p = min(1.0, top_k / experts)
-    mean = tokens * p
-    return n_tiles(min(tokens, max(1, math.ceil(mean + 2 * math.sqrt(mean * (1 - p))))))
