@@ -523,7 +523,7 @@ __device__ __forceinline__ void mma_word(const u32 (&P0)[8], const u32 (&P1)[8],
         decode<B, C>(P0, L0, st.tbl[g], A0);                                                      \
         decode<B, C>(P1, L1, st.tbl[g + 8], A1);                                                  \
         _Pragma("unroll") for (int nt = 0; nt < NT; ++nt) {                                       \
-            if (NT > 1 && nt >= live) break; /* n-tiles past the slot's tokens */                 \
+            if (NT > 2 && nt >= live) break; /* n-tiles past the slot's tokens */                 \
             const uint4 bx = xrow[nt] >= 0 ? __ldg(xf + ((i64)xrow[nt] * wpad + w) * 4 + C)       \
                                            : make_uint4(0u, 0u, 0u, 0u);                          \
             mma16816(acc[nt], A0[0], A1[0], A0[1], A1[1], bx.x, bx.y);                            \
