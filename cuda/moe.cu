@@ -587,11 +587,9 @@ __device__ __forceinline__ void mma_rows_wide(const Stage& st, int words, int wp
 }
 
 template <int NT>
-__device__ __forceinline__ void mma_block(const Stage& st, int B, bool flat, int words, int wpad,
-                          const uint4* xf, const int (&xrow)[NT], int live, int part,
-                          int parts, float (&acc)[NT][4]) {
-    #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+__device__ __forceinline__ void mma_widths(const Stage& st, int B, bool flat, int words, int wpad,
+                           const uint4* xf, const int (&xrow)[NT], int live, int part,
+                           int parts, float (&acc)[NT][4]) {
     switch (B) {
 #define CASE(W)                                                                                   \
     case W:                                                                                       \
@@ -604,6 +602,34 @@ __device__ __forceinline__ void mma_block(const Stage& st, int B, bool flat, int
         CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
     }
+}
+
+// A slot takes the loop of the smallest compiled tile that holds its tokens (a launch's NT fits
+// its largest possible slot; most are smaller), so empty n-tiles cost no mma. The choice is made
+// once, outside the loop: the skip inside it (mma_word) made the 2-tile loop slower than the
+// dead mma it saved (docs/PERF.md, session 36).
+template <int NT>
+__device__ __forceinline__ void mma_tier(const Stage& st, int B, bool flat, int words, int wpad,
+                         const uint4* xf, const int (&xrow)[NT], int live, int part,
+                         int parts, float (&acc)[NT][4]) {
+    if constexpr (NT > 1) {
+        if (live <= NT / 2) {
+            mma_tier<NT / 2>(st, B, flat, words, wpad, xf,
+                             reinterpret_cast<const int(&)[NT / 2]>(xrow), live, part, parts,
+                             reinterpret_cast<float(&)[NT / 2][4]>(acc));
+            return;
+        }
+    }
+    mma_widths<NT>(st, B, flat, words, wpad, xf, xrow, live, part, parts, acc);
+}
+
+template <int NT>
+__device__ __forceinline__ void mma_block(const Stage& st, int B, bool flat, int words, int wpad,
+                          const uint4* xf, const int (&xrow)[NT], int live, int part,
+                          int parts, float (&acc)[NT][4]) {
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    mma_tier<NT>(st, B, flat, words, wpad, xf, xrow, live, part, parts, acc);
 }
 
 struct Slots {

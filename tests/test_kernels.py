@@ -616,6 +616,41 @@ def test_popc_kernels_take_calls_of_a_few_tokens(shape):
             assert pairs > 0 or not paired, case
 
 
+# slot sizes a routing column spreads a call's tokens over (beside expert 0, which takes every
+# token): with expert 0 they hold 1..NT n-tiles of the call's 2-, 4- and 8-tile launch
+TIER_SLOTS = {16: [3, 13], 32: [1, 9, 22], 64: [1, 10, 20, 33]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_lookup_kernels_take_each_slot_on_its_smallest_tile(shape):
+    """The 2-, 4- and 8-tile lookup kernels run each slot on the loop of the smallest tile that
+    holds its tokens (cuda/moe.cu mma_tier): calls whose slots hold every n-tile count from one
+    to the launch's, at 3 and 4 bits and mixed widths (5-8 bits: the tables in shared memory)."""
+    layer = synthetic_layer(SHAPES[shape], seed=6)
+    t, k = layer.table, layer.spec.top_k
+    rng = np.random.default_rng(6)
+    for width in ["3", "4", "mixed"]:
+        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
+        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        for T, sizes in TIER_SLOTS.items():
+            x, weights, index, scale = random_routing(layer.spec, T, seed=T)
+            # column 0: expert 0; column j: experts 1 + len(sizes) (j - 1) on, `sizes` tokens each
+            slot = np.repeat(np.arange(len(sizes)), sizes)
+            cols = [np.zeros(T, int)] + [1 + len(sizes) * (j - 1) + slot for j in range(1, k)]
+            index = torch.as_tensor(np.stack(cols, 1), dtype=index.dtype, device=index.device)
+            want = layer.moe(0, x, weights, index, scale, reference=True)
+            _poison(layer.moe)
+            got = layer.moe(0, x, weights, index, scale)
+            torch.cuda.synchronize()
+            tiles = sorted({(int(c) + 7) // 8 for c in torch.bincount(index.flatten()) if c})
+            case = f"{shape} width {width}, {T} tokens, slots of {tiles} n-tiles"
+            loops = {1 << (n - 1).bit_length() for n in tiles}  # the tile each slot runs on
+            assert loops == {n for n in (1, 2, 4, 8) if n <= kernels.n_tiles(T)}, case
+            err = float((got - want).norm() / want.norm())
+            assert err < 1e-3, f"{case}: relative error {err:.2e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["mixtral", "qwen3-moe", "qwen-moe", "straddle"])
 def test_one_token_runs_match_reference(shape):
