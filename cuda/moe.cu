@@ -606,8 +606,8 @@ __device__ __forceinline__ void mma_widths(const Stage& st, int B, bool flat, in
 
 // A slot takes the loop of the smallest compiled tile that holds its tokens (a launch's NT fits
 // its largest possible slot; most are smaller), so empty n-tiles cost no mma. The choice is made
-// once, outside the loop: the skip inside it (mma_word) made the 2-tile loop slower than the
-// dead mma it saved (docs/PERF.md, session 36).
+// once, outside the loop: mma_word's skip past a slot's tokens, compiled into the 2-tile loop
+// too, made it slower than the dead mma it saved (docs/PERF.md, session 36).
 template <int NT>
 __device__ __forceinline__ void mma_tier(const Stage& st, int B, bool flat, int words, int wpad,
                          const uint4* xf, const int (&xrow)[NT], int live, int part,
