@@ -474,6 +474,13 @@ def test_synthetic_layer_reads_back_through_shuffled_slabs():
 # --- CUDA kernels (skipped without CUDA; run on the H200 before the kernel issue closes) --------
 
 
+def _set_widths(layer, width: str, rng: np.random.Generator) -> None:
+    """Every block of the synthetic layer at `width` bits, or ("mixed") each at a random width."""
+    t = layer.table
+    w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
+    layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+
+
 def _poison(moe: FusedMoE) -> None:
     junk = torch.full((64 << 20,), float("nan"), device="cuda")  # freed: fresh buffers see NaN
     del junk
@@ -499,12 +506,10 @@ TEST_SPECS = {"odd": ODD, "words-2-mod-4": WORDS_2_MOD_4}
 @pytest.mark.parametrize("shape", [*SHAPES, *TEST_SPECS])
 def test_kernels_match_reference(shape):
     layer = synthetic_layer(SHAPES.get(shape) or TEST_SPECS[shape], seed=1)
-    t = layer.table
     rng = np.random.default_rng(1)
     worst = {}
     for width in ["2", "3", "4", "5", "6", "7", "8", "mixed"]:
-        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
-        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        _set_widths(layer, width, rng)
         # decode tiles of 1, 2, 4 and 8 n-tiles (up to 64 tokens), then prefill
         for T in (1, 2, 3, 8, 9, 20, 40, 512 if width in ("3", "mixed") else 65):
             x, weights, index, scale = random_routing(layer.spec, T, seed=T)
@@ -532,11 +537,10 @@ def test_prefill_down_on_its_stream_k_wave_matches_reference(shape):
     Qwen1.5-MoE's shared expert at 65 tokens (32 units of 22 chunks, shares of 2-3) has CTAs
     that run two jobs (the routed layers' draws may not)."""
     layer = synthetic_layer(SHAPES.get(shape) or TEST_SPECS[shape], seed=5)
-    t, rng = layer.table, np.random.default_rng(5)
+    rng = np.random.default_rng(5)
     layer.moe.prefill_kernel, layer.moe.down_stream_k = "wgmma", True
     for width in ["3", "6", "mixed"]:
-        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
-        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        _set_widths(layer, width, rng)
         for T in (65, 700):
             x, weights, index, scale = random_routing(layer.spec, T, seed=T)
             want = layer.moe(0, x, weights, index, scale, reference=True)
@@ -593,13 +597,11 @@ def test_popc_kernels_take_calls_of_a_few_tokens(shape):
     launch, against the reference at 3 and 4 bits and mixed widths (pnb3 at 3 bits). The last
     calls route tokens in pairs, so that slots of exactly two tokens are certain."""
     layer = synthetic_layer(SHAPES[shape], seed=4)
-    t = layer.table
     rng = np.random.default_rng(4)
     layer.moe.popc_decode = True
     calls = [(T, False) for T in range(2, kernels.POPC_MAX_TOKENS + 1)] + [(2, True), (4, True)]
     for width in ["3", "4", "mixed"]:
-        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
-        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        _set_widths(layer, width, rng)
         for T, paired in calls:
             x, weights, index, scale = random_routing(layer.spec, T, seed=T)
             if paired:  # token 2i + 1 goes where token 2i goes, with its own x
@@ -628,11 +630,10 @@ def test_lookup_kernels_take_each_slot_on_its_smallest_tile(shape):
     holds its tokens (cuda/moe.cu mma_tier): calls whose slots hold every n-tile count from one
     to the launch's, at 3 and 4 bits and mixed widths (5-8 bits: the tables in shared memory)."""
     layer = synthetic_layer(SHAPES[shape], seed=6)
-    t, k = layer.table, layer.spec.top_k
+    k = layer.spec.top_k
     rng = np.random.default_rng(6)
     for width in ["3", "4", "mixed"]:
-        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
-        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        _set_widths(layer, width, rng)
         for T, sizes in TIER_SLOTS.items():
             x, weights, index, scale = random_routing(layer.spec, T, seed=T)
             # column 0: expert 0; column j: experts 1 + len(sizes) (j - 1) on, `sizes` tokens each
@@ -665,13 +666,12 @@ def test_one_token_runs_match_reference(shape):
     or straddle one."""
     spec, slab = (STRADDLE, 16384) if shape == "straddle" else (SHAPES[shape], None)
     layer = synthetic_layer(spec, seed=5, slab_bytes=slab)
-    t, moe = layer.table, layer.moe
+    moe = layer.moe
     moe.popc_decode = True
     tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS * layer.spec.top_k
     rng = np.random.default_rng(5)
     for width in ["3", "4", "mixed"]:
-        w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
-        layer.set_widths(np.broadcast_to(w, (t.n_blocks,)))
+        _set_widths(layer, width, rng)
         x, weights, index, scale = random_routing(layer.spec, 1, seed=5)
         want = layer.moe(0, x, weights, index, scale, reference=True)
         for runs in (0, 3, None, 2 * tiles):
