@@ -586,24 +586,6 @@ __device__ __forceinline__ void mma_rows_wide(const Stage& st, int words, int wp
     }
 }
 
-template <int NT>
-__device__ __forceinline__ void mma_widths(const Stage& st, int B, bool flat, int words, int wpad,
-                           const uint4* xf, const int (&xrow)[NT], int live, int part,
-                           int parts, float (&acc)[NT][4]) {
-    switch (B) {
-#define CASE(W)                                                                                   \
-    case W:                                                                                       \
-        if (flat) mma_rows<W, NT, true>(st, words, wpad, xf, xrow, live, part, parts, acc);       \
-        else mma_rows<W, NT, false>(st, words, wpad, xf, xrow, live, part, parts, acc);           \
-        break;
-        CASE(1) CASE(2) CASE(3) CASE(4)
-#undef CASE
-#define CASE(W) case W: mma_rows_wide<W, NT>(st, words, wpad, xf, xrow, live, part, parts, acc); break;
-        CASE(5) CASE(6) CASE(7) CASE(8)
-#undef CASE
-    }
-}
-
 // A slot takes the loop of the smallest compiled tile that holds its tokens (a launch's NT fits
 // its largest possible slot; most are smaller), so empty n-tiles cost no mma. The choice is made
 // once, outside the loop: mma_word's skip past a slot's tokens, compiled into the 2-tile loop
@@ -620,7 +602,18 @@ __device__ __forceinline__ void mma_tier(const Stage& st, int B, bool flat, int 
             return;
         }
     }
-    mma_widths<NT>(st, B, flat, words, wpad, xf, xrow, live, part, parts, acc);
+    switch (B) {
+#define CASE(W)                                                                                   \
+    case W:                                                                                       \
+        if (flat) mma_rows<W, NT, true>(st, words, wpad, xf, xrow, live, part, parts, acc);       \
+        else mma_rows<W, NT, false>(st, words, wpad, xf, xrow, live, part, parts, acc);           \
+        break;
+        CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+#define CASE(W) case W: mma_rows_wide<W, NT>(st, words, wpad, xf, xrow, live, part, parts, acc); break;
+        CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+    }
 }
 
 template <int NT>
