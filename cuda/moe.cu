@@ -10,6 +10,23 @@
 // element [n][w][4s + i] is column 32w + (s >> 1) + 16(s & 1) + 4i, so that one 16-byte load is a
 // lane's B fragment for two mma k-steps (see `mma_rows`). wpad: words rounded up to 8.
 
+// Parts: kernels.py builds this source once a part (-DPWCTL_PART=k, k indexing kernels.PARTS),
+// all side by side: NVRTC's time is nearly all each kernel's own optimizer work, so parts build in
+// parallel where one source would take one core for minutes (docs/KERNELS.md). Without
+// PWCTL_PART (nvcc builds, probes) the source holds every kernel.
+#ifdef PWCTL_PART
+#define IN_PART(k) (PWCTL_PART == (k))
+#else
+#define IN_PART(k) 1
+#endif
+#define PART_N1_N2 IN_PART(0)
+#define PART_N4 IN_PART(1)
+#define PART_N8 IN_PART(2)
+#define PART_POPC4 IN_PART(3)
+#define PART_POPC3 IN_PART(4)
+#define PART_PREFILL IN_PART(5)
+#define PART_PREP IN_PART(6)
+
 // No headers: NVRTC finds none of its own, and fp32 -> fp16 is one PTX instruction.
 __device__ __forceinline__ unsigned short f2h(float f) {
     unsigned short h;
@@ -1020,6 +1037,7 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool 
 // built in the launch that prepares the call (`x_piece`).
 #define POPC_THREADS 1024
 #define POPC_SPLIT 8  // kernels.POPC_SPLIT: a k-step's 8 words
+#if PART_PREP
 extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     const unsigned short* src, int wpad, int words, int rows, PopcX* dst,
     const unsigned short* t_src, int t_wpad, int t_words, PopcX* t_dst) {
@@ -1053,6 +1071,7 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     }
     STAMP(3, 7);
 }
+#endif
 
 // Block b of a prep launch's x-piece blocks (256 threads): piece, token and word z as
 // `popc_planes`'s grid numbers them, from row-major fp16 x [T, H] (words: the gate rows').
@@ -2563,20 +2582,35 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
     }
 #define ENTRY(NT, BOUNDS) ENTRY_AS(n##NT, BOUNDS, gate_up<NT>, down<NT>)
 
+#if PART_N1_N2
 ENTRY(1, __launch_bounds__(32 * WARPS))
 ENTRY(2, __launch_bounds__(32 * WARPS, 5))
+#endif
+#if PART_N4
 ENTRY(4, __launch_bounds__(32 * WARPS, 5))
+#endif
+#if PART_N8
 ENTRY(8, __launch_bounds__(32 * WARPS, 4))
+#endif
 // one-token calls (the binary tensor-core kernels, 128 registers; the parentheses hold a
 // template's commas)
+#if PART_POPC4
 ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, false>), (down_popc<4, false>))
+#endif
 // up to 3 bits: 2 registers a subset (popc_regs), 80 registers, 6 CTAs an SM (session 23; with 4
 // a subset: 96 registers and 5 CTAs, and at 6 it spilled and was slower on Mixtral)
+#if PART_POPC3
 ENTRY_AS(p1b3, __launch_bounds__(32 * WARPS, 6), (gate_up_popc<3, false>), (down_popc<3, false>))
+#endif
 // calls of 2..POPC_MAX_TOKENS tokens: one-token slots on the binary mma, the others the lookup
+#if PART_POPC4
 ENTRY_AS(pn, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, true>), (down_popc<4, true>))
+#endif
+#if PART_POPC3
 ENTRY_AS(pnb3, __launch_bounds__(32 * WARPS, 5), (gate_up_popc<3, true>), (down_popc<3, true>))
+#endif
 
+#if PART_PREFILL
 extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) gate_up_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in, int wpad_in,
     int wpad_out, i64 bits_nbytes, int rpt, int passes) {
@@ -2606,12 +2640,14 @@ extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
     WG_BODY(down_prefill_wg(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt,
                             tile_info, sk, row_tiles, tiles))
 }
+#endif
 
 // The sm_90a prefill's token tiles in one pass (fused_moe.wgmma_tiles, which gathers, reorders
 // and permutes in torch): tile t holds the tokens of pairs pair[128 t ..], each a row of x (fp16
 // [T, H]) in wgmma order, laid out as `PrefillWG::b` holds it (the inverse of `tile_pos`). A
 // thread writes one 16-byte unit: 8 k of one token's k-step. Tiles past the last real one (slot
 // -1 in tile_info) are left unwritten: no CTA reads them.
+#if PART_PREFILL
 extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad, const int* token,
                                        const int* s_lo, const int* s_hi, const int* tile_info,
                                        uint4* xt) {
@@ -2641,6 +2677,7 @@ extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad,
         xt[(i64)t * units + u] = make_uint4(v[0], v[1], v[2], v[3]);
     }
 }
+#endif
 
 // Decode-time preparation of one layer call, in one launch (it replaced ~20 small torch kernels,
 // then three more launches: docs/PERF.md). Block 0 groups the (token, expert) pairs by expert:
@@ -2809,6 +2846,7 @@ __device__ void lay_out_x(const unsigned short* x, int T, int H, int wpad, unsig
     for (int i = first; i < out_n; i += stride) out[i] = 0.f;
 }
 
+#if PART_PREP
 extern "C" __global__ void decode_prep(const i64* index, const float* weights, int pairs, int k,
                                        int experts, int slots, int* token, float* weight,
                                        int* s_expert, int* s_lo, int* s_hi,
@@ -2824,6 +2862,7 @@ extern "C" __global__ void decode_prep(const i64* index, const float* weights, i
     const int stride = (blocks - 1) * blockDim.x, first = (blockIdx.x - 1) * blockDim.x + threadIdx.x;
     lay_out_x<8>(x, T, H, wpad, xf, out, out_n, first, stride);
 }
+#endif
 
 // The sm_90a prefill's token tiles (`fused_moe.tile_plan`): per tile (slot, pass), each slot's
 // ceil(pairs / 128) tiles consecutive, then (-1, live tiles) up to `tiles` (a bound). One warp.
@@ -2845,6 +2884,7 @@ __device__ void plan_tiles(const int* s_lo, const int* s_hi, int slots, int* til
 // small torch launches before, which left eager prefill host-bound: docs/PERF.md, session 14).
 // Block 0 groups the pairs (`group_pairs`), then its first warp plans the token tiles; the other
 // blocks zero `out`.
+#if PART_PREFILL
 extern "C" __global__ void prefill_prep(const i64* index, const float* weights, int pairs, int k,
                                         int experts, int slots, int* token, float* weight,
                                         int* s_expert, int* s_lo, int* s_hi, int* tile_info,
@@ -2864,6 +2904,7 @@ extern "C" __global__ void prefill_prep(const i64* index, const float* weights, 
     __syncwarp();
     plan_tiles(s_lo, s_hi, slots, tile_info, tiles);
 }
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Routing in the launch that prepares a decode call (`route_prep`: decode_prep with the router
@@ -3027,6 +3068,7 @@ __device__ void route_token(const float* logits, int experts, int k, int order, 
     }
 }
 
+#if PART_PREP
 extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
                                       const unsigned short* gate_w, int experts,
                                       const unsigned short* shared_gate_w, int k, int order,
@@ -3093,3 +3135,4 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
                  token, weight, s_expert, s_lo, s_hi);
     STAMP(2, 7);
 }
+#endif

@@ -1,8 +1,10 @@
-"""Which kernels' machine code differs between two cubins (nvcc -cubin builds of cuda/moe.cu).
+"""Which kernels' machine code differs between two builds of cuda/moe.cu (nvcc or NVRTC cubins).
 
 Whole cubins differ in their notes even when no kernel does, and the dev machine has no
 cuobjdump; this compares each kernel's `.text.<name>` section of the two ELF files byte for byte.
-Usage: python3 recipes/cubin_diff.py a.cubin b.cubin [--all]"""
+The second build may be several cubins, e.g. the runtime's parts (`kernels.PARTS`, built with
+-DPWCTL_PART=k), whose kernels are then taken together.
+Usage: python3 recipes/cubin_diff.py a.cubin b.cubin [b2.cubin ...] [--all]"""
 
 from __future__ import annotations
 
@@ -28,8 +30,11 @@ def sections(path: Path) -> dict[str, bytes]:
 
 
 def main() -> None:
-    a, b = (sections(Path(p)) for p in sys.argv[1:3])
-    show_all = "--all" in sys.argv[3:]
+    paths = [p for p in sys.argv[1:] if p != "--all"]
+    a, b = sections(Path(paths[0])), {}
+    for p in paths[1:]:
+        b.update((n, text) for n, text in sections(Path(p)).items() if n.startswith(".text."))
+    show_all = "--all" in sys.argv[1:]
     kernels = sorted(n for n in set(a) | set(b) if n.startswith(".text."))
     for n in kernels:
         same = a.get(n) == b.get(n)

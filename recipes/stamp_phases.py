@@ -52,7 +52,7 @@ PREFILL_KINDS = {  # the sm_90a prefill kernels' phases (cuda/moe.cu prefill_wg_
 
 
 def stamps() -> tuple[cupy.ndarray, cupy.ndarray]:
-    mod = kernels.module()
+    mod = kernels.modules()[0]  # PWCTL_CUBIN: one module serves every part
     t = cupy.ndarray((4, CTAS, 16), cupy.uint64, memptr=mod.get_global("pwctl_stamps"))
     sm = cupy.ndarray((4, CTAS), cupy.uint32, memptr=mod.get_global("pwctl_smid"))
     return t, sm

@@ -8,6 +8,8 @@ import ctypes
 import functools
 import itertools
 import re
+import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -1341,18 +1343,67 @@ def test_decode_launches_take_pdl(monkeypatch):
     assert gate_up.early and down.early
 
 
+def test_modules_build_every_part_on_the_callers_device(monkeypatch, tmp_path):
+    """`modules()` builds one RawModule a part of cuda/moe.cu with that part's options, each
+    compiled in a pool thread under the caller's device (CuPy loads a module on the thread's
+    current device); with PWCTL_CUBIN the one cubin serves every part. A stand-in for CuPy
+    records what a GPU run would do."""
+    compiled = []
+    current = threading.local()
+
+    class RawModule:
+        def __init__(self, *, code=None, path=None, options=()):
+            self.code, self.path, self.options = code, path, options
+
+        def compile(self):
+            compiled.append((self.options, getattr(current, "device", None)))
+
+    @contextlib.contextmanager
+    def device(index):
+        current.device = index
+        yield
+        current.device = None
+
+    runtime = SimpleNamespace(getDevice=lambda: 3)
+    cuda = SimpleNamespace(runtime=runtime, Device=device)
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(RawModule=RawModule, cuda=cuda))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
+    monkeypatch.setattr(kernels, "has_wgmma", lambda: False)
+    monkeypatch.delenv("PWCTL_CUBIN", raising=False)
+    kernels.reload()
+    try:
+        mods = kernels.modules()
+        wanted = [kernels.part_options("sm_80", k) for k in range(len(kernels.PARTS))]
+        assert [m.options for m in mods] == wanted
+        assert all(m.code == kernels.CUDA_SRC.read_text() for m in mods)
+        assert sorted(compiled) == sorted((o, 3) for o in wanted)  # each once, on device 3
+        for name in ("gate_up_n8", "down_pnb3", "route_prep", "down_prefill_wg"):
+            assert kernels.module(name) is mods[kernels.PART_OF[name]]
+            assert f"-DPWCTL_PART={kernels.PART_OF[name]}" in kernels.module(name).options
+
+        cubin = tmp_path / "moe.cubin"
+        cubin.write_bytes(b"\x7fELF")
+        monkeypatch.setenv("PWCTL_CUBIN", str(cubin))
+        kernels.reload()
+        mods = kernels.modules()
+        assert len(mods) == len(kernels.PARTS) and {m.path for m in mods} == {str(cubin)}
+        assert len(compiled) == len(wanted)  # a cubin is loaded as it is, never compiled
+    finally:
+        kernels.reload()
+
+
 def test_reload_forgets_the_module_and_its_handles(monkeypatch):
     """An A/B of kernel variants in one process (recipes/perf_kernel_ab.py) must launch the newly
     loaded module's functions, not handles cached from the one before."""
     loads = []
 
     @functools.cache
-    def module():
+    def modules():
         loads.append(len(loads))
         handle = SimpleNamespace(kernel=SimpleNamespace(ptr=len(loads)))  # CUfunction of this load
-        return SimpleNamespace(get_function=lambda name: handle)
+        return (SimpleNamespace(get_function=lambda name: handle),) * len(kernels.PARTS)
 
-    monkeypatch.setattr(kernels, "module", module)
+    monkeypatch.setattr(kernels, "modules", modules)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     kernels.reload()
     try:

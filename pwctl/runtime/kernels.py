@@ -9,16 +9,34 @@ import functools
 import os
 import struct
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
 
+T = TypeVar("T")
+
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
-NVRTC_OPTIONS = ("-std=c++17",)  # and --gpu-architecture (tests/test_nvrtc.py compiles the same)
+NVRTC_OPTIONS = ("-std=c++17",)  # and the arch and part: part_options
+# cuda/moe.cu's parts (its PART_* macros, in this order), each a program of its own: the kernels
+# each holds. Apart, they compile side by side (`modules`).
+PARTS = (
+    ("gate_up_n1", "down_n1", "gate_up_n2", "down_n2"),
+    ("gate_up_n4", "down_n4"),
+    ("gate_up_n8", "down_n8"),
+    ("gate_up_p1", "down_p1", "gate_up_pn", "down_pn"),
+    ("gate_up_p1b3", "down_p1b3", "gate_up_pnb3", "down_pnb3"),
+    ("gate_up_prefill", "down_prefill", "gate_up_prefill_wg", "down_prefill_wg", "token_tiles",
+     "prefill_prep"),
+    ("decode_prep", "route_prep", "popc_planes"),
+)  # fmt: skip
+PART_OF = {name: k for k, names in enumerate(PARTS) for name in names}
 WARPS = 4  # warps per decode CTA (cuda/moe.cu): they split a block's columns
 ROWS = 16  # block rows of one mma m-tile: a gate_up CTA's rows (of gate and of up)
 PREP_THREADS = 256  # decode_prep / route_prep blocks (cuda/moe.cu PREP_THREADS)
@@ -50,7 +68,11 @@ def group_smem(experts: int, pairs: int = 0) -> int:
 
 
 @functools.cache
-def module():
+def modules() -> tuple:
+    """One CuPy RawModule a part of `cuda/moe.cu` (`PARTS`), all compiled on the first call, side
+    by side: NVRTC spends nearly all its time on each kernel's own optimization, one core a
+    program, so one source of every kernel took one core ~4 minutes (docs/KERNELS.md). With
+    PWCTL_CUBIN, that one cubin serves every part."""
     try:
         import cupy
     except ImportError:
@@ -61,13 +83,37 @@ def module():
     if prebuilt:  # development: a cubin built elsewhere (nvcc) skips NVRTC's minutes on a GPU box
         if not Path(prebuilt).is_file():
             raise PwctlError(f"PWCTL_CUBIN={prebuilt}: no such file")
-        return cupy.RawModule(path=prebuilt)
+        return (cupy.RawModule(path=prebuilt),) * len(PARTS)
     if not CUDA_SRC.exists():
         raise PwctlError(f"{CUDA_SRC}: kernel source missing (pwctl must run from its checkout)")
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}" + ("a" if has_wgmma() else "")  # sm_90a: wgmma (prefill)
-    options = NVRTC_OPTIONS + (f"--gpu-architecture={arch}",)
-    return cupy.RawModule(code=CUDA_SRC.read_text(), options=options)
+    code, device = CUDA_SRC.read_text(), cupy.cuda.runtime.getDevice()
+
+    def build(part: int):  # CuPy compiles with the GIL let go, then loads on `device`
+        mod = cupy.RawModule(code=code, options=part_options(arch, part))
+        with cupy.cuda.Device(device):
+            mod.compile()
+        return mod
+
+    return tuple(each_part(build))
+
+
+def part_options(arch: str, part: int) -> tuple[str, ...]:
+    """NVRTC's options for part `part` of `cuda/moe.cu` on `arch` (tests/test_nvrtc.py builds the
+    same)."""
+    return NVRTC_OPTIONS + (f"--gpu-architecture={arch}", f"-DPWCTL_PART={part}")
+
+
+def each_part(build: Callable[[int], T]) -> list[T]:
+    """build(k) for every part k, side by side: a thread a core (NVRTC holds no GIL)."""
+    with ThreadPoolExecutor(min(len(PARTS), os.cpu_count() or 1)) as pool:
+        return list(pool.map(build, range(len(PARTS))))
+
+
+def module(name: str):
+    """The RawModule that holds kernel `name`."""
+    return modules()[PART_OF[name]]
 
 
 @functools.cache
@@ -276,7 +322,7 @@ def _launch_pdl(func: int, grid: tuple, block: tuple, extra: int, shared_mem: in
 
 @functools.cache
 def _function(name: str):
-    return module().get_function(name)
+    return module(name).get_function(name)
 
 
 @functools.cache
@@ -289,7 +335,7 @@ def _handle(name: str, device: int) -> int:
 def reload() -> None:
     """Forget the loaded module and every handle taken from it, so that the next launch loads
     `CUDA_SRC` or `PWCTL_CUBIN` afresh (development A/B of kernel variants in one process)."""
-    for cached in (module, _function, _handle, _opt_in, _occupancy):
+    for cached in (modules, _function, _handle, _opt_in, _occupancy):
         cached.cache_clear()
 
 
