@@ -71,7 +71,7 @@ def group_smem(experts: int, pairs: int = 0) -> int:
 def modules() -> tuple:
     """One CuPy RawModule a part of `cuda/moe.cu` (`PARTS`), all compiled on the first call, side
     by side: NVRTC spends nearly all its time on each kernel's own optimization, one core a
-    program, so one source of every kernel took one core ~4 minutes (docs/KERNELS.md). With
+    program, and one program of every kernel held one core for minutes (docs/KERNELS.md). With
     PWCTL_CUBIN, that one cubin serves every part."""
     try:
         import cupy
