@@ -13,17 +13,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
 
-T = TypeVar("T")
-
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
-NVRTC_OPTIONS = ("-std=c++17",)  # and the arch and part: part_options
 # cuda/moe.cu's parts (its PART_* macros, in this order), each a program of its own: the kernels
 # each holds. Apart, they compile side by side (`modules`).
 PARTS = (
@@ -102,10 +98,10 @@ def modules() -> tuple:
 def part_options(arch: str, part: int) -> tuple[str, ...]:
     """NVRTC's options for part `part` of `cuda/moe.cu` on `arch` (tests/test_nvrtc.py builds the
     same)."""
-    return NVRTC_OPTIONS + (f"--gpu-architecture={arch}", f"-DPWCTL_PART={part}")
+    return ("-std=c++17", f"--gpu-architecture={arch}", f"-DPWCTL_PART={part}")
 
 
-def each_part(build: Callable[[int], T]) -> list[T]:
+def each_part(build: Callable[[int], object]) -> list:
     """build(k) for every part k, side by side: a thread a core (NVRTC holds no GIL)."""
     with ThreadPoolExecutor(min(len(PARTS), os.cpu_count() or 1)) as pool:
         return list(pool.map(build, range(len(PARTS))))
