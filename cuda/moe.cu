@@ -10,22 +10,16 @@
 // element [n][w][4s + i] is column 32w + (s >> 1) + 16(s & 1) + 4i, so that one 16-byte load is a
 // lane's B fragment for two mma k-steps (see `mma_rows`). wpad: words rounded up to 8.
 
-// Parts: kernels.py builds this source once a part (-DPWCTL_PART=k, k indexing kernels.PARTS),
-// all side by side: NVRTC's time is nearly all each kernel's own optimizer work, so parts build in
-// parallel where one source would take one core for minutes (docs/KERNELS.md). Without
-// PWCTL_PART (nvcc builds, probes) the source holds every kernel.
+// Parts: kernels.py builds this source once a part (kernels.PARTS: -DPWCTL_PART=k, and
+// -DPWCTL_WANT_<kernel>=1 for each of the part's kernels), all side by side: NVRTC's time is
+// nearly all each kernel's own optimizer work, so parts build in parallel where one source would
+// take one core for minutes (docs/KERNELS.md). Without PWCTL_PART (nvcc builds, probes) the
+// source holds every kernel. (An undefined PWCTL_WANT_<kernel> reads 0 in #if.)
 #ifdef PWCTL_PART
-#define IN_PART(k) (PWCTL_PART == (k))
+#define WANT(kernel) PWCTL_WANT_##kernel
 #else
-#define IN_PART(k) 1
+#define WANT(kernel) 1
 #endif
-#define PART_N1_N2 IN_PART(0)
-#define PART_N4 IN_PART(1)
-#define PART_N8 IN_PART(2)
-#define PART_POPC4 IN_PART(3)
-#define PART_POPC3 IN_PART(4)
-#define PART_PREFILL IN_PART(5)
-#define PART_PREP IN_PART(6)
 
 // No headers: NVRTC finds none of its own, and fp32 -> fp16 is one PTX instruction.
 __device__ __forceinline__ unsigned short f2h(float f) {
@@ -1037,7 +1031,7 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool 
 // built in the launch that prepares the call (`x_piece`).
 #define POPC_THREADS 1024
 #define POPC_SPLIT 8  // kernels.POPC_SPLIT: a k-step's 8 words
-#if PART_PREP
+#if WANT(popc_planes)
 extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     const unsigned short* src, int wpad, int words, int rows, PopcX* dst,
     const unsigned short* t_src, int t_wpad, int t_words, PopcX* t_dst) {
@@ -2554,7 +2548,7 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
         run = Run{(int)(j * halves / n), (int)((j + 1) * halves / n), t ? runs + 1 + j : j,      \
                   tiles};                                                                        \
     }
-#define ENTRY_AS(NAME, BOUNDS, GATE_UP, DOWN)                                                     \
+#define GATE_UP_ENTRY(NAME, BOUNDS, GATE_UP)                                                      \
     extern "C" __global__ void BOUNDS gate_up_##NAME(                                             \
         PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
         int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, int n_routed, SHARED_SLOT_ARGS,    \
@@ -2568,7 +2562,8 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
                 words_in, wpad_in, t ? t_wpad_out : wpad_out,                                    \
                 t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, px,                            \
                 Split{split_sum, split_ticket});                                                 \
-    }                                                                                            \
+    }
+#define DOWN_ENTRY(NAME, BOUNDS, DOWN)                                                            \
     extern "C" __global__ void BOUNDS down_##NAME(                                                \
         PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,    \
         i64 bits_nbytes, int rpt, int units, int n_routed, SHARED_SLOT_ARGS, const uint4* t_hp, \
@@ -2580,47 +2575,76 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
              t ? t_bits_nbytes : bits_nbytes, t ? t_rpt : rpt, t ? t_units : units,              \
              t ? t_hpx : hpx);                                                                   \
     }
-#define ENTRY(NT, BOUNDS) ENTRY_AS(n##NT, BOUNDS, gate_up<NT>, down<NT>)
 
-#if PART_N1_N2
-ENTRY(1, __launch_bounds__(32 * WARPS))
-ENTRY(2, __launch_bounds__(32 * WARPS, 5))
+// Each kernel under its own guard, so that kernels.PARTS may group them as the compile's times
+// ask (the parentheses hold a template's commas)
+#if WANT(gate_up_n1)
+GATE_UP_ENTRY(n1, __launch_bounds__(32 * WARPS), gate_up<1>)
 #endif
-#if PART_N4
-ENTRY(4, __launch_bounds__(32 * WARPS, 5))
+#if WANT(down_n1)
+DOWN_ENTRY(n1, __launch_bounds__(32 * WARPS), down<1>)
 #endif
-#if PART_N8
-ENTRY(8, __launch_bounds__(32 * WARPS, 4))
+#if WANT(gate_up_n2)
+GATE_UP_ENTRY(n2, __launch_bounds__(32 * WARPS, 5), gate_up<2>)
 #endif
-// one-token calls (the binary tensor-core kernels, 128 registers; the parentheses hold a
-// template's commas)
-#if PART_POPC4
-ENTRY_AS(p1, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, false>), (down_popc<4, false>))
+#if WANT(down_n2)
+DOWN_ENTRY(n2, __launch_bounds__(32 * WARPS, 5), down<2>)
+#endif
+#if WANT(gate_up_n4)
+GATE_UP_ENTRY(n4, __launch_bounds__(32 * WARPS, 5), gate_up<4>)
+#endif
+#if WANT(down_n4)
+DOWN_ENTRY(n4, __launch_bounds__(32 * WARPS, 5), down<4>)
+#endif
+#if WANT(gate_up_n8)
+GATE_UP_ENTRY(n8, __launch_bounds__(32 * WARPS, 4), gate_up<8>)
+#endif
+#if WANT(down_n8)
+DOWN_ENTRY(n8, __launch_bounds__(32 * WARPS, 4), down<8>)
+#endif
+// one-token calls (the binary tensor-core kernels, 128 registers)
+#if WANT(gate_up_p1)
+GATE_UP_ENTRY(p1, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, false>))
+#endif
+#if WANT(down_p1)
+DOWN_ENTRY(p1, __launch_bounds__(32 * WARPS, 4), (down_popc<4, false>))
 #endif
 // up to 3 bits: 2 registers a subset (popc_regs), 80 registers, 6 CTAs an SM (session 23; with 4
 // a subset: 96 registers and 5 CTAs, and at 6 it spilled and was slower on Mixtral)
-#if PART_POPC3
-ENTRY_AS(p1b3, __launch_bounds__(32 * WARPS, 6), (gate_up_popc<3, false>), (down_popc<3, false>))
+#if WANT(gate_up_p1b3)
+GATE_UP_ENTRY(p1b3, __launch_bounds__(32 * WARPS, 6), (gate_up_popc<3, false>))
+#endif
+#if WANT(down_p1b3)
+DOWN_ENTRY(p1b3, __launch_bounds__(32 * WARPS, 6), (down_popc<3, false>))
 #endif
 // calls of 2..POPC_MAX_TOKENS tokens: one-token slots on the binary mma, the others the lookup
-#if PART_POPC4
-ENTRY_AS(pn, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, true>), (down_popc<4, true>))
+#if WANT(gate_up_pn)
+GATE_UP_ENTRY(pn, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, true>))
 #endif
-#if PART_POPC3
-ENTRY_AS(pnb3, __launch_bounds__(32 * WARPS, 5), (gate_up_popc<3, true>), (down_popc<3, true>))
+#if WANT(down_pn)
+DOWN_ENTRY(pn, __launch_bounds__(32 * WARPS, 4), (down_popc<4, true>))
+#endif
+#if WANT(gate_up_pnb3)
+GATE_UP_ENTRY(pnb3, __launch_bounds__(32 * WARPS, 5), (gate_up_popc<3, true>))
+#endif
+#if WANT(down_pnb3)
+DOWN_ENTRY(pnb3, __launch_bounds__(32 * WARPS, 5), (down_popc<3, true>))
 #endif
 
-#if PART_PREFILL
+#if WANT(gate_up_prefill)
 extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) gate_up_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in, int wpad_in,
     int wpad_out, i64 bits_nbytes, int rpt, int passes) {
     gate_up_prefill(PAGED, SLOTS, xf, hp, I, words_in, wpad_in, wpad_out, bits_nbytes, rpt, passes);
 }
+#endif
+#if WANT(down_prefill)
 extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) down_prefill(
     PAGED_ARGS, SLOT_ARGS, const uint4* hp, float* out, int H, int words_in, int wpad_in,
     i64 bits_nbytes, int rpt, int passes) {
     down_prefill(PAGED, SLOTS, hp, out, H, words_in, wpad_in, bits_nbytes, rpt, passes);
 }
+#endif
 
 // sm_90a only (the launcher checks the device); elsewhere they compile to a trap.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -2628,12 +2652,15 @@ extern "C" __global__ void __launch_bounds__(32 * PF_WARPS) down_prefill(
 #else
 #define WG_BODY(call) __trap();
 #endif
+#if WANT(gate_up_prefill_wg)
 extern "C" __global__ void __launch_bounds__(128, 2) gate_up_prefill_wg(
     PAGED_ARGS, SLOT_ARGS, const unsigned short* x, unsigned short* hp, int I, int words_in,
     int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, const int* tile_info) {
     WG_BODY(gate_up_prefill_wg(PAGED, SLOTS, x, hp, I, words_in, wpad_in, wpad_out, bits_nbytes,
                                rpt, tile_info))
 }
+#endif
+#if WANT(down_prefill_wg)
 extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
     PAGED_ARGS, SLOT_ARGS, const unsigned short* hp, float* out, int H, int words_in, int wpad_in,
     i64 bits_nbytes, int rpt, const int* tile_info, int sk, int row_tiles, int tiles) {
@@ -2647,7 +2674,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) down_prefill_wg(
 // [T, H]) in wgmma order, laid out as `PrefillWG::b` holds it (the inverse of `tile_pos`). A
 // thread writes one 16-byte unit: 8 k of one token's k-step. Tiles past the last real one (slot
 // -1 in tile_info) are left unwritten: no CTA reads them.
-#if PART_PREFILL
+#if WANT(token_tiles)
 extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad, const int* token,
                                        const int* s_lo, const int* s_hi, const int* tile_info,
                                        uint4* xt) {
@@ -2846,7 +2873,7 @@ __device__ void lay_out_x(const unsigned short* x, int T, int H, int wpad, unsig
     for (int i = first; i < out_n; i += stride) out[i] = 0.f;
 }
 
-#if PART_PREP
+#if WANT(decode_prep)
 extern "C" __global__ void decode_prep(const i64* index, const float* weights, int pairs, int k,
                                        int experts, int slots, int* token, float* weight,
                                        int* s_expert, int* s_lo, int* s_hi,
@@ -2884,7 +2911,7 @@ __device__ void plan_tiles(const int* s_lo, const int* s_hi, int slots, int* til
 // small torch launches before, which left eager prefill host-bound: docs/PERF.md, session 14).
 // Block 0 groups the pairs (`group_pairs`), then its first warp plans the token tiles; the other
 // blocks zero `out`.
-#if PART_PREFILL
+#if WANT(prefill_prep)
 extern "C" __global__ void prefill_prep(const i64* index, const float* weights, int pairs, int k,
                                         int experts, int slots, int* token, float* weight,
                                         int* s_expert, int* s_lo, int* s_hi, int* tile_info,
@@ -3068,7 +3095,7 @@ __device__ void route_token(const float* logits, int experts, int k, int order, 
     }
 }
 
-#if PART_PREP
+#if WANT(route_prep)
 extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
                                       const unsigned short* gate_w, int experts,
                                       const unsigned short* shared_gate_w, int k, int order,

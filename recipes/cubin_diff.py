@@ -2,9 +2,10 @@
 
 Whole cubins differ in their notes even when no kernel does, and the dev machine has no
 cuobjdump; this compares each kernel's `.text.<name>` section of the two ELF files byte for byte.
-The second build may be several cubins, e.g. the runtime's parts (`kernels.PARTS`, built with
--DPWCTL_PART=k), whose kernels are then taken together.
-Usage: python3 recipes/cubin_diff.py a.cubin b.cubin [b2.cubin ...] [--all]"""
+Either build may be several cubins, e.g. the runtime's parts (`kernels.PARTS`, each built with
+`kernels.part_options`), whose kernels are then taken together: the first build's joined by
+commas, the second's as the arguments after it.
+Usage: python3 recipes/cubin_diff.py a.cubin[,a2.cubin ...] b.cubin [b2.cubin ...] [--all]"""
 
 from __future__ import annotations
 
@@ -29,11 +30,17 @@ def sections(path: Path) -> dict[str, bytes]:
     return out
 
 
+def kernel_texts(paths: list[str]) -> dict[str, bytes]:
+    """The `.text.<kernel>` sections of one build's cubins, taken together."""
+    texts = {}
+    for p in paths:
+        texts.update((n, t) for n, t in sections(Path(p)).items() if n.startswith(".text."))
+    return texts
+
+
 def main() -> None:
     paths = [p for p in sys.argv[1:] if p != "--all"]
-    a, b = sections(Path(paths[0])), {}
-    for p in paths[1:]:
-        b.update((n, text) for n, text in sections(Path(p)).items() if n.startswith(".text."))
+    a, b = kernel_texts(paths[0].split(",")), kernel_texts(paths[1:])
     show_all = "--all" in sys.argv[1:]
     kernels = sorted(n for n in set(a) | set(b) if n.startswith(".text."))
     for n in kernels:

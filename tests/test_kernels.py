@@ -78,8 +78,10 @@ def test_decode_tiles_cover_every_decode_token_count():
         assert 8 * nt >= T and all(8 * n < T for n in smaller)
     with pytest.raises(ValueError, match="at most 64"):
         kernels.n_tiles(kernels.DECODE_MAX_TOKENS + 1)
-    entries = re.findall(r"^ENTRY\((\d+)[,)]", kernels.CUDA_SRC.read_text(), re.MULTILINE)
-    assert sorted(int(n) for n in entries) == list(kernels.DECODE_TILES)
+    src = kernels.CUDA_SRC.read_text()
+    for entry in ("GATE_UP_ENTRY", "DOWN_ENTRY"):
+        tiles = re.findall(rf"^{entry}\(n(\d+),", src, re.MULTILINE)
+        assert sorted(int(n) for n in tiles) == list(kernels.DECODE_TILES)
 
 
 def test_launchers_size_the_grouping_as_the_kernels_do():
@@ -1379,7 +1381,9 @@ def test_modules_build_every_part_on_the_callers_device(monkeypatch, tmp_path):
         assert sorted(compiled) == sorted((o, 3) for o in wanted)  # each once, on device 3
         for name in ("gate_up_n8", "down_pnb3", "route_prep", "down_prefill_wg"):
             assert kernels.module(name) is mods[kernels.PART_OF[name]]
-            assert f"-DPWCTL_PART={kernels.PART_OF[name]}" in kernels.module(name).options
+            assert f"-DPWCTL_WANT_{name}=1" in kernels.module(name).options
+            others = [m for m in mods if m is not kernels.module(name)]
+            assert not any(f"-DPWCTL_WANT_{name}=1" in m.options for m in others)
 
         cubin = tmp_path / "moe.cubin"
         cubin.write_bytes(b"\x7fELF")

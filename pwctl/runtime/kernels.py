@@ -20,17 +20,20 @@ import torch
 from pwctl.errors import PwctlError
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
-# cuda/moe.cu's parts (its PART_* macros, in this order), each a program of its own: the kernels
-# each holds. Apart, they compile side by side (`modules`).
+# cuda/moe.cu's parts, each a program of its own: the kernels each holds (each kernel has its own
+# guard there, so any grouping builds). Apart, they compile side by side (`modules`), grouped by
+# each kernel's own NVRTC time so that no part takes much longer than the slowest kernel,
+# `gate_up_n8`, alone; it comes first, so that a machine of fewer cores starts it first
+# (docs/PERF.md, session 38).
 PARTS = (
-    ("gate_up_n1", "down_n1", "gate_up_n2", "down_n2"),
+    ("gate_up_n8",),
     ("gate_up_n4", "down_n4"),
-    ("gate_up_n8", "down_n8"),
-    ("gate_up_p1", "down_p1", "gate_up_pn", "down_pn"),
-    ("gate_up_p1b3", "down_p1b3", "gate_up_pnb3", "down_pnb3"),
-    ("gate_up_prefill", "down_prefill", "gate_up_prefill_wg", "down_prefill_wg", "token_tiles",
-     "prefill_prep"),
-    ("decode_prep", "route_prep", "popc_planes"),
+    ("down_n8", "gate_up_pn"),
+    ("gate_up_n2", "gate_up_p1", "gate_up_p1b3"),
+    ("gate_up_prefill", "down_prefill", "gate_up_prefill_wg", "down_prefill_wg"),
+    ("gate_up_pnb3", "down_pn", "down_pnb3", "down_p1", "down_p1b3"),
+    ("gate_up_n1", "down_n1", "down_n2", "token_tiles", "prefill_prep", "decode_prep",
+     "route_prep", "popc_planes"),
 )  # fmt: skip
 PART_OF = {name: k for k, names in enumerate(PARTS) for name in names}
 WARPS = 4  # warps per decode CTA (cuda/moe.cu): they split a block's columns
@@ -96,9 +99,10 @@ def modules() -> tuple:
 
 
 def part_options(arch: str, part: int) -> tuple[str, ...]:
-    """NVRTC's options for part `part` of `cuda/moe.cu` on `arch` (tests/test_nvrtc.py builds the
-    same)."""
-    return ("-std=c++17", f"--gpu-architecture={arch}", f"-DPWCTL_PART={part}")
+    """NVRTC's options for part `part` of `cuda/moe.cu` on `arch`: the part's kernels wanted, the
+    others left out (tests/test_nvrtc.py builds the same)."""
+    wanted = tuple(f"-DPWCTL_WANT_{name}=1" for name in PARTS[part])
+    return ("-std=c++17", f"--gpu-architecture={arch}", f"-DPWCTL_PART={part}", *wanted)
 
 
 def each_part(build: Callable[[int], object]) -> list:
