@@ -41,6 +41,8 @@ def run(
     from pwctl.runtime.server import run_server
     from pwctl.runtime.worker import EngineWorker
 
+    if experts_for(pol, device) == "paged":
+        console.print("loading; a first run on this machine compiles the CUDA kernels (~2 min)")
     engine = Engine(
         open_pack(pack), device, serving_dtype(device), experts=experts_for(pol, device)
     )

@@ -530,6 +530,8 @@ class FusedMoE:
         self._routing: dict[tuple[int, bool], Routing] = {}
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
+        if on_cuda:  # every kernel compiled (or found in CuPy's cache) now, while the model loads,
+            kernels.modules()  # not in a first request's step (104 s on a fresh H200 machine)
         self._launches: dict[tuple[int, int, bool, str], DecodeLaunch] = {}
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
