@@ -660,7 +660,7 @@ __device__ __forceinline__ void store_h(unsigned short* hp, int pair, int row, i
     hp[(i64)pair * wpad * 32 + off] = f2h(row < I ? silu(gate) * up : 0.f);
 }
 
-// Where a CTA is: blockIdx.x = row tile, `slot` = its slot in its group (ENTRY: blockIdx.y less
+// Where a CTA is: blockIdx.x = row tile, `slot` = its slot in its group (*_ENTRY: blockIdx.y less
 // the routed slots for the shared expert's), blockIdx.z: k-split of down.
 struct Tile {
     int slot, lo, T, base, row0;  // base: the pass's first token of the slot (prefill)
@@ -680,8 +680,8 @@ __device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta, int sl
 
 // A gate_up CTA's work: halves [a, b) of its group's tiles (tile `at`, slot at / tiles, is halves
 // 2 at and 2 at + 1, which take alternate chunks of its columns). On the per-tile grid, one tile.
-// One-token calls of more tiles than a wave run a persistent grid instead (ENTRY's RUN, a wave
-// of CTAs, `runs` of them routed): CTA j takes the j-th of `runs` equal shares of the routed
+// One-token calls of more tiles than a wave run a persistent grid instead (GATE_UP_ENTRY's RUN,
+// a wave of CTAs, `runs` of them routed): CTA j takes the j-th of `runs` equal shares of the routed
 // tiles' halves, so that every CTA gets the same work to within a half (a Mixtral layer's 1792
 // tiles on 528 CTAs: 6 or 7 halves), and each tile after its first stages without a chain of
 // loads (`restage`); the CTAs after them share the shared expert's tiles the same way. A share

@@ -71,7 +71,7 @@ def test_group_sorts_pairs_by_expert():
 
 def test_decode_tiles_cover_every_decode_token_count():
     # the smallest compiled tile that holds T tokens, for every T the decode path takes, and an
-    # ENTRY in cuda/moe.cu for every tile the launcher may name
+    # entry (GATE_UP_ENTRY, DOWN_ENTRY) in cuda/moe.cu for every tile the launcher may name
     for T in range(1, kernels.DECODE_MAX_TOKENS + 1):
         nt = kernels.n_tiles(T)
         smaller = [n for n in kernels.DECODE_TILES if n < nt]
@@ -1129,7 +1129,7 @@ def test_prepared_launch_fills_its_holes_each_call(monkeypatch):
 
 def _kernel_params(name: str) -> list[str]:
     """The parameter names of kernel `name` in cuda/moe.cu (`down_##NAME`: the decode kernels'
-    ENTRY macro), its argument-list macros expanded."""
+    DOWN_ENTRY macro), its argument-list macros expanded."""
     src = kernels.CUDA_SRC.read_text().replace("\\\n", " ")
     sig = src[src.index(f" {name}(") :].split(")", 1)[0].split("(", 1)[1]
     for macro in ("PAGED_ARGS", "SHARED_SLOT_ARGS", "SLOT_ARGS"):

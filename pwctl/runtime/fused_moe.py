@@ -492,7 +492,7 @@ DOWN_ONE_WAVE = True
 @dataclass(frozen=True)
 class DecodeLaunch:
     """The shape side of a decode call's two launches: grids, and the scalar arguments around
-    the pointers (cuda/moe.cu ENTRY: the routed group's after x / h, the shared expert's after
+    the pointers (cuda/moe.cu *_ENTRY: the routed group's after x / h, the shared expert's after
     its own pointers). Made once per (layer, routed slots, shared expert): an eager decode is
     host-bound."""
 
@@ -710,7 +710,7 @@ class FusedMoE:
     ):
         """<= 64 tokens, x already in fragment order (`prepare_decode`): one token pass, no host
         sync (graph-capturable). Each kernel covers the routed slots and, when there is one, the
-        shared expert's slot in one launch (cuda/moe.cu ENTRY): the shared expert streams beside
+        shared expert's slot in one launch (cuda/moe.cu *_ENTRY): the shared expert streams beside
         the routed ones, its CTAs numbered through grid rows after the routed slots'. With x's
         pieces (`_x_pieces`, built by the prep launch) the popc kernels run instead."""
         gate_up, down = self._decode_launches(layer, xf, pairs, shared, px)
@@ -859,7 +859,7 @@ class FusedMoE:
     def _decode_launch(
         self, layer: int, n_routed: int, with_shared: bool, kind: str
     ) -> DecodeLaunch:
-        """Grids and shape arguments of a decode call's two launches (cuda/moe.cu ENTRY): fixed
+        """Grids and shape arguments of a decode call's two launches (cuda/moe.cu *_ENTRY): fixed
         by the layer, its routed slot count, whether a shared expert rides along and the
         kernels. One-token calls (every slot live) run gate_up on a persistent grid
         (`kernels.gate_up_runs`), its CTAs shared by the routed tiles and the shared expert's

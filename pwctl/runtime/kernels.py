@@ -45,7 +45,7 @@ POPC_SPLIT = 8  # popc_planes CTAs a piece: one for each word of a k-step
 # Mixtral, H200: 1.15x the lookup kernels at 6 tokens and 4 bits, even at 8 (docs/PERF.md s17)
 POPC_MAX_TOKENS = 8
 POPC_MAX_BITS = 4  # widest block their binary mma reads (gate_up_popc<4>; wider: their lookup)
-DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu ENTRY)
+DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu *_ENTRY)
 PREFILL_TOKENS = 128  # tokens of one slot per prefill pass (cuda/moe.cu PF_TOKENS)
 PREFILL_ROWS = {"gate_up": 32, "down": 64}  # block rows per prefill CTA (both prefill kernels)
 STAGE_BYTES = 128 * 24 + 16 * 256 * 2  # sizeof(Stage): 16 rows x 8 planes of RowPtr, tables
@@ -434,7 +434,7 @@ def balanced_split(
 
 @dataclass(frozen=True)
 class DownGroup:
-    """One group of a decode `down` grid (cuda/moe.cu ENTRY): m-tiles a CTA, CTAs a slot's rows
+    """One group of a decode `down` grid (cuda/moe.cu DOWN_ENTRY): m-tiles a CTA, CTAs a slot's rows
     (one a `units` m-tiles), CTAs sharing a tile's columns."""
 
     units: int
