@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="pwctl-nvrtc-")  # before CuPy reads it
 
 import cupy  # noqa: E402
-import torch  # noqa: E402
 
 from pwctl.runtime import kernels  # noqa: E402
 
@@ -28,15 +27,14 @@ def programs(mode: str, arch: str) -> list[tuple[str, tuple[str, ...]]]:
     if mode == "parts":
         return [(f"part {k}: {' '.join(names)}", kernels.part_options(arch, k))
                 for k, names in enumerate(kernels.PARTS)]  # fmt: skip
-    base = ("-std=c++17", f"--gpu-architecture={arch}", "-DPWCTL_PART=0")
-    return [(name, (*base, f"-DPWCTL_WANT_{name}=1")) for part in kernels.PARTS for name in part]
+    names = [name for part in kernels.PARTS for name in part]
+    return [(name, kernels.program_options(arch, [name])) for name in names]
 
 
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "parts"
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else os.cpu_count() or 1
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}" + ("a" if kernels.has_wgmma() else "")
+    arch = kernels.device_arch()
     code = kernels.CUDA_SRC.read_text()
 
     def build(program: tuple[str, tuple[str, ...]]) -> tuple[str, float]:

@@ -41,11 +41,10 @@ def run(
     from pwctl.runtime.server import run_server
     from pwctl.runtime.worker import EngineWorker
 
-    if experts_for(pol, device) == "paged":
+    experts = experts_for(pol, device)
+    if experts == "paged":
         console.print("loading; a first run on this machine compiles the CUDA kernels (~2 min)")
-    engine = Engine(
-        open_pack(pack), device, serving_dtype(device), experts=experts_for(pol, device)
-    )
+    engine = Engine(open_pack(pack), device, serving_dtype(device), experts=experts)
     cfg = BatchConfig(max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len)
     batcher = engine.start_batching(pol, memory_budget, cfg)
     m = batcher.metrics()

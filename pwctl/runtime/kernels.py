@@ -9,7 +9,7 @@ import functools
 import os
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -85,9 +85,7 @@ def modules() -> tuple:
         return (cupy.RawModule(path=prebuilt),) * len(PARTS)
     if not CUDA_SRC.exists():
         raise PwctlError(f"{CUDA_SRC}: kernel source missing (pwctl must run from its checkout)")
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"sm_{major}{minor}" + ("a" if has_wgmma() else "")  # sm_90a: wgmma (prefill)
-    code, device = CUDA_SRC.read_text(), cupy.cuda.runtime.getDevice()
+    arch, code, device = device_arch(), CUDA_SRC.read_text(), cupy.cuda.runtime.getDevice()
 
     def build(part: int):  # CuPy compiles with the GIL let go, then loads on `device`
         mod = cupy.RawModule(code=code, options=part_options(arch, part))
@@ -98,11 +96,24 @@ def modules() -> tuple:
     return tuple(each_part(build))
 
 
-def part_options(arch: str, part: int) -> tuple[str, ...]:
-    """NVRTC's options for part `part` of `cuda/moe.cu` on `arch`: the part's kernels wanted, the
-    others left out (tests/test_nvrtc.py builds the same)."""
-    wanted = tuple(f"-DPWCTL_WANT_{name}=1" for name in PARTS[part])
+def device_arch() -> str:
+    """What NVRTC builds for the current device: sm_90a on Hopper (wgmma: the prefill), sm_XY
+    elsewhere."""
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}" + ("a" if has_wgmma() else "")
+
+
+def program_options(arch: str, names: Iterable[str], part: int = 0) -> tuple[str, ...]:
+    """NVRTC's options for a program of `cuda/moe.cu` on `arch` that holds kernels `names` (the
+    others left out); `part` only labels it."""
+    wanted = tuple(f"-DPWCTL_WANT_{name}=1" for name in names)
     return ("-std=c++17", f"--gpu-architecture={arch}", f"-DPWCTL_PART={part}", *wanted)
+
+
+def part_options(arch: str, part: int) -> tuple[str, ...]:
+    """NVRTC's options for part `part` of `cuda/moe.cu` on `arch` (tests/test_nvrtc.py builds the
+    same)."""
+    return program_options(arch, PARTS[part], part)
 
 
 def each_part(build: Callable[[int], object]) -> list:
