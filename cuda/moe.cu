@@ -1105,8 +1105,8 @@ __device__ __forceinline__ u32 subset_and(const u32 (&w)[B]) {
 // negative), and the fold multiplies by 2^g (exact: a piece's |acc| <= 32 * 256 * 257 < 2^22).
 // Half the registers across the loop for two integer operations a subset and chunk (popc_regs
 // says which builds take it).
-template <int B, int R, bool TWO, int S = 1>
-__device__ __forceinline__ void popc_step(int (&acc)[16][R], int k8, const uint4& a0,
+template <int B, int R, bool TWO, int S = 1, int NS>
+__device__ __forceinline__ void popc_step(int (&acc)[NS][R], int k8, const uint4& a0,
                                           const u32 (&lo0)[B], const u32 (&hi0)[B],
                                           const uint4& a1, const u32 (&lo1)[B],
                                           const u32 (&hi1)[B]) {
@@ -1130,9 +1130,9 @@ __device__ __forceinline__ void popc_step(int (&acc)[16][R], int k8, const uint4
 // k-steps; the warp takes units part, part + parts, ... of the piece.
 // rp: 8 plane pointers, the lane's row's words `at` on from theirs (`lane_rows`). HOLD: rows that
 // lie in one slab stream from pointers held in registers (below).
-template <int B, int R, bool HOLD>
+template <int B, int R, bool HOLD, int NS>
 __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, int base, int part,
-                          int parts, const PopcX* px, int (&acc)[16][R]) {
+                          int parts, const PopcX* px, int (&acc)[NS][R]) {
     const int lane = threadIdx.x & 31, t = lane & 3, chunks = words / 16;
     const int k8 = lane >> 2 == 7 ? -256 : 256;  // R = 2: x plane g + 8's weight against g's
     const int u_end = min(chunks, k1 / 2);
@@ -1266,8 +1266,8 @@ __device__ __forceinline__ void group_coefs(const unsigned short (*tbl)[MAX_TABL
 // its 8-row group, whose tables are tbl), f[1] (row 2t + 1): acc[S] as popc_step leaves it. The
 // empty subset's term goes in once a row: lanes g = 0 of the `first` warp. COOP: coefficients by
 // `group_coefs`, in coef (the warp's scratch, 128 floats), else by `row_coef`.
-template <int B, int R, bool COOP>
-__device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned short (*tbl)[MAX_TABLE],
+template <int B, int R, bool COOP, int NS>
+__device__ __forceinline__ void popc_fold(int (&acc)[NS][R], const unsigned short (*tbl)[MAX_TABLE],
                                           const PopcX* px, int i0, int i1, bool first,
                                           double (&f)[2], float* coef) {
 #ifdef PWCTL_PROBE_NOFOLD  // timing probe, never built by pwctl: the sums, not the fold
@@ -1293,7 +1293,7 @@ __device__ __forceinline__ void popc_fold(int (&acc)[16][R], const unsigned shor
     #pragma unroll
     for (int r = 0; r < 2; ++r) {  // one row's coefficients in registers at a time
         float own[1 << B] = {};
-        if constexpr (!COOP) row_coef<B>(tbl[2 * t + r], own);
+        if constexpr (!COOP) row_coef<B>(tbl[2 * t + r] + table_shift(B, r), own);  // (row parity r)
 #ifdef PWCTL_PROBE_NOCOEF  // timing probe, never built by pwctl: no tables, no Moebius transform
         const auto c = [&](int S) { return 1.f + S * r; };
 #else
@@ -1327,7 +1327,7 @@ __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
                                            int words, int k0, int k1, int base, int part,
                                            int parts, const PopcX* px, double (&f)[2],
                                            float* coef, bool landing = false) {
-    int acc[16][R] = {};
+    int acc[1 << MAXB][R] = {};  // a subset of the MAXB planes each (acc[0] unused)
     switch (B) {
 #define POPC_CASE(W)                                                                              \
     case W:                                                                                       \
@@ -1337,7 +1337,7 @@ __device__ __forceinline__ void popc_piece(int B, const RowPtr* rp, int at,
             popc_fold<W, R, COOP>(acc, tbl, px, k0 - base, k1 - base, part == 0, f, coef);        \
         }                                                                                         \
         break;
-        POPC_CASE(1) POPC_CASE(2) POPC_CASE(3) POPC_CASE(4)
+        POPC_CASE(1) POPC_CASE(2) POPC_CASE(3) POPC_CASE(4) POPC_CASE(5)
 #undef POPC_CASE
     }
 }
@@ -1396,7 +1396,7 @@ __device__ bool split_join(const Split& sp, const TileEnd& c, float (&rows)[2][R
 // elsewhere the fragment's 4 (the 4-bit builds were 1.5-2% slower with 2 at 4 CTAs and spilled at
 // 5; `pnb3` at 6 CTAs was 3% slower in the routed 4-token call; docs/PERF.md, session 23).
 __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
-    return maxb <= 3 && !few ? 2 : 4;
+    return maxb != 4 && !few ? 2 : 4;  // (the 5-bit build's 31 subsets: 2 registers a subset)
 }
 
 // Which builds fold with `group_coefs` (popc_fold's COOP): the few-token one up to 3 bits.
@@ -2618,6 +2618,18 @@ GATE_UP_ENTRY(p1b3, __launch_bounds__(32 * WARPS, 6), (gate_up_popc<3, false>))
 DOWN_ENTRY(p1b3, __launch_bounds__(32 * WARPS, 6), (down_popc<3, false>))
 #endif
 // calls of 2..POPC_MAX_TOKENS tokens: one-token slots on the binary mma, the others the lookup
+// up to 5 bits: 31 subsets at 2 registers each (popc_regs), for one-token layers with blocks
+// wider than 4 bits, whose 5-bit blocks the other builds read by the lookup. 3 CTAs an SM: 168
+// registers and ~130 bytes of spills (NVRTC 13, sm_90a); at 4, ~750 bytes; at 2, 252 and none
+#ifndef P1B5_CTAS
+#define P1B5_CTAS 3
+#endif
+#if WANT(gate_up_p1b5)
+GATE_UP_ENTRY(p1b5, __launch_bounds__(32 * WARPS, P1B5_CTAS), (gate_up_popc<5, false>))
+#endif
+#if WANT(down_p1b5)
+DOWN_ENTRY(p1b5, __launch_bounds__(32 * WARPS, P1B5_CTAS), (down_popc<5, false>))
+#endif
 #if WANT(gate_up_pn)
 GATE_UP_ENTRY(pn, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, true>))
 #endif

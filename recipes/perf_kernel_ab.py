@@ -7,9 +7,11 @@ A variant `x.cubin@runs=N@down=K@slab=S` runs x with FusedMoE.gate_up_runs = N (
 one-token gate_up's persistent grid; 0: one CTA a tile), down_split = K (CTAs sharing a down
 tile's columns), and the synthetic layers paged over slabs of S bytes instead of the pager's
 choice; `@popc=1` puts decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels,
-`@popc=0` on the lookup (FusedMoE.popc_decode; without it, the launcher's rule); `@dwave=0`
-turns off down's one-wave plan beside a shared expert (fused_moe.DOWN_ONE_WAVE); `@sk=1` / `@sk=0`
-puts the sm_90a prefill's down on its stream-K wave or one CTA a unit (fused_moe.DOWN_STREAM_K).
+`@popc=0` on the lookup (FusedMoE.popc_decode; without it, the launcher's rule); `@b5=0` keeps
+one-token layers with blocks wider than 4 bits off the 5-bit popc build (fused_moe.POPC_B5);
+`@dwave=0` turns off down's one-wave plan beside a shared expert (fused_moe.DOWN_ONE_WAVE);
+`@sk=1` / `@sk=0` puts the sm_90a prefill's down on its stream-K wave or one CTA a unit
+(fused_moe.DOWN_STREAM_K).
 Usage (GPU machine):
   python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
@@ -44,6 +46,7 @@ def main() -> None:
             fused_moe.DOWN_STREAM_K = {"1": True, "0": False}.get(knob.get("sk", ""))
             slab = int(knob["slab"]) if "slab" in knob else None
             fused_moe.POPC_DECODE = {"1": True, "0": False}.get(knob.get("popc", ""))
+            fused_moe.POPC_B5 = knob.get("b5", "1") != "0"
             bench.synthetic_layer = functools.partial(SYNTHETIC, slab_bytes=slab)
             if path.endswith(".cubin"):
                 os.environ["PWCTL_CUBIN"] = str(Path(path).resolve())

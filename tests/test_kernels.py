@@ -368,8 +368,9 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     gives x's pieces to the prep launch (8 more blocks a piece) and takes gate_up_p1,
     popc_planes (h of both groups: a warp a k-step of the longest piece), down_p1, or their
     3-bit builds when no block of the layer is wider than 3 bits; calls of up to POPC_MAX_TOKENS
-    tokens take gate_up_pn / down_pn (pnb3); more tokens, the flag off, or no block of the layer
-    at 4 bits or less, no pieces and the lookup kernels."""
+    tokens take gate_up_pn / down_pn (pnb3); one token with a block wider than 4 bits, the 5-bit
+    build (p1b5); more tokens, the flag off, or no block of the layer the build's binary mma
+    reads (4 bits, one token 5), no pieces and the lookup kernels."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch_packed", record)
@@ -426,7 +427,18 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     widths[moe._layer_blocks[0][0]] = 4
     layer.set_widths(widths)
     assert [n for n, _, _ in decode(2, True)][1] == "gate_up_pn"
+    # one token with a block wider than 4 bits: the 5-bit build, while any block is 5 bits or
+    # less (blocks past 5 take its lookup); every block wider: the lookup kernels
+    names = [n for n, _, _ in decode(1, True)]
+    assert names == ["decode_prep", "gate_up_p1b5", "popc_planes", "down_p1b5"]
     layer.set_widths(np.full(layer.table.n_blocks, 5))
+    names = [n for n, _, _ in decode(1, True)]
+    assert names == ["decode_prep", "gate_up_p1b5", "popc_planes", "down_p1b5"]
+    monkeypatch.setattr(fused_moe, "POPC_B5", False)  # off: 5 bits past the 4-bit build
+    names = [n for n, _, _ in decode(1, True)]
+    assert names == ["decode_prep", "gate_up_n1", "down_n1"]
+    monkeypatch.setattr(fused_moe, "POPC_B5", True)
+    layer.set_widths(np.full(layer.table.n_blocks, 6))
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
 
@@ -558,15 +570,18 @@ def test_prefill_down_on_its_stream_k_wave_matches_reference(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_token_kernels_match_reference_and_lookup(shape):
-    """One-token calls on the binary tensor-core kernels (gate_up_p1 / down_p1, and the p1b3
-    builds the launcher takes up to 3 bits) and on the lookup ones, every real shape: against the
-    reference at every width, mixed widths, and with outlier channels in x (x is 16-bit fixed
-    point there). p1b3 also runs on layers with wider blocks (a graph captured before the pager
-    widened them), which its lookup path reads."""
+    """One-token calls on the binary tensor-core kernels (gate_up_p1 / down_p1, the p1b3
+    builds the launcher takes up to 3 bits and the p1b5 ones past 4) and on the lookup ones,
+    every real shape: against the reference at every width, mixed widths, and with outlier
+    channels in x (x is 16-bit fixed point there). Each build also runs on layers of other
+    widths (a graph captured before the pager moved them): p1b3 and p1 on wider blocks, which
+    their lookup path reads, p1b5 on narrower ones and on 8 bits."""
     layer = synthetic_layer(SHAPES[shape], seed=3)
     t = layer.table
     rng = np.random.default_rng(3)
-    for width in ["1", "2", "3", "4", "5", "mixed"]:
+    forced = {"3": ["p1b5"], "4": ["p1b3", "p1b5"], "5": ["p1"], "8": ["p1b5"]}
+    forced["mixed"] = ["p1b3", "p1", "p1b5"]
+    for width in ["1", "2", "3", "4", "5", "8", "mixed"]:
         w = rng.integers(t.min_bits, t.max_bits + 1, t.n_blocks) if width == "mixed" else int(width)
         if width != "mixed" and not t.min_bits <= w <= t.max_bits:
             continue
@@ -580,11 +595,11 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
                 layer.moe.popc_decode = on
                 _poison(layer.moe)
                 got[on] = layer.moe(0, x, weights, index, scale)
-            if width in ("4", "mixed"):  # the 3-bit build on blocks up to 5 bits: their lookup
+            for kind in forced.get(width, []):  # a build on widths it was not chosen for
                 layer.moe.popc_decode = True
-                layer.moe._popc_kind = lambda layer_, T: "p1b3"
+                layer.moe._popc_kind = lambda layer_, T, kind=kind: kind
                 _poison(layer.moe)
-                got["p1b3"] = layer.moe(0, x, weights, index, scale)
+                got[kind] = layer.moe(0, x, weights, index, scale)
                 del layer.moe._popc_kind
             torch.cuda.synchronize()
             for on, y in got.items():

@@ -18,7 +18,7 @@ from pwctl.runtime import kernels
 LAUNCHED = (
     ["decode_prep", "route_prep", "prefill_prep", "token_tiles", "popc_planes"]
     + [f"{k}_{n}" for k in ("gate_up", "down") for n in ("n1", "n2", "n4", "n8")]
-    + [f"{k}_{n}" for k in ("gate_up", "down") for n in ("p1", "p1b3", "pn", "pnb3")]
+    + [f"{k}_{n}" for k in ("gate_up", "down") for n in ("p1", "p1b3", "p1b5", "pn", "pnb3")]
     + [f"{k}_prefill{w}" for k in ("gate_up", "down") for w in ("", "_wg")]
 )
 

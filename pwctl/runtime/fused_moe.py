@@ -467,6 +467,9 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 POPC_MIN_WEIGHTS = 128 << 20
 # FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
 POPC_DECODE: bool | None = None
+# One-token layers with a block wider than 4 bits take the 5-bit build (`p1b5`: 5-bit blocks on
+# the binary mma too, not the lookup); off, the 4-bit one (recipes/perf_kernel_ab.py's `b5=0`).
+POPC_B5 = True
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's per-tile grid: no shares
@@ -794,10 +797,14 @@ class FusedMoE:
         POPC_MAX_TOKENS (their slots of several tokens take the lookup inside the launch; kept
         apart so that the one-token build carries none of it), with "b3" (binary mma up to 3
         bits; 6 CTAs an SM for one token, 5 for several, against 4) when no block of the layer
-        is wider than 3 bits in the widths the kernels read (the last `DeviceTable.sync`).
+        is wider than 3 bits in the widths the kernels read (the last `DeviceTable.sync`), and
+        for one token "b5" (up to 5 bits, 3 CTAs an SM) when a block is wider than 4.
         Every build reads every width (wider blocks take the lookup), so a graph captured
         before the pager widens a block stays correct, only slower."""
-        return ("p1" if T == 1 else "pn") + ("b3" if self._widths(layer)[1] <= 3 else "")
+        widest = self._widths(layer)[1]
+        if T == 1 and widest > 4 and POPC_B5:
+            return "p1b5"
+        return ("p1" if T == 1 else "pn") + ("b3" if widest <= 3 else "")
 
     def _widths(self, layer: int) -> tuple[int, int]:
         """(narrowest, widest) block of `layer` in the widths the kernels read, cached until the
@@ -825,8 +832,9 @@ class FusedMoE:
             on = T == 1 or self._popc_pays[layer]
         if T > kernels.POPC_MAX_TOKENS or not on:
             return None
-        if self._widths(layer)[0] > kernels.POPC_MAX_BITS:  # none on the binary mma: the lookup
-            return None  # kernels, no pieces (Mixtral, 5 bits, 1 token: 304 against 317 us)
+        widest_popc = kernels.POPC_MAX_BITS + (T == 1 and POPC_B5)  # (p1b5 reads 5 bits)
+        if self._widths(layer)[0] > widest_popc:  # none on the binary mma: the lookup kernels,
+            return None  # no pieces (Mixtral, 5 bits, 1 token: 304 against 317 us, p1)
         words = self.proj[(layer, False, "gate")].words
         if (words, T) not in self._x_pieces_made:
             buf = self._pieces("x", T, words, device)
@@ -912,7 +920,7 @@ class FusedMoE:
         `gate_up_runs` of them (at most a CTA a half tile), or `kernels.gate_up_runs` on one
         wave of the kernel's CTAs, split by `kernels.gate_up_shares`; (0, 0), one CTA a tile,
         for the other builds."""
-        if kind not in ("p1", "p1b3"):
+        if kind not in ("p1", "p1b3", "p1b5"):
             return 0, 0
         ctas = self.gate_up_runs
         if ctas is not None and ctas < 0:

@@ -34,6 +34,7 @@ PARTS = (
     ("gate_up_pnb3", "down_pn", "down_pnb3", "down_p1", "down_p1b3"),
     ("gate_up_n1", "down_n1", "down_n2", "token_tiles", "prefill_prep", "decode_prep",
      "route_prep", "popc_planes"),
+    ("gate_up_p1b5", "down_p1b5"),
 )  # fmt: skip
 PART_OF = {name: k for k, names in enumerate(PARTS) for name in names}
 WARPS = 4  # warps per decode CTA (cuda/moe.cu): they split a block's columns
