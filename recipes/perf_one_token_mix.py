@@ -1,6 +1,7 @@
 """One-token routed calls on layers of 4-bit blocks with a share of them wider, each on the
 one-token builds the launcher can choose: the 4-bit popc build (`p1`: wider blocks on its lookup),
-the 5-bit one (`p1b5`) and the lookup kernels (`n1`). Graph replays, L2 cold, us, the best of
+the 5-bit one (`p1b5`) and the lookup kernels (`n1`), and the one the launcher's rule takes
+(`auto`). Graph replays, L2 cold, us, the best of
 `rounds`. What FusedMoE._popc_kind's rule for layers with wide blocks rests on (docs/PERF.md).
 Usage (GPU machine):
   python3 recipes/perf_one_token_mix.py mixtral,qwen3-moe 5,8 0,0.25,0.5,1 [rounds]"""
@@ -15,7 +16,8 @@ import torch
 from pwctl.bench.kernels import SHAPES, _routed, graph_times, random_routing, synthetic_layer
 from pwctl.runtime import fused_moe
 
-KINDS = {"p1": (True, False), "p1b5": (True, True), "n1": (False, False)}  # popc_decode, POPC_B5
+# popc_decode, POPC_B5; "auto": the launcher's rule (FusedMoE._popc_kind)
+KINDS = {"p1": (True, False), "p1b5": (True, True), "n1": (False, False), "auto": (None, True)}
 
 
 def main() -> None:

@@ -370,7 +370,9 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     3-bit builds when no block of the layer is wider than 3 bits; calls of up to POPC_MAX_TOKENS
     tokens take gate_up_pn / down_pn (pnb3); one token with a block wider than 4 bits, the 5-bit
     build (p1b5); more tokens, the flag off, or no block of the layer the build's binary mma
-    reads (4 bits, one token 5), no pieces and the lookup kernels."""
+    reads (4 bits, one token 5), no pieces and the lookup kernels. By default (popc_decode
+    None) the rule measured in docs/PERF.md: blocks past 4 bits take one token to the lookup
+    but where the widest is 5 bits on a large layer (p1b5); a few tokens on large layers only."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch_packed", record)
@@ -381,7 +383,7 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     moe = layer.moe
     gu, dn = moe.proj[(0, False, "gate")], moe.proj[(0, False, "down")]
 
-    def decode(T: int, popc_on: bool) -> list[tuple[str, tuple, tuple]]:
+    def decode(T: int, popc_on: bool | None) -> list[tuple[str, tuple, tuple]]:
         launched.clear()
         moe.popc_decode = popc_on
         x, weights, index, scale = random_routing(spec, T, device="cpu", seed=T)
@@ -441,6 +443,23 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     layer.set_widths(np.full(layer.table.n_blocks, 6))
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
+    # by default (popc_decode None) one token with a block past 4 bits takes the lookup
+    # kernels, but for a widest block of 5 bits on a layer large enough (`_popc_pays`): p1b5
+    widths[:] = 4
+    widths[moe._layer_blocks[0][0]] = 5
+    layer.set_widths(widths)
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
+    monkeypatch.setitem(moe._popc_pays, 0, True)
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1b5", "popc_planes", "down_p1b5"]
+    assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
+    widths[moe._layer_blocks[0][1]] = 6
+    layer.set_widths(widths)
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
+    assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
+    monkeypatch.setitem(moe._popc_pays, 0, False)
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1", "popc_planes", "down_p1"]
+    assert [n for n, _, _ in decode(2, None)][1] == "gate_up_n1"
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -1472,10 +1491,10 @@ def test_down_groups_fit_a_shared_expert_in_one_wave(monkeypatch):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_popc_kernels_by_default_for_one_token_or_a_large_layer(monkeypatch, shared):
-    """popc_decode None (the default) takes the popc kernels for every one-token call, and for
-    calls of up to POPC_MAX_TOKENS tokens on a layer whose token reads at least POPC_MIN_WEIGHTS
-    expert weights (top-k routed experts' and the shared one's); True and False force them on
-    and off."""
+    """popc_decode None (the default) takes the popc kernels for every one-token call on blocks
+    of at most 4 bits, and for calls of up to POPC_MAX_TOKENS tokens on a layer whose token
+    reads at least POPC_MIN_WEIGHTS expert weights (top-k routed experts' and the shared one's);
+    True and False force them on and off."""
     spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
     reads = 2 * 3 * 768 * 4096 + (3 * 768 * 256 if shared else 0)  # hidden 768
     for bar, on in ((reads, True), (reads + 1, False)):

@@ -467,8 +467,9 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 POPC_MIN_WEIGHTS = 128 << 20
 # FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
 POPC_DECODE: bool | None = None
-# One-token layers with a block wider than 4 bits take the 5-bit build (`p1b5`: 5-bit blocks on
-# the binary mma too, not the lookup); off, the 4-bit one (recipes/perf_kernel_ab.py's `b5=0`).
+# One-token layers of large layers whose widest block is 5 bits take the 5-bit build (`p1b5`:
+# 5-bit blocks on the binary mma too, not the lookup); off, the 4-bit one
+# (recipes/perf_kernel_ab.py's `b5=0`). Other layers with blocks past 4 bits: the lookup kernels.
 POPC_B5 = True
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
@@ -790,21 +791,39 @@ class FusedMoE:
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
         are given (`_x_pieces`), else the lookup kernels of T's n-tiles."""
-        return self._popc_kind(layer, T) if px is not None else f"n{kernels.n_tiles(T)}"
+        popc_kind = self._popc_kind(layer, T) if px is not None else None
+        return popc_kind or f"n{kernels.n_tiles(T)}"
 
-    def _popc_kind(self, layer: int, T: int) -> str:
-        """The popc kernels for a call of T tokens in `layer`: "p1" for one token, "pn" for up to
-        POPC_MAX_TOKENS (their slots of several tokens take the lookup inside the launch; kept
-        apart so that the one-token build carries none of it), with "b3" (binary mma up to 3
-        bits; 6 CTAs an SM for one token, 5 for several, against 4) when no block of the layer
-        is wider than 3 bits in the widths the kernels read (the last `DeviceTable.sync`), and
-        for one token "b5" (up to 5 bits, 3 CTAs an SM) when a block is wider than 4.
-        Every build reads every width (wider blocks take the lookup), so a graph captured
-        before the pager widens a block stays correct, only slower."""
-        widest = self._widths(layer)[1]
-        if T == 1 and widest > 4 and POPC_B5:
+    def _popc_kind(self, layer: int, T: int) -> str | None:
+        """The popc kernels' build for a call of T tokens in `layer`, or None for the lookup
+        kernels. Up to POPC_MAX_TOKENS tokens when popc_decode is set or (None) for one token
+        or a layer large enough (`_popc_pays`): "p1" for one token, "pn" for more (their slots
+        of several tokens take the lookup inside the launch; kept apart so that the one-token
+        build carries none of it), "b3" (binary mma up to 3 bits; 6 CTAs an SM for one token,
+        5 for several, against 4) when no block is wider than 3 bits in the widths the kernels
+        read (the last `DeviceTable.sync`), None when none is as narrow as the build's mma reads.
+        One token with a block wider than 4 bits: by default (popc_decode None) the 5-bit build
+        "p1b5" when the widest is 5 bits on a large layer, else the lookup kernels, the fastest
+        on the H200 for every shape and share of wide blocks measured (docs/PERF.md session 40:
+        Mixtral, half the blocks at 8 bits, 309 us against 373 on p1); popc_decode True: p1b5
+        (p1 with POPC_B5 off) while any block is narrow enough. Every build reads every width
+        (wider blocks take its lookup), so a graph captured before the pager widens a block
+        stays correct, only slower."""
+        auto = self.popc_decode is None
+        on = (T == 1 or self._popc_pays[layer]) if auto else self.popc_decode
+        if T > kernels.POPC_MAX_TOKENS or not on:
+            return None
+        narrowest, widest = self._widths(layer)
+        b3 = "b3" if widest <= 3 else ""
+        if T > 1:
+            return "pn" + b3 if narrowest <= kernels.POPC_MAX_BITS else None
+        if widest <= kernels.POPC_MAX_BITS:
+            return "p1" + b3
+        if auto and not (widest == 5 and self._popc_pays[layer]):
+            return None
+        if POPC_B5 and narrowest <= 5:
             return "p1b5"
-        return ("p1" if T == 1 else "pn") + ("b3" if widest <= 3 else "")
+        return "p1" if narrowest <= kernels.POPC_MAX_BITS else None
 
     def _widths(self, layer: int) -> tuple[int, int]:
         """(narrowest, widest) block of `layer` in the widths the kernels read, cached until the
@@ -824,17 +843,9 @@ class FusedMoE:
         )
 
     def _x_pieces(self, layer: int, T: int, device: torch.device) -> XPieces | None:
-        """x's pieces when this call takes the popc kernels (else None): at most
-        POPC_MAX_TOKENS tokens (their one-token slots run the binary mma, the others the lookup),
-        and popc_decode set or (None) one token, or the layer large enough."""
-        on = self.popc_decode
-        if on is None:
-            on = T == 1 or self._popc_pays[layer]
-        if T > kernels.POPC_MAX_TOKENS or not on:
+        """x's pieces when this call takes the popc kernels (`_popc_kind`), else None."""
+        if self._popc_kind(layer, T) is None:
             return None
-        widest_popc = kernels.POPC_MAX_BITS + (T == 1 and POPC_B5)  # (p1b5 reads 5 bits)
-        if self._widths(layer)[0] > widest_popc:  # none on the binary mma: the lookup kernels,
-            return None  # no pieces (Mixtral, 5 bits, 1 token: 304 against 317 us, p1)
         words = self.proj[(layer, False, "gate")].words
         if (words, T) not in self._x_pieces_made:
             buf = self._pieces("x", T, words, device)
