@@ -253,7 +253,8 @@ __device__ __forceinline__ void lut16(const u32 (&L)[8], u32 s, u32 q, u32& h0, 
 // bank already. Tried and not kept (docs/PERF.md, session 17): a copy of each row a lane (one
 // bank a lane, no conflicts) cost more integer work than it saved; labels as bytes (a PRMT an
 // index, `decode`'s BYTES) were 0-9% faster at 6-8 bits but made the one-token lookup kernels
-// spill, 4% slower on Qwen3-MoE at 4 bits: only the prefill kernels take them.
+// spill, 4% slower on Qwen3-MoE at 4 bits: the prefill kernels take them, and the one-n-tile
+// lookup at 5 bits (`mma_word`).
 __host__ __device__ constexpr int table_shift(int B, int row) { return B == 5 ? (row & 1) << 5 : 0; }
 
 // (tests/test_kernels.py replays gather / lut_from / lut8 / lut16 / decode / table_shift in Python
@@ -522,6 +523,9 @@ __device__ __forceinline__ void load_word(const RowPtr* r0, const RowPtr* r1, in
 }
 
 // The eight k-steps of one word w of rows g (P0) and g + 8 (P1), for every live n-tile.
+// One n-tile at 5 bits decodes labels as bytes (BYTES): no spill there now, and calls of 1-2
+// tokens 3.5-11% faster on Qwen shapes, 2% on Mixtral's 2 tokens (at 6 and 8 bits it was 2-10%
+// faster on Mixtral and Qwen1.5-MoE but 3-10% slower on Qwen3-MoE; docs/PERF.md, session 40).
 template <int B, int NT>
 __device__ __forceinline__ void mma_word(const u32 (&P0)[8], const u32 (&P1)[8], const u32 (&L0)[8],
                                          const u32 (&L1)[8], const Stage& st, int w, int wpad,
@@ -531,8 +535,8 @@ __device__ __forceinline__ void mma_word(const u32 (&P0)[8], const u32 (&P1)[8],
 #define PHASE(C)                                                                                  \
     {                                                                                             \
         u32 A0[4], A1[4];                                                                         \
-        decode<B, C>(P0, L0, st.tbl[g], A0);                                                      \
-        decode<B, C>(P1, L1, st.tbl[g + 8], A1);                                                  \
+        decode<B, C, NT == 1 && B == 5>(P0, L0, st.tbl[g], A0);                                   \
+        decode<B, C, NT == 1 && B == 5>(P1, L1, st.tbl[g + 8], A1);                               \
         _Pragma("unroll") for (int nt = 0; nt < NT; ++nt) {                                       \
             if (NT > 2 && nt >= live) break; /* n-tiles past the slot's tokens */                 \
             const uint4 bx = xrow[nt] >= 0 ? __ldg(xf + ((i64)xrow[nt] * wpad + w) * 4 + C)       \
