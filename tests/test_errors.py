@@ -167,6 +167,11 @@ def test_serve_and_kernel_bench_refuse_cleanly():
         (["serve", "/nonexistent/pack"], "no such pack"),
         (["serve", "/nonexistent/pack", "--memory-budget", "lots"], "bad BUDGET"),
         (["serve", "/nonexistent/pack", "--port", "70000"], "--port"),
+        # bench --kernels' arguments are checked before it looks for a GPU
+        (["bench", "x", "--kernels", "--shape", "llama"], "unknown --shape ['llama']"),
+        (["bench", "x", "--kernels", "--width", "9"], "bad --width '9': a width in 2..8"),
+        (["bench", "x", "--kernels", "--width", "four"], "bad --width 'four'"),
+        (["bench", "x", "--kernels", "--tokens", "0"], "bad --tokens 0"),
     ]
     if not torch.cuda.is_available():
         cases.append((["bench", "x", "--kernels"], "needs a CUDA device"))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pwctl.bitplanes import bits_nbytes, words_per_row
 from pwctl.convert import ConvertOptions, rows_per_table
+from pwctl.errors import PwctlError
 from pwctl.pack import BlockInfo, PlaneInfo
 from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
@@ -71,11 +72,15 @@ class SyntheticLayer:
         self.dt.sync()
 
 
+BENCH_BITS = (2, 8)  # the synthetic layers' widths (synthetic_layer's defaults)
+MAX_BENCH_TOKENS = 16384  # tokens of one bench call (a Mixtral layer's prefill: ~1 GB of x and h)
+
+
 def synthetic_layer(
     spec: MoESpec,
     device: str = "cuda",
-    min_bits: int = 2,
-    max_bits: int = 8,
+    min_bits: int = BENCH_BITS[0],
+    max_bits: int = BENCH_BITS[1],
     seed: int = 0,
     slab_bytes: int | None = None,
 ) -> SyntheticLayer:
@@ -468,6 +473,21 @@ def _routed_row(layer: SyntheticLayer, name, width, x, copy_bw, seed) -> KernelR
     tg = grouped_time(GroupedFp16(layer, x, routing.weights, routing.index, routing.scale))
     t, warm = graph_times(call)
     return _row(name, width, x.shape[0], "routed", t, warm, planes, fp16, tg, copy_bw)
+
+
+def check_args(shapes: list[str], widths: list[str], tokens: list[int]) -> None:
+    """`bench --kernels`' shapes, widths ("mixed" or MIN_BITS..MAX_BITS, those of
+    `synthetic_layer`) and token counts, refused before any GPU work."""
+    bad = sorted(set(shapes) - set(SHAPES))
+    if bad:
+        raise PwctlError(f"unknown --shape {bad}; choose from {sorted(SHAPES)}")
+    lo, hi = BENCH_BITS
+    for w in widths:
+        if w != "mixed" and not (w.isdigit() and lo <= int(w) <= hi):
+            raise PwctlError(f"bad --width '{w}': a width in {lo}..{hi}, or mixed")
+    for T in tokens:
+        if not 1 <= T <= MAX_BENCH_TOKENS:
+            raise PwctlError(f"bad --tokens {T}: 1..{MAX_BENCH_TOKENS} tokens a call")
 
 
 def run_kernel_bench(

@@ -152,14 +152,13 @@ def run(
     if kernels:
         from pwctl.bench import kernels as kb
 
+        shapes, widths = shape or list(kb.SHAPES), width or ["2", "3", "4", "8", "mixed"]
+        counts = tokens or [1, 2, 4, 8, 16, 512]
+        kb.check_args(shapes, widths, counts)
         if not torch.cuda.is_available():
             raise PwctlError("bench --kernels needs a CUDA device")
-        bad = set(shape or []) - set(kb.SHAPES)
-        if bad:
-            raise PwctlError(f"unknown --shape {sorted(bad)}; choose from {sorted(kb.SHAPES)}")
         copy_bw, rows = kb.run_kernel_bench(
-            shape or list(kb.SHAPES), width or ["2", "3", "4", "8", "mixed"],
-            tokens or [1, 2, 4, 8, 16, 512],
+            shapes, widths, counts,
             on_row=lambda r: err_console.print("  ".join(kb.row_cells(r)), highlight=False),
         )  # fmt: skip
         name = torch.cuda.get_device_name()
