@@ -463,7 +463,8 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 # Qwen1.5-MoE 42.5 -> 38.9 at 3); calls of 2..POPC_MAX_TOKENS tokens win on Mixtral (~352M
 # expert weights a token; 1.14-1.23x, session 16) and lose on Qwen1.5-MoE (69M) and Qwen3-MoE
 # (38M; 2 tokens, routed: 44.3 against 52.2 us at 3 bits). So one token takes them on every
-# layer, a few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (docs/PERF.md).
+# layer, a few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (docs/PERF.md),
+# while their blocks are narrow enough (`FusedMoE._popc_kind`).
 POPC_MIN_WEIGHTS = 128 << 20
 # FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
 POPC_DECODE: bool | None = None
@@ -555,7 +556,8 @@ class FusedMoE:
         # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
         # gate_up_p1 / _pn: one-token slots on binary tensor cores), where a block is narrow
         # enough: True, False, or None (default): one-token calls on every layer, calls of a
-        # few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (`_popc_pays`)
+        # few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (`_popc_pays`),
+        # blocks past 4 bits by `_popc_kind`'s rule
         self.popc_decode: bool | None = POPC_DECODE
 
     def __call__(
