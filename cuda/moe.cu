@@ -524,9 +524,9 @@ __device__ __forceinline__ void load_word(const RowPtr* r0, const RowPtr* r1, in
 
 // The eight k-steps of one word w of rows g (P0) and g + 8 (P1), for every live n-tile.
 // One n-tile at 5 bits decodes labels as bytes (BYTES): no spill there now, and calls of 1-2
-// tokens 3-10% faster on the Qwen shapes, 2% on Mixtral's 2 tokens. At 6 and 8 bits it was 2-7%
-// faster on Mixtral and Qwen1.5-MoE (but 8 bits there) and 3-10% slower on Qwen3-MoE; in the
-// larger tiles, within 1% (docs/PERF.md, session 40).
+// tokens 3-10% faster on the Qwen shapes, 2% on Mixtral's 2 tokens. At 6 bits it was 2-7% faster
+// on Mixtral and Qwen1.5-MoE and 3% slower on Qwen3-MoE; at 8 bits 4.5% faster on Mixtral and
+// 1-10% slower on the Qwen shapes; in the larger tiles, within 1% (docs/PERF.md, session 40).
 template <int B, int NT>
 __device__ __forceinline__ void mma_word(const u32 (&P0)[8], const u32 (&P1)[8], const u32 (&L0)[8],
                                          const u32 (&L1)[8], const Stage& st, int w, int wpad,
