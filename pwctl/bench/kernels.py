@@ -476,8 +476,8 @@ def _routed_row(layer: SyntheticLayer, name, width, x, copy_bw, seed) -> KernelR
 
 
 def check_args(shapes: list[str], widths: list[str], tokens: list[int]) -> None:
-    """`bench --kernels`' shapes, widths ("mixed" or MIN_BITS..MAX_BITS, those of
-    `synthetic_layer`) and token counts, refused before any GPU work."""
+    """`bench --kernels`' shapes, widths ("mixed", or BENCH_BITS' range: `synthetic_layer`'s
+    planes) and token counts, refused before any GPU work."""
     bad = sorted(set(shapes) - set(SHAPES))
     if bad:
         raise PwctlError(f"unknown --shape {bad}; choose from {sorted(SHAPES)}")
