@@ -1,14 +1,17 @@
 """Routed decode calls on layers of 4-bit blocks with a share of them wider, on each build the
-launcher can choose, and on the one its rule takes (`auto`, FusedMoE._popc_kind). One token: the
-4-bit popc build (`p1`: wider blocks on its lookup), the 5-bit one (`p1b5`) and the lookup
-kernels (`n1`); a few tokens: the popc kernels (`pn`) and the lookup ones (`n`). Graph replays,
-L2 cold, us, the best of `rounds`. What the rule for layers with wide blocks rests on
-(docs/PERF.md, sessions 39-40).
+launcher can choose, and on the one its rule takes (`auto`, FusedMoE._popc_kind; its build named
+after it). One token: the 4-bit popc build (`p1`: wider blocks on its lookup), the 5-bit one
+(`p1b5`) and the lookup kernels (`n1`); a few tokens: the popc kernels (`pn`) and the lookup ones
+(`n`). Graph replays, L2 cold, us, the best of `rounds`, averaged over `seeds` draws of the
+routing and of which blocks are wide (which of them a call reads moves its time). What the rule
+for layers with wide blocks rests on (docs/PERF.md, sessions 39-41).
 Usage (GPU machine):
-  python3 recipes/perf_wide_blocks.py mixtral,qwen3-moe 5,8 0,0.25,0.5,1 [rounds] [tokens,...]"""
+  python3 recipes/perf_wide_blocks.py mixtral,qwen3-moe 5,8 0,0.25,0.5,1 [rounds] [tokens] [seeds]
+(tokens: a comma-separated list, as the shapes, widths and shares are)"""
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import numpy as np
@@ -27,27 +30,43 @@ def main() -> None:
     shares = [float(f) for f in sys.argv[3].split(",")]
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     tokens = [int(t) for t in sys.argv[5].split(",")] if len(sys.argv) > 5 else [1]
+    seeds = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     for name in shapes:
         layer = synthetic_layer(SHAPES[name], seed=0)
-        n = layer.table.n_blocks
-        for T in tokens:
-            x = random_routing(layer.spec, T, seed=0)[0]
-            builds = ONE_TOKEN if T == 1 else FEW_TOKENS
-            for wide in wides:
-                for share in shares:
-                    widths = np.full(n, 4)
-                    widths[np.random.default_rng(1).permutation(n)[: round(share * n)]] = wide
-                    layer.set_widths(widths)
-                    best = {k: float("inf") for k in builds}
-                    for _ in range(rounds):
-                        for build, (popc_on, b5) in builds.items():
-                            layer.moe.popc_decode, fused_moe.POPC_B5 = popc_on, b5
-                            t = graph_times(_routed(layer.moe, x))[0]
-                            best[build] = min(best[build], t)
-                    cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in best.items())
-                    print(f"{name:10s} {T} tok {wide} bits on {share:4.2f}: {cells}", flush=True)
+        for T, wide, share in itertools.product(tokens, wides, shares):
+            mean, chose = _cell(layer, T, wide, share, rounds, seeds)
+            cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
+            print(f"{name:10s} {T} tok {wide} bits on {share:4.2f}: {cells} ({chose})", flush=True)
         del layer
         torch.cuda.empty_cache()
+
+
+def _cell(layer, T: int, wide: int, share: float, rounds: int, seeds: int) -> tuple[dict, set]:
+    """Each build's time averaged over `seeds` draws (routing, wide blocks), and what the
+    rule chose on them."""
+    builds = ONE_TOKEN if T == 1 else FEW_TOKENS
+    n = layer.table.n_blocks
+    mean, chose = dict.fromkeys(builds, 0.0), set()
+    for seed in range(seeds):
+        x = random_routing(layer.spec, T, seed=seed)[0]
+        widths = np.full(n, 4)
+        widths[np.random.default_rng(seed + 1).permutation(n)[: round(share * n)]] = wide
+        layer.set_widths(widths)
+        layer.moe.popc_decode, fused_moe.POPC_B5 = None, True
+        chose.add(layer.moe._popc_kind(0, T) or "lookup")
+        for build, t in _best(layer, x, builds, rounds).items():
+            mean[build] += t / seeds
+    return mean, chose
+
+
+def _best(layer, x: torch.Tensor, builds: dict, rounds: int) -> dict[str, float]:
+    """Each build's best time of `rounds` on this routing and these widths."""
+    best = dict.fromkeys(builds, float("inf"))
+    for _ in range(rounds):
+        for build, (popc_on, b5) in builds.items():
+            layer.moe.popc_decode, fused_moe.POPC_B5 = popc_on, b5
+            best[build] = min(best[build], graph_times(_routed(layer.moe, x))[0])
+    return best
 
 
 if __name__ == "__main__":

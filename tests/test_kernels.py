@@ -372,7 +372,8 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     build (p1b5); more tokens, the flag off, or no block of the layer the build's binary mma
     reads (4 bits, one token 5), no pieces and the lookup kernels. By default (popc_decode
     None) the rule measured in docs/PERF.md: blocks past 4 bits take one token to the lookup
-    but where the widest is 5 bits on a large layer (p1b5); a few tokens on large layers only."""
+    but where the widest is 5 bits on a large layer (p1 or p1b5 by the share of 5-bit weights);
+    a few tokens on large layers only, while under half the weights are past 4 bits."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch_packed", record)
@@ -444,18 +445,42 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
     # by default (popc_decode None) one token with a block past 4 bits takes the lookup
-    # kernels, but for a widest block of 5 bits on a layer large enough (`_popc_pays`): p1b5
+    # kernels, but for a widest block of 5 bits on a layer large enough (`_popc_pays`): p1 while
+    # under P1B5_FROM_WIDE of the layer's weights are in 5-bit blocks, p1b5 from it on
+    blocks = moe._layer_blocks[0]
     widths[:] = 4
-    widths[moe._layer_blocks[0][0]] = 5
+    widths[blocks[0]] = 5
     layer.set_widths(widths)
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
     monkeypatch.setitem(moe._popc_pays, 0, True)
+    assert moe._widths(0).wide < fused_moe.P1B5_FROM_WIDE
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1", "popc_planes", "down_p1"]
+    widths[blocks[:3]] = 5  # expert 0's gate, up and down
+    layer.set_widths(widths)
+    size = {
+        g: sum(q.rows * q.cols for (_, s, _), q in moe.proj.items() if s == g)
+        for g in (False, True)
+    }
+    expert_0 = size[False] / (spec.num_experts * size[False] + size[True])  # its 3 blocks
+    assert moe._widths(0) == (4, 5, pytest.approx(expert_0))
+    assert moe._widths(0).wide >= fused_moe.P1B5_FROM_WIDE
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1b5", "popc_planes", "down_p1b5"]
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
-    widths[moe._layer_blocks[0][1]] = 6
+    widths[blocks[1]] = 6
     layer.set_widths(widths)
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
+    # a few tokens: the popc kernels until PN_UNTIL_WIDE of the weights are in blocks past 4
+    # bits, the lookup kernels from there on (popc_decode True keeps the popc kernels)
+    seen = set()
+    for b in blocks[3:-1]:
+        widths[b] = 8
+        layer.set_widths(widths)
+        pn = moe._widths(0).wide < fused_moe.PN_UNTIL_WIDE
+        seen.add(pn)
+        assert [n for n, _, _ in decode(2, None)][1] == ("gate_up_pn" if pn else "gate_up_n1")
+        assert [n for n, _, _ in decode(2, True)][1] == "gate_up_pn"
+    assert seen == {True, False}
     monkeypatch.setitem(moe._popc_pays, 0, False)
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1", "popc_planes", "down_p1"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -184,6 +185,14 @@ def prepare_decode(
         shared_mem=kernels.group_smem(num_experts),
     )
     return pairs, xf
+
+
+class WidthSpan(NamedTuple):
+    """A layer's blocks at the widths the kernels read: what the launcher's rule looks at."""
+
+    narrowest: int
+    widest: int
+    wide: float  # the share of the layer's weights in blocks wider than kernels.POPC_MAX_BITS
 
 
 @dataclass
@@ -472,6 +481,15 @@ POPC_DECODE: bool | None = None
 # 5-bit blocks on the binary mma too, not the lookup); off, the 4-bit one
 # (recipes/perf_kernel_ab.py's `b5=0`). Other layers with blocks past 4 bits: the lookup kernels.
 POPC_B5 = True
+# Where the share of a large layer's expert weights in blocks past 4 bits (`WidthSpan.wide`)
+# turns the launcher (`FusedMoE._popc_kind`), measured on Mixtral's layer (H200, docs/PERF.md
+# session 41): one token with a widest block of 5 bits takes p1b5 from P1B5_FROM_WIDE on (below,
+# p1, whose lookup reads the few 5-bit blocks: 147.5 against 153.7 us at an eighth of them, 159.2
+# against 156.6 at a sixth); a call of 2..POPC_MAX_TOKENS tokens takes the popc kernels below
+# PN_UNTIL_WIDE and the lookup ones from it on (their slots on wide blocks run a lookup slower
+# than the lookup kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977).
+P1B5_FROM_WIDE = 0.15
+PN_UNTIL_WIDE = 0.5
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's per-tile grid: no shares
@@ -519,6 +537,7 @@ class FusedMoE:
         experts = spec.num_experts + (1 if spec.has_shared else 0)
         self.block_ids: dict[int, torch.Tensor] = {}
         self._layer_blocks: dict[int, np.ndarray] = {}  # host copy: the widths' page-table rows
+        self._block_weights = np.array([b.rows * b.cols for b in dt.blocks], dtype=np.float64)
         self.proj: dict[tuple[int, bool, str], Proj] = {}
         for layer in sorted({key[0] for key in index}):
             ids = [[index[(layer, e, p)] for p in ("gate", "up", "down")] for e in range(experts)]
@@ -547,7 +566,7 @@ class FusedMoE:
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
         # layer -> (width_version, (narrowest, widest) block): `_widths`
-        self._width_spans: dict[int, tuple[int, tuple[int, int]]] = {}
+        self._width_spans: dict[int, tuple[int, WidthSpan]] = {}
         self._popc_pays = {
             layer: self._weights_a_token(layer) >= POPC_MIN_WEIGHTS for layer in self.block_ids
         }
@@ -804,36 +823,42 @@ class FusedMoE:
         build carries none of it), "b3" (binary mma up to 3 bits; 6 CTAs an SM for one token,
         5 for several, against 4) when no block is wider than 3 bits in the widths the kernels
         read (the last `DeviceTable.sync`), None when none is as narrow as the build's mma reads.
-        One token with a block wider than 4 bits: by default (popc_decode None) the 5-bit build
-        "p1b5" when the widest is 5 bits on a large layer, else the lookup kernels, the fastest
-        on the H200 for every shape and share of wide blocks measured (docs/PERF.md session 40:
-        Mixtral, half the blocks at 8 bits, 309 us against 373 on p1); popc_decode True: p1b5
-        (p1 with POPC_B5 off) while any block is narrow enough. Every build reads every width
-        (wider blocks take its lookup), so a graph captured before the pager widens a block
-        stays correct, only slower."""
+        With blocks wider than 4 bits, by default (popc_decode None): one token takes the
+        5-bit build "p1b5" when the widest is 5 bits on a large layer and at least
+        P1B5_FROM_WIDE of its weights are (p1 below), else the lookup kernels (docs/PERF.md
+        session 40: Mixtral, half the blocks at 8 bits, 309 us against 373 on p1); a few tokens
+        take the lookup kernels from PN_UNTIL_WIDE of the weights on (session 41). popc_decode
+        True: p1b5 (p1 with POPC_B5 off) or pn while any block is narrow enough. Every
+        build reads every width (wider blocks take its lookup), so a graph captured before the
+        pager widens a block stays correct, only slower."""
         auto = self.popc_decode is None
         on = (T == 1 or self._popc_pays[layer]) if auto else self.popc_decode
         if T > kernels.POPC_MAX_TOKENS or not on:
             return None
-        narrowest, widest = self._widths(layer)
+        narrowest, widest, wide = self._widths(layer)
         b3 = "b3" if widest <= 3 else ""
         if T > 1:
-            return "pn" + b3 if narrowest <= kernels.POPC_MAX_BITS else None
+            if narrowest > kernels.POPC_MAX_BITS or (auto and wide >= PN_UNTIL_WIDE):
+                return None
+            return "pn" + b3
         if widest <= kernels.POPC_MAX_BITS:
             return "p1" + b3
         if auto and not (widest == 5 and self._popc_pays[layer]):
             return None
-        if POPC_B5 and narrowest <= 5:
+        if POPC_B5 and narrowest <= 5 and (not auto or wide >= P1B5_FROM_WIDE):
             return "p1b5"
         return "p1" if narrowest <= kernels.POPC_MAX_BITS else None
 
-    def _widths(self, layer: int) -> tuple[int, int]:
-        """(narrowest, widest) block of `layer` in the widths the kernels read, cached until the
-        next width upload (a numpy gather per call is host time on decode)."""
-        version, span = self._width_spans.get(layer, (-1, (0, 0)))
+    def _widths(self, layer: int) -> WidthSpan:
+        """`layer`'s blocks in the widths the kernels read, cached until the next width upload
+        (a numpy gather per call is host time on decode)."""
+        version, span = self._width_spans.get(layer, (-1, None))
         if version != self.dt.width_version:
-            w = self.dt.synced_width[self._layer_blocks[layer]]
-            version, span = self.dt.width_version, (int(w.min()), int(w.max()))
+            blocks = self._layer_blocks[layer]
+            w = self.dt.synced_width[blocks]
+            weights = self._block_weights[blocks]
+            wide = float(weights[w > kernels.POPC_MAX_BITS].sum() / weights.sum())
+            version, span = self.dt.width_version, WidthSpan(int(w.min()), int(w.max()), wide)
             self._width_spans[layer] = (version, span)
         return span
 
