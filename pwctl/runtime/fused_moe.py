@@ -565,7 +565,7 @@ class FusedMoE:
         self._routed_plans: dict[tuple, tuple] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
-        # layer -> (width_version, (narrowest, widest) block): `_widths`
+        # layer -> (width_version, WidthSpan): `_widths`
         self._width_spans: dict[int, tuple[int, WidthSpan]] = {}
         self._popc_pays = {
             layer: self._weights_a_token(layer) >= POPC_MIN_WEIGHTS for layer in self.block_ids
@@ -825,12 +825,12 @@ class FusedMoE:
         read (the last `DeviceTable.sync`), None when none is as narrow as the build's mma reads.
         With blocks wider than 4 bits, by default (popc_decode None): one token takes the
         5-bit build "p1b5" when the widest is 5 bits on a large layer and at least
-        P1B5_FROM_WIDE of its weights are (p1 below), else the lookup kernels (docs/PERF.md
-        session 40: Mixtral, half the blocks at 8 bits, 309 us against 373 on p1); a few tokens
-        take the lookup kernels from PN_UNTIL_WIDE of the weights on (session 41). popc_decode
-        True: p1b5 (p1 with POPC_B5 off) or pn while any block is narrow enough. Every
-        build reads every width (wider blocks take its lookup), so a graph captured before the
-        pager widens a block stays correct, only slower."""
+        P1B5_FROM_WIDE of its weights are past 4 bits (p1 below), else the lookup kernels
+        (docs/PERF.md session 40: Mixtral, half the blocks at 8 bits, 309 us against 373 on
+        p1); a few tokens take the lookup kernels from PN_UNTIL_WIDE of the weights on (session
+        41). popc_decode True: p1b5 (p1 with POPC_B5 off) or pn while any block is narrow
+        enough. Every build reads every width (wider blocks take its lookup), so a graph
+        captured before the pager widens a block stays correct, only slower."""
         auto = self.popc_decode is None
         on = (T == 1 or self._popc_pays[layer]) if auto else self.popc_decode
         if T > kernels.POPC_MAX_TOKENS or not on:
