@@ -54,12 +54,12 @@ def _cell(layer, T: int, wide: int, share: float, rounds: int, seeds: int) -> tu
         layer.set_widths(widths)
         layer.moe.popc_decode, fused_moe.POPC_B5 = None, True
         chose.add(layer.moe._popc_kind(0, T) or "lookup")
-        for build, t in _best(layer, x, builds, rounds).items():
+        for build, t in best_times(layer, x, builds, rounds).items():
             mean[build] += t / seeds
     return mean, chose
 
 
-def _best(layer, x: torch.Tensor, builds: dict, rounds: int) -> dict[str, float]:
+def best_times(layer, x: torch.Tensor, builds: dict, rounds: int) -> dict[str, float]:
     """Each build's best time of `rounds` on this routing and these widths."""
     best = dict.fromkeys(builds, float("inf"))
     for _ in range(rounds):

@@ -1,0 +1,65 @@
+"""Routed decode calls on a layer whose blocks take a mix of widths (a histogram, as the planner
+leaves them at a budget), on each build the launcher can choose and on its rule's (`auto`,
+FusedMoE._popc_kind; the builds it chose printed last), against every block at 4 bits. Graph
+replays, L2 cold, us, averaged over `seeds` draws of the routing and of which block takes which
+width. What a pagedweight budget costs decode (docs/PERF.md, session 41).
+Usage (GPU machine):
+  python3 recipes/perf_width_mix.py mixtral,qwen3-moe 3:0.2,4:0.3,5:0.5 [tokens] [seeds]
+(a mix: width:share pairs; tokens: a comma-separated list)"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+from perf_wide_blocks import FEW_TOKENS, ONE_TOKEN, best_times
+
+from pwctl.bench.kernels import SHAPES, random_routing, synthetic_layer
+
+
+def mix_widths(n: int, mix: dict[int, float], rng: np.random.Generator) -> np.ndarray:
+    """n widths in the mix's proportions (rounded; the rest at the most common width),
+    shuffled."""
+    counts = {w: round(share * n) for w, share in mix.items()}
+    common = max(mix, key=mix.get)
+    counts[common] += n - sum(counts.values())
+    widths = np.concatenate([np.full(c, w) for w, c in counts.items()])
+    return rng.permutation(widths)
+
+
+def main() -> None:
+    shapes = sys.argv[1].split(",")
+    mix = {int(w): float(s) for w, s in (pair.split(":") for pair in sys.argv[2].split(","))}
+    tokens = [int(t) for t in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1]
+    seeds = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    for name in shapes:
+        layer = synthetic_layer(SHAPES[name], seed=0)
+        for T in tokens:
+            mean, chose = _cell(layer, T, mix, seeds)
+            cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
+            print(f"{name:10s} {T} tok: {cells} ({chose})", flush=True)
+        del layer
+        torch.cuda.empty_cache()
+
+
+def _cell(layer, T: int, mix: dict[int, float], seeds: int) -> tuple[dict, set]:
+    """Each build's time on the mix and the rule's on 4 bits, averaged over `seeds` draws; the
+    builds the rule chose on the mix."""
+    builds = ONE_TOKEN if T == 1 else FEW_TOKENS
+    n = layer.table.n_blocks
+    mean, chose = dict.fromkeys([*builds, "4 bits"], 0.0), set()
+    for seed in range(seeds):
+        x = random_routing(layer.spec, T, seed=seed)[0]
+        layer.set_widths(mix_widths(n, mix, np.random.default_rng(seed + 1)))
+        layer.moe.popc_decode = None
+        chose.add(layer.moe._popc_kind(0, T) or "lookup")
+        for build, t in best_times(layer, x, builds, 1).items():
+            mean[build] += t / seeds
+        layer.set_widths(np.full(n, 4))
+        mean["4 bits"] += best_times(layer, x, {"auto": builds["auto"]}, 1)["auto"] / seeds
+    return mean, chose
+
+
+if __name__ == "__main__":
+    main()
