@@ -372,8 +372,9 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     build (p1b5); more tokens, the flag off, or no block of the layer the build's binary mma
     reads (4 bits, one token 5), no pieces and the lookup kernels. By default (popc_decode
     None) the rule measured in docs/PERF.md: blocks past 4 bits take one token to the lookup
-    but where the widest is 5 bits on a large layer (p1 or p1b5 by the share of 5-bit weights);
-    a few tokens on large layers only, while under half the weights are past 4 bits."""
+    but on a large layer, by the share of weights past 4 bits: p1 or p1b5 where the widest block
+    is 5 bits, p1 or the lookup where it is wider; a few tokens on large layers only, while
+    under half the weights are past 4 bits."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch_packed", record)
@@ -470,6 +471,12 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     layer.set_widths(widths)
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
+    # a widest block past 5 bits: p1 while under P1_UNTIL_WIDE of the weights are wide
+    wide = moe._widths(0).wide
+    monkeypatch.setattr(fused_moe, "P1_UNTIL_WIDE", wide + 0.01)
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1", "popc_planes", "down_p1"]
+    monkeypatch.setattr(fused_moe, "P1_UNTIL_WIDE", wide)
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
     # a few tokens: the popc kernels until PN_UNTIL_WIDE of the weights are in blocks past 4
     # bits, the lookup kernels from there on (popc_decode True keeps the popc kernels)
     seen = set()

@@ -490,6 +490,10 @@ POPC_B5 = True
 # than the lookup kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977).
 P1B5_FROM_WIDE = 0.15
 PN_UNTIL_WIDE = 0.5
+# One token on a large layer whose widest block is 6-8 bits: p1 below P1_UNTIL_WIDE (one Mixtral
+# block in 24: 6 bits 121.3 against the lookup's 144.2 us, 8 bits 148.3 against 155.7), the
+# lookup kernels from it on (two blocks at 8 bits: 180.6 against 172.7; session 41)
+P1_UNTIL_WIDE = 0.05
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's per-tile grid: no shares
@@ -823,13 +827,14 @@ class FusedMoE:
         build carries none of it), "b3" (binary mma up to 3 bits; 6 CTAs an SM for one token,
         5 for several, against 4) when no block is wider than 3 bits in the widths the kernels
         read (the last `DeviceTable.sync`), None when none is as narrow as the build's mma reads.
-        With blocks wider than 4 bits, by default (popc_decode None): one token takes the
-        5-bit build "p1b5" when the widest is 5 bits on a large layer and at least
-        P1B5_FROM_WIDE of its weights are past 4 bits (p1 below), else the lookup kernels
-        (docs/PERF.md session 40: Mixtral, half the blocks at 8 bits, 309 us against 373 on
-        p1); a few tokens take the lookup kernels from PN_UNTIL_WIDE of the weights on (session
-        41). popc_decode True: p1b5 (p1 with POPC_B5 off) or pn while any block is narrow
-        enough. Every build reads every width (wider blocks take its lookup), so a graph
+        With blocks wider than 4 bits, by default (popc_decode None): one token on a large
+        layer takes the 5-bit build "p1b5" when the widest is 5 bits and at least
+        P1B5_FROM_WIDE of its weights are past 4 bits (p1 below), p1 when the widest is wider
+        and under P1_UNTIL_WIDE of the weights are, else the lookup kernels, as every smaller
+        layer does (docs/PERF.md session 40: Mixtral, half the blocks at 8 bits, 309 us against
+        373 on p1); a few tokens take the lookup kernels from PN_UNTIL_WIDE of the weights on
+        (session 41). popc_decode True: p1b5 (p1 with POPC_B5 off) or pn while any block is
+        narrow enough. Every build reads every width (wider blocks take its lookup), so a graph
         captured before the pager widens a block stays correct, only slower."""
         auto = self.popc_decode is None
         on = (T == 1 or self._popc_pays[layer]) if auto else self.popc_decode
@@ -843,8 +848,10 @@ class FusedMoE:
             return "pn" + b3
         if widest <= kernels.POPC_MAX_BITS:
             return "p1" + b3
-        if auto and not (widest == 5 and self._popc_pays[layer]):
+        if auto and not self._popc_pays[layer]:
             return None
+        if auto and widest > 5:
+            return "p1" if wide < P1_UNTIL_WIDE else None
         if POPC_B5 and narrowest <= 5 and (not auto or wide >= P1B5_FROM_WIDE):
             return "p1b5"
         return "p1" if narrowest <= kernels.POPC_MAX_BITS else None
