@@ -1276,12 +1276,13 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
 
 
-def _run_shares(runs: int, tiles: int) -> list[tuple]:
+def _run_shares(runs: int, tiles: int, shares: list[tuple[int, int]] | None = None) -> list[tuple]:
     """cuda/moe.cu RUN and gate_up_popc's loop replayed: (tile, kz, kn, idx) of each CTA's work
-    on a persistent grid of `runs` CTAs over `tiles` tiles."""
+    on a persistent grid of `runs` CTAs over `tiles` tiles: equal shares of the halves, or
+    `shares` (`kernels.cost_shares`)."""
     done, halves = [], 2 * tiles
     for j in range(runs):
-        h, b = j * halves // runs, (j + 1) * halves // runs
+        h, b = shares[j] if shares else (j * halves // runs, (j + 1) * halves // runs)
         while h < b:
             kz = h & 1
             kn = 1 if kz == 0 and h + 2 <= b else 2
@@ -1290,31 +1291,68 @@ def _run_shares(runs: int, tiles: int) -> list[tuple]:
     return done
 
 
-@pytest.mark.parametrize("runs", [1, 3, 100, 511, 512, 513, 1024])
-def test_run_shares_cover_every_tile_once(runs):
-    """Each tile of a persistent gate_up grid is computed once whole, or once in each half by
-    the two CTAs whose shares meet in it, which share its scratch; no two split tiles share
-    one, and every index fits the launcher's runs + 1."""
-    shares, tiles = _run_shares(runs, 512), {}
-    for tile, kz, kn, idx in shares:
+def _check_split_tiles(work: list[tuple], n_tiles: int, runs: int) -> dict[int, int]:
+    """Each tile computed once whole, or once in each half by the two CTAs whose shares meet in
+    it, which share its scratch; no two split tiles share one, and every index fits the
+    launcher's runs + 1. The split tiles by scratch."""
+    tiles = {}
+    for tile, kz, kn, idx in work:
         tiles.setdefault(tile, []).append((kz, kn, idx))
-    assert sorted(tiles) == list(range(512))
+    assert sorted(tiles) == list(range(n_tiles))
     split = {}
-    for tile, work in tiles.items():
-        if work != [(0, 1, work[0][2])]:
-            assert sorted(w[:2] for w in work) == [(0, 2), (1, 2)] and work[0][2] == work[1][2]
-            split[work[0][2]] = tile
+    for tile, parts in tiles.items():
+        if parts != [(0, 1, parts[0][2])]:
+            assert sorted(w[:2] for w in parts) == [(0, 2), (1, 2)] and parts[0][2] == parts[1][2]
+            split[parts[0][2]] = tile
     assert len(split) == sum(len(w) == 2 for w in tiles.values())  # one scratch a split tile
     assert all(0 < idx <= runs for idx in split)
+    return split
+
+
+@pytest.mark.parametrize("runs", [1, 3, 100, 511, 512, 513, 1024])
+def test_run_shares_cover_every_tile_once(runs):
+    """The persistent gate_up grid's equal shares: every tile once (`_check_split_tiles`)."""
+    split = _check_split_tiles(_run_shares(runs, 512), 512, runs)
     if runs <= 512:  # shares of at least a tile: at most one split tile between two CTAs
         assert len(split) < runs
+
+
+@pytest.mark.parametrize(
+    "costs, tiles, runs",
+    [([1, 3], 896, 528), ([3, 1], 256, 97), ([1, 1, 5, 1], 128, 64), ([2, 3], 20, 7),
+     ([3, 3], 300, 300), ([1, 3], 12, 32)],
+)  # fmt: skip
+def test_cost_shares_cover_every_tile_once(costs, tiles, runs):
+    """Shares weighed by each slot's half-tile cost (cuda/moe.cu `cost_share`, its twin
+    `kernels.cost_shares`): contiguous, every half once, none empty while a share's cost is at
+    least the dearest half's (the launcher's condition, `_wide_cost`), each within a half's cost
+    of an equal share of the cost, and every tile once (`_check_split_tiles`), shares of a
+    single half among them (the last case). `tiles`: a slot's."""
+    halves = 2 * tiles * len(costs)
+    shares = kernels.cost_shares(costs, tiles, runs)
+    assert shares[0][0] == 0 and shares[-1][1] == halves
+    assert all(b == a2 for (_, b), (a2, _) in itertools.pairwise(shares))
+    total = 2 * tiles * sum(costs)
+    assert total >= max(costs) * runs  # (so that none is empty)
+    half_cost = [c for c in costs for _ in range(2 * tiles)]
+    for a, b in shares:
+        assert b > a
+        assert abs(sum(half_cost[a:b]) - total / runs) <= max(costs)
+    _check_split_tiles(_run_shares(runs, tiles * len(costs), shares), tiles * len(costs), runs)
+    if total == max(costs) * runs:  # a share's cost is the dearest half's: some hold one
+        assert min(b - a for a, b in shares) == 1
+    if len(set(costs)) > 1:  # the dear slot's halves are spread over more CTAs
+        dear = costs.index(max(costs)) * 2 * tiles
+        held = [min(b, dear + 2 * tiles) - max(a, dear) for a, b in shares]
+        assert max(held) <= -(-2 * tiles * len(costs) // runs)
 
 
 def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     """With a shared expert, a one-token gate_up whose routed and shared tiles are more than a
     wave runs one wave of persistent CTAs, split between the two groups in proportion to their
     tiles (routed first in the grid, each group at least one CTA and at most one a half tile);
-    under a wave, one CTA a tile. The split tiles' scratch covers both groups' shares."""
+    under a wave, one CTA a tile. The split tiles' scratch covers both groups' shares. The
+    routed shares are weighed by cost where a block is wider than the build's binary mma."""
     assert kernels.gate_up_shares(528, 384, 352) == (275, 253)  # Qwen1.5-MoE, 4 bits
     assert kernels.gate_up_shares(528, 1792, 0) == (528, 0)
     assert kernels.gate_up_shares(0, 384, 352) == (0, 0)
@@ -1331,7 +1369,14 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     shared = 32 * moe.proj[(0, True, "down")].wpad // kernels.ROWS  # 16
     plan = moe._decode_launch(0, 2, True, "p1")
     assert (plan.runs, plan.gate_up_grid) == (97, (100, 1))  # 100 * 512 / 528
-    assert moe._run_args(plan.runs, 100, xf.device)[0] == 97
+    args = moe._run_args(0, "p1", plan, xf.device)
+    assert args[:3] == (97, 4, 1)  # no block past p1's 4 bits: equal shares
+    widths = np.full(layer.table.n_blocks, 4)
+    widths[moe._layer_blocks[0][0]] = 5  # a block past them: shares weighed by cost
+    layer.set_widths(widths)
+    assert moe._run_args(0, "p1", plan, xf.device)[:3] == (97, 4, fused_moe.WIDE_HALF_COST)
+    assert moe._run_args(0, "p1b5", plan, xf.device)[:3] == (97, 5, 1)  # p1b5 reads 5 bits
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
     n = len(moe._run_buffers[next(iter(moe._run_buffers))][1])
     assert n == 97 + 1 + 3 + 1  # cuda/moe.cu RUN: routed [1, 97], shared [99, 101]
     per_sm["n"], moe._launches = 6, {}  # a wave of 600 holds every tile: one CTA a tile

@@ -496,7 +496,14 @@ PN_UNTIL_WIDE = 0.5
 P1_UNTIL_WIDE = 0.05
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
-_NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))  # gate_up's per-tile grid: no shares
+# gate_up's per-tile grid: no shares (runs, wide_bits, wide_cost, scratch rows, tickets)
+_NO_RUNS = (np.int32(0), np.int32(0), np.int32(1), np.uint64(0), np.uint64(0))
+# What a half tile of a routed slot whose gate or up is wider than the build's binary mma reads
+# costs in a one-token gate_up's persistent shares (cuda/moe.cu `cost_share`), against 1 for the
+# others: those tiles take the lookup. 1: equal shares (recipes/perf_kernel_ab.py's `wide_cost=`).
+WIDE_HALF_COST = 3
+# the widest block each one-token popc build's binary mma reads
+_BUILD_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
 
 # FusedMoE.gate_up_runs' default: None, one-token gate_up grids run persistent by
 # kernels.gate_up_runs; a count, that many CTAs (0: one a tile; recipes/perf_kernel_ab.py sets
@@ -525,6 +532,7 @@ class DecodeLaunch:
 
     gate_up_grid: tuple[int, int]
     runs: int  # gate_up's persistent routed CTAs (cuda/moe.cu Run; the shared expert's after)
+    routed_tiles: int  # gate_up's routed tiles (16 rows of gate and up each), all slots'
     gate_up_routed: tuple
     gate_up_shared: tuple
     down_grid: tuple[int, int, int]
@@ -780,7 +788,7 @@ class FusedMoE:
         block = (32 * kernels.WARPS,)
         gate_up = kernels.Prepared(
             f"gate_up_{kind}", plan.gate_up_grid, block,
-            common + gu_args + xpx + self._run_args(plan.runs, plan.gate_up_grid[0], xf.device),
+            common + gu_args + xpx + self._run_args(layer, kind, plan, xf.device),
             early=True,
         )  # fmt: skip
         planes = self._planes(list(zip(hp, dn, hps, strict=True))) if px is not None else None
@@ -799,11 +807,13 @@ class FusedMoE:
 
         return gate_up_then_planes, down
 
-    def _run_args(self, runs: int, ctas: int, device: torch.device) -> tuple:
-        """gate_up's last arguments: its persistent routed CTAs (of `ctas`, the shared expert's
-        after them), and for the tiles split between two shares, their halves' rows (2 halves x
-        gate and up x ROWS floats) and tickets (zero between launches: a tile's second half to
-        finish resets the tile's): a scratch a CTA and one more a group (cuda/moe.cu RUN)."""
+    def _run_args(self, layer: int, kind: str, plan: DecodeLaunch, device: torch.device) -> tuple:
+        """gate_up's last arguments: its persistent routed CTAs (of the grid's, the shared
+        expert's after them); what weighs their shares (`_wide_cost`); and for the tiles split
+        between two shares, their halves' rows (2 halves x gate and up x ROWS floats) and
+        tickets (zero between launches: a tile's second half to finish resets the tile's): a
+        scratch a CTA and one more a group (cuda/moe.cu RUN)."""
+        runs, ctas = plan.runs, plan.gate_up_grid[0]
         if runs == 0:
             return _NO_RUNS
         n = ctas + 1 + (ctas > runs)
@@ -811,7 +821,20 @@ class FusedMoE:
             rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
             self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
         rows, tickets = self._run_buffers[n]
-        return np.int32(runs), kernels.ptr(rows), kernels.ptr(tickets)
+        bits = _BUILD_BITS[kind]
+        cost = self._wide_cost(layer, bits, plan)
+        return (np.int32(runs), np.int32(bits), np.int32(cost), kernels.ptr(rows),
+                kernels.ptr(tickets))  # fmt: skip
+
+    def _wide_cost(self, layer: int, bits: int, plan: DecodeLaunch) -> int:
+        """WIDE_HALF_COST where some block of the layer is wider than `bits` (the build's binary
+        mma) and every share can still hold a half at that cost (cuda/moe.cu `cost_share`),
+        else 1: equal shares, and no routing read before them. A graph captured with either
+        stays correct when the widths change; only the balance moves."""
+        halves = 2 * plan.routed_tiles
+        if self._widths(layer).widest <= bits or halves < WIDE_HALF_COST * plan.runs:
+            return 1
+        return WIDE_HALF_COST
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
@@ -935,6 +958,7 @@ class FusedMoE:
         return DecodeLaunch(
             gate_up_grid=(runs + t_runs, 1) if runs else (tiles[0], n_routed + extra[0]),
             runs=runs,
+            routed_tiles=tiles[0] * n_routed,
             gate_up_routed=gate_up + (i32(n_routed),),
             gate_up_shared=(i32(gu[-1].rows), i32(dn[-1].wpad), i64(gu[-1].bits_nbytes))
             + (i32(gu[-1].rows_per_table), i32(tiles[-1]), i32(1)),
