@@ -500,8 +500,10 @@ _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are
 _NO_RUNS = (np.int32(0), np.int32(0), np.int32(1), np.uint64(0), np.uint64(0))
 # What a half tile of a routed slot whose gate or up is wider than the build's binary mma reads
 # costs in a one-token gate_up's persistent shares (cuda/moe.cu `cost_share`), against 1 for the
-# others: those tiles take the lookup. 1: equal shares (recipes/perf_kernel_ab.py's `wide_cost=`).
-WIDE_HALF_COST = 3
+# others: those tiles take the lookup. 1: equal shares. Mixtral, one token, `p1` with a few blocks
+# past 4 bits (H200, docs/PERF.md session 41): 2 took 1-9% off every case measured against 1;
+# 8-bit blocks did best at 5 (up to 9%), 5-bit ones at 2 (5 cost them up to 13%).
+WIDE_HALF_COST = 2
 # the widest block each one-token popc build's binary mma reads
 _BUILD_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
 
