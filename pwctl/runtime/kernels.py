@@ -407,9 +407,8 @@ def cost_shares(half_costs: list[int], tiles: int, n: int) -> list[tuple[int, in
     """The CPU twin of cuda/moe.cu `cost_share`: n persistent CTAs' halves [a, b) of the routed
     slots' tiles (`tiles` a slot, a half tile of slot i costing half_costs[i]), share j starting
     at the first half whose start cost reaches j / n of the total."""
-    starts = [c for c in half_costs for _ in range(2 * tiles)]
-    cum = [0]
-    for c in starts:
+    cum = [0]  # the cost before each half
+    for c in (c for c in half_costs for _ in range(2 * tiles)):
         cum.append(cum[-1] + c)
     total = cum[-1]
     bound = [next(h for h, v in enumerate(cum) if v * n >= k * total) for k in range(n + 1)]
