@@ -504,8 +504,9 @@ _NO_RUNS = (np.int32(0), np.int32(0), np.int32(1), np.uint64(0), np.uint64(0))
 # past 4 bits (H200, docs/PERF.md session 41): 2 took 1-9% off every case measured against 1;
 # 8-bit blocks did best at 5 (up to 9%), 5-bit ones at 2 (5 cost them up to 13%).
 WIDE_HALF_COST = 2
-# the widest block each one-token popc build's binary mma reads
-_BUILD_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
+# the one-token popc builds (their gate_up on a persistent grid) and the widest block each one's
+# binary mma reads
+_ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
 
 # FusedMoE.gate_up_runs' default: None, one-token gate_up grids run persistent by
 # kernels.gate_up_runs; a count, that many CTAs (0: one a tile; recipes/perf_kernel_ab.py sets
@@ -823,7 +824,7 @@ class FusedMoE:
             rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
             self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
         rows, tickets = self._run_buffers[n]
-        bits = _BUILD_BITS[kind]
+        bits = _ONE_TOKEN_BITS[kind]
         cost = self._wide_cost(layer, bits, plan)
         return (np.int32(runs), np.int32(bits), np.int32(cost), kernels.ptr(rows),
                 kernels.ptr(tickets))  # fmt: skip
@@ -991,7 +992,7 @@ class FusedMoE:
         `gate_up_runs` of them (at most a CTA a half tile), or `kernels.gate_up_runs` on one
         wave of the kernel's CTAs, split by `kernels.gate_up_shares`; (0, 0), one CTA a tile,
         for the other builds."""
-        if kind not in ("p1", "p1b3", "p1b5"):
+        if kind not in _ONE_TOKEN_BITS:
             return 0, 0
         ctas = self.gate_up_runs
         if ctas is not None and ctas < 0:
