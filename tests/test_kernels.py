@@ -1279,7 +1279,7 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
 def _run_shares(runs: int, tiles: int, shares: list[tuple[int, int]] | None = None) -> list[tuple]:
     """cuda/moe.cu RUN and gate_up_popc's loop replayed: (tile, kz, kn, idx) of each CTA's work
     on a persistent grid of `runs` CTAs over `tiles` tiles: equal shares of the halves, or
-    `shares` (`kernels.cost_shares`)."""
+    `shares` (`_cost_shares`)."""
     done, halves = [], 2 * tiles
     for j in range(runs):
         h, b = shares[j] if shares else (j * halves // runs, (j + 1) * halves // runs)
@@ -1289,6 +1289,18 @@ def _run_shares(runs: int, tiles: int, shares: list[tuple[int, int]] | None = No
             done.append((h >> 1, kz, kn, j + 1 - kz))
             h += 2 if kn == 1 else 1
     return done
+
+
+def _cost_shares(half_costs: list[int], tiles: int, n: int) -> list[tuple[int, int]]:
+    """cuda/moe.cu `cost_share` replayed: n persistent CTAs' halves [a, b) of the routed slots'
+    tiles (`tiles` a slot, a half tile of slot i costing half_costs[i]), share j starting at the
+    first half whose start cost reaches j / n of the total."""
+    cum = [0]  # the cost before each half
+    for c in (c for c in half_costs for _ in range(2 * tiles)):
+        cum.append(cum[-1] + c)
+    total = cum[-1]
+    bound = [next(h for h, v in enumerate(cum) if v * n >= k * total) for k in range(n + 1)]
+    return list(itertools.pairwise(bound))
 
 
 def _check_split_tiles(work: list[tuple], n_tiles: int, runs: int) -> dict[int, int]:
@@ -1323,13 +1335,13 @@ def test_run_shares_cover_every_tile_once(runs):
      ([3, 3], 300, 300), ([1, 3], 12, 32)],
 )  # fmt: skip
 def test_cost_shares_cover_every_tile_once(costs, tiles, runs):
-    """Shares weighed by each slot's half-tile cost (cuda/moe.cu `cost_share`, its twin
-    `kernels.cost_shares`): contiguous, every half once, none empty while a share's cost is at
+    """Shares weighed by each slot's half-tile cost (cuda/moe.cu `cost_share`, replayed by
+    `_cost_shares`): contiguous, every half once, none empty while a share's cost is at
     least the dearest half's (the launcher's condition, `_wide_cost`), each within a half's cost
     of an equal share of the cost, and every tile once (`_check_split_tiles`), shares of a
     single half among them (the last case). `tiles`: a slot's."""
     halves = 2 * tiles * len(costs)
-    shares = kernels.cost_shares(costs, tiles, runs)
+    shares = _cost_shares(costs, tiles, runs)
     assert shares[0][0] == 0 and shares[-1][1] == halves
     assert all(b == a2 for (_, b), (a2, _) in itertools.pairwise(shares))
     total = 2 * tiles * sum(costs)

@@ -403,18 +403,6 @@ def gate_up_runs(tiles: int, wave: int) -> int:
     return wave if tiles > wave else 0
 
 
-def cost_shares(half_costs: list[int], tiles: int, n: int) -> list[tuple[int, int]]:
-    """The CPU twin of cuda/moe.cu `cost_share`: n persistent CTAs' halves [a, b) of the routed
-    slots' tiles (`tiles` a slot, a half tile of slot i costing half_costs[i]), share j starting
-    at the first half whose start cost reaches j / n of the total."""
-    cum = [0]  # the cost before each half
-    for c in (c for c in half_costs for _ in range(2 * tiles)):
-        cum.append(cum[-1] + c)
-    total = cum[-1]
-    bound = [next(h for h, v in enumerate(cum) if v * n >= k * total) for k in range(n + 1)]
-    return list(zip(bound[:-1], bound[1:], strict=True))
-
-
 def gate_up_shares(ctas: int, tiles: int, shared_tiles: int) -> tuple[int, int]:
     """`ctas` persistent gate_up CTAs split between `tiles` routed tiles and the shared
     expert's `shared_tiles` in proportion, each group at least one CTA and at most one a half
