@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,16 +43,26 @@ def main() -> None:
 
 
 def _cell(layer, T: int, wide: int, share: float, rounds: int, seeds: int) -> tuple[dict, set]:
-    """Each build's time averaged over `seeds` draws (routing, wide blocks), and what the
-    rule chose on them."""
-    builds = ONE_TOKEN if T == 1 else FEW_TOKENS
+    """Every block at 4 bits but `share` of them, drawn by seed, at `wide`: `mean_times`."""
     n = layer.table.n_blocks
+
+    def widths_of(seed: int) -> np.ndarray:
+        widths = np.full(n, 4)
+        widths[np.random.default_rng(seed + 1).permutation(n)[: round(share * n)]] = wide
+        return widths
+
+    return mean_times(layer, T, widths_of, ONE_TOKEN if T == 1 else FEW_TOKENS, rounds, seeds)
+
+
+def mean_times(
+    layer, T: int, widths_of: Callable[[int], np.ndarray], builds: dict, rounds: int, seeds: int
+) -> tuple[dict[str, float], set[str]]:
+    """Each build's best time of `rounds` averaged over `seeds` draws (routing `seed`, widths
+    `widths_of(seed)`), and the builds the rule chose on them."""
     mean, chose = dict.fromkeys(builds, 0.0), set()
     for seed in range(seeds):
         x = random_routing(layer.spec, T, seed=seed)[0]
-        widths = np.full(n, 4)
-        widths[np.random.default_rng(seed + 1).permutation(n)[: round(share * n)]] = wide
-        layer.set_widths(widths)
+        layer.set_widths(widths_of(seed))
         layer.moe.popc_decode, fused_moe.POPC_B5 = None, True
         chose.add(layer.moe._popc_kind(0, T) or "lookup")
         for build, t in best_times(layer, x, builds, rounds).items():

@@ -13,9 +13,9 @@ import sys
 
 import numpy as np
 import torch
-from perf_wide_blocks import FEW_TOKENS, ONE_TOKEN, best_times
+from perf_wide_blocks import FEW_TOKENS, ONE_TOKEN, mean_times
 
-from pwctl.bench.kernels import SHAPES, random_routing, synthetic_layer
+from pwctl.bench.kernels import SHAPES, synthetic_layer
 
 
 def mix_widths(n: int, mix: dict[int, float], rng: np.random.Generator) -> np.ndarray:
@@ -44,21 +44,14 @@ def main() -> None:
 
 
 def _cell(layer, T: int, mix: dict[int, float], seeds: int) -> tuple[dict, set]:
-    """Each build's time on the mix and the rule's on 4 bits, averaged over `seeds` draws; the
-    builds the rule chose on the mix."""
+    """Each build's time on the mix and the rule's on 4 bits (`mean_times`); the builds the
+    rule chose on the mix."""
     builds = ONE_TOKEN if T == 1 else FEW_TOKENS
     n = layer.table.n_blocks
-    mean, chose = dict.fromkeys([*builds, "4 bits"], 0.0), set()
-    for seed in range(seeds):
-        x = random_routing(layer.spec, T, seed=seed)[0]
-        layer.set_widths(mix_widths(n, mix, np.random.default_rng(seed + 1)))
-        layer.moe.popc_decode = None
-        chose.add(layer.moe._popc_kind(0, T) or "lookup")
-        for build, t in best_times(layer, x, builds, 1).items():
-            mean[build] += t / seeds
-        layer.set_widths(np.full(n, 4))
-        mean["4 bits"] += best_times(layer, x, {"auto": builds["auto"]}, 1)["auto"] / seeds
-    return mean, chose
+    mixed = lambda seed: mix_widths(n, mix, np.random.default_rng(seed + 1))  # noqa: E731
+    mean, chose = mean_times(layer, T, mixed, builds, 1, seeds)
+    four = mean_times(layer, T, lambda seed: np.full(n, 4), {"auto": builds["auto"]}, 1, seeds)
+    return {**mean, "4 bits": four[0]["auto"]}, chose
 
 
 if __name__ == "__main__":
