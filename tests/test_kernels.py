@@ -1155,13 +1155,15 @@ def test_pdl_launch_structs_match_the_driver_abi():
 def test_kernel_parameters_pack_at_their_natural_alignment():
     """cuLaunchKernel's `extra` buffer: each parameter at its own alignment, in order, the size
     ending at the last one (the CUDA driver API's rule); the `extra` array points at both."""
-    args = (np.int32(-3), np.uint64(2**63 + 5), np.int32(7), np.int64(-9), np.float32(1.5))
+    args = (np.int32(-3), np.uint64(2**63 + 5), np.int32(7), np.int64(-9), np.float32(1.5),
+            np.uint32(0xF000_0001))  # fmt: skip
     layout = kernels.param_layout(tuple(map(type, args)))
-    assert layout.size == 36  # int32 @0, pointer @8, int32 @16, int64 @24, float @32
+    assert layout.size == 40  # int32 @0, pointer @8, int32 @16, int64 @24, float @32, uint @36
     params = kernels._Params()
     extra = params.pack(args)
     raw = params.data.raw[: params.size.value]
-    assert params.size.value == 36
+    assert params.size.value == 40
+    assert int.from_bytes(raw[36:40], "little") == 0xF000_0001
     assert int.from_bytes(raw[0:4], "little", signed=True) == -3
     assert int.from_bytes(raw[8:16], "little") == 2**63 + 5
     assert int.from_bytes(raw[16:20], "little") == 7
@@ -1303,6 +1305,12 @@ def _cost_shares(half_costs: list[int], tiles: int, n: int) -> list[tuple[int, i
     return list(itertools.pairwise(bound))
 
 
+def _half_cost(costs: int, gate_bits: int, up_bits: int) -> int:
+    """cuda/moe.cu `half_cost` on the launcher's packed costs: a nibble a width from 1 bit up,
+    read at the wider of a slot's gate and up blocks."""
+    return (costs >> 4 * (max(gate_bits, up_bits) - 1)) & 15
+
+
 def _check_split_tiles(work: list[tuple], n_tiles: int, runs: int) -> dict[int, int]:
     """Each tile computed once whole, or once in each half by the two CTAs whose shares meet in
     it, which share its scratch; no two split tiles share one, and every index fits the
@@ -1337,7 +1345,7 @@ def test_run_shares_cover_every_tile_once(runs):
 def test_cost_shares_cover_every_tile_once(costs, tiles, runs):
     """Shares weighed by each slot's half-tile cost (cuda/moe.cu `cost_share`, replayed by
     `_cost_shares`): contiguous, every half once, none empty while a share's cost is at
-    least the dearest half's (the launcher's condition, `_wide_cost`), each within a half's cost
+    least the dearest half's (the launcher's condition, `_half_costs`), each within a half's cost
     of an equal share of the cost, and every tile once (`_check_split_tiles`), shares of a
     single half among them (the last case). `tiles`: a slot's."""
     halves = 2 * tiles * len(costs)
@@ -1382,12 +1390,27 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     plan = moe._decode_launch(0, 2, True, "p1")
     assert (plan.runs, plan.gate_up_grid) == (97, (100, 1))  # 100 * 512 / 528
     args = moe._run_args(0, "p1", plan, xf.device)
-    assert args[:3] == (97, 4, 1)  # no block past p1's 4 bits: equal shares
+    assert args[:2] == (97, 0)  # no block past p1's 4 bits: equal shares
     widths = np.full(layer.table.n_blocks, 4)
     widths[moe._layer_blocks[0][0]] = 5  # a block past them: shares weighed by cost
     layer.set_widths(widths)
-    assert moe._run_args(0, "p1", plan, xf.device)[:3] == (97, 4, fused_moe.WIDE_HALF_COST)
-    assert moe._run_args(0, "p1b5", plan, xf.device)[:3] == (97, 5, 1)  # p1b5 reads 5 bits
+    costs = moe._run_args(0, "p1", plan, xf.device)[1]
+    assert [_half_cost(costs, w, 1) for w in range(1, 9)] == [1] * 4 + [
+        fused_moe.WIDE_HALF_COSTS[w] for w in range(5, 9)
+    ]
+    assert _half_cost(costs, 3, 6) == _half_cost(costs, 6, 2) == fused_moe.WIDE_HALF_COSTS[6]
+    assert moe._run_args(0, "p1b5", plan, xf.device)[:2] == (97, 0)  # p1b5 reads 5 bits
+    widths[moe._layer_blocks[0][0]] = 8
+    layer.set_widths(widths)
+    costs = moe._run_args(0, "p1b5", plan, xf.device)[1]
+    assert [_half_cost(costs, w, w) for w in range(1, 9)] == [1] * 5 + [
+        fused_moe.WIDE_HALF_COSTS[w] for w in range(6, 9)
+    ]
+    # 1024 routed halves on 97 shares: a dearest cost of 10 leaves each a half, 11 may not
+    monkeypatch.setitem(fused_moe.WIDE_HALF_COSTS, 7, 10)
+    assert moe._run_args(0, "p1", plan, xf.device)[1] != 0
+    monkeypatch.setitem(fused_moe.WIDE_HALF_COSTS, 7, 11)  # even with no 7-bit block
+    assert moe._run_args(0, "p1", plan, xf.device)[1] == 0
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     n = len(moe._run_buffers[next(iter(moe._run_buffers))][1])
     assert n == 97 + 1 + 3 + 1  # cuda/moe.cu RUN: routed [1, 97], shared [99, 101]

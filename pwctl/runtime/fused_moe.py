@@ -496,14 +496,14 @@ PN_UNTIL_WIDE = 0.5
 P1_UNTIL_WIDE = 0.05
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
-# gate_up's per-tile grid: no shares (runs, wide_bits, wide_cost, scratch rows, tickets)
-_NO_RUNS = (np.int32(0), np.int32(0), np.int32(1), np.uint64(0), np.uint64(0))
-# What a half tile of a routed slot whose gate or up is wider than the build's binary mma reads
-# costs in a one-token gate_up's persistent shares (cuda/moe.cu `cost_share`), against 1 for the
-# others: those tiles take the lookup. 1: equal shares. Mixtral, one token, `p1` with a few blocks
-# past 4 bits (H200, docs/PERF.md session 41): 2 took 1-9% off every case measured against 1;
+# gate_up's per-tile grid: no shares (runs, half costs, scratch rows, tickets)
+_NO_RUNS = (np.int32(0), np.uint32(0), np.uint64(0), np.uint64(0))
+# What a half tile costs in a one-token gate_up's persistent shares (cuda/moe.cu `cost_share`)
+# when its gate or up block is wider than the build's binary mma reads (those tiles take the
+# lookup), by that width; 1 for the others. Mixtral, one token, `p1` with a few blocks past 4 bits
+# (H200, docs/PERF.md session 41): against equal shares, 2 took 1-9% off every case measured;
 # 8-bit blocks did best at 5 (up to 9%), 5-bit ones at 2 (5 cost them up to 13%).
-WIDE_HALF_COST = 2
+WIDE_HALF_COSTS = {4: 2, 5: 2, 6: 3, 7: 4, 8: 5}
 # the one-token popc builds (their gate_up on a persistent grid) and the widest block each one's
 # binary mma reads
 _ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
@@ -812,7 +812,7 @@ class FusedMoE:
 
     def _run_args(self, layer: int, kind: str, plan: DecodeLaunch, device: torch.device) -> tuple:
         """gate_up's last arguments: its persistent routed CTAs (of the grid's, the shared
-        expert's after them); what weighs their shares (`_wide_cost`); and for the tiles split
+        expert's after them); what weighs their shares (`_half_costs`); and for the tiles split
         between two shares, their halves' rows (2 halves x gate and up x ROWS floats) and
         tickets (zero between launches: a tile's second half to finish resets the tile's): a
         scratch a CTA and one more a group (cuda/moe.cu RUN)."""
@@ -824,20 +824,22 @@ class FusedMoE:
             rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
             self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
         rows, tickets = self._run_buffers[n]
-        bits = _ONE_TOKEN_BITS[kind]
-        cost = self._wide_cost(layer, bits, plan)
-        return (np.int32(runs), np.int32(bits), np.int32(cost), kernels.ptr(rows),
-                kernels.ptr(tickets))  # fmt: skip
+        costs = self._half_costs(layer, _ONE_TOKEN_BITS[kind], plan)
+        return (np.int32(runs), np.uint32(costs), kernels.ptr(rows), kernels.ptr(tickets))
 
-    def _wide_cost(self, layer: int, bits: int, plan: DecodeLaunch) -> int:
-        """WIDE_HALF_COST where some block of the layer is wider than `bits` (the build's binary
-        mma) and every share can still hold a half at that cost (cuda/moe.cu `cost_share`),
-        else 1: equal shares, and no routing read before them. A graph captured with either
-        stays correct when the widths change; only the balance moves."""
-        halves = 2 * plan.routed_tiles
-        if self._widths(layer).widest <= bits or halves < WIDE_HALF_COST * plan.runs:
-            return 1
-        return WIDE_HALF_COST
+    def _half_costs(self, layer: int, bits: int, plan: DecodeLaunch) -> int:
+        """What weighs the routed shares (cuda/moe.cu `cost_share`): a half tile's cost by the
+        wider of its gate and up blocks, 4 bits a width from 1 bit up (1 to `bits`, the build's
+        binary mma; WIDE_HALF_COSTS past it). 0, equal shares and no routing read before them,
+        where no block is wider than `bits`, or where some share could be left without a half
+        at the dearest width's cost (the kernel's split tiles need every share to hold one).
+        Either way a graph captured with these arguments stays correct when the widths change;
+        only the balance moves."""
+        # the kernels' widths, 1-8 bits: 8 nibbles fill the 32-bit argument
+        costs = [1 if w <= bits else WIDE_HALF_COSTS[w] for w in range(1, 9)]
+        if self._widths(layer).widest <= bits or 2 * plan.routed_tiles < max(costs) * plan.runs:
+            return 0
+        return sum(c << 4 * i for i, c in enumerate(costs))
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces

@@ -145,7 +145,7 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-_CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i", np.float32: "f"}
+_CODES = {np.uint64: "Q", np.int64: "q", np.uint32: "I", np.int32: "i", np.float32: "f"}
 
 
 @functools.lru_cache(maxsize=64)
