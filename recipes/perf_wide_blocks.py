@@ -45,13 +45,15 @@ def main() -> None:
 def _cell(layer, T: int, wide: int, share: float, rounds: int, seeds: int) -> tuple[dict, set]:
     """Every block at 4 bits but `share` of them, drawn by seed, at `wide`: `mean_times`."""
     n = layer.table.n_blocks
-
-    def widths_of(seed: int) -> np.ndarray:
-        widths = np.full(n, 4)
-        widths[np.random.default_rng(seed + 1).permutation(n)[: round(share * n)]] = wide
-        return widths
-
+    widths_of = lambda seed: wide_widths(n, wide, share, seed)  # noqa: E731
     return mean_times(layer, T, widths_of, ONE_TOKEN if T == 1 else FEW_TOKENS, rounds, seeds)
+
+
+def wide_widths(n: int, wide: int, share: float, seed: int) -> np.ndarray:
+    """n blocks at 4 bits but `share` of them, drawn by seed, at `wide`."""
+    widths = np.full(n, 4)
+    widths[np.random.default_rng(seed + 1).permutation(n)[: round(share * n)]] = wide
+    return widths
 
 
 def mean_times(

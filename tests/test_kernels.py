@@ -951,7 +951,8 @@ def test_routed_decode_matches_reference(shape, T):
     """`FusedMoE.routed` (router folded into the decode launch) against the torch path on the
     routing it chose, eager and replayed from a CUDA graph on new tokens. One token: on the
     binary tensor-core kernels, x's pieces built by route_prep. The eager calls reuse their
-    launches (`_routed_plans`): new x and router tensors, and new widths, must reach them."""
+    launches (`_routed_plans`): new x and router tensors, and new widths, must reach them, the
+    weighing of one-token shares by the widths (`_weighed`) among them."""
     layer = synthetic_layer(SHAPES[shape], seed=3)
     layer.set_widths(np.full(layer.table.n_blocks, 3))
     spec, gen = layer.spec, torch.Generator(device="cuda").manual_seed(0)
@@ -977,6 +978,11 @@ def test_routed_decode_matches_reference(shape, T):
     layer.set_widths(np.full(layer.table.n_blocks, 4))  # one token: p1b3 -> p1
     check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager, 4 bits")
     assert len(layer.moe._routed_plans) == (2 if T == 1 else 1)
+    widths = np.full(layer.table.n_blocks, 4)
+    widths[layer.moe._layer_blocks[0][::4]] = 6  # one token: p1b5, its shares weighed by cost
+    layer.set_widths(widths)
+    check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager, some blocks at 6 bits")
+    assert len(layer.moe._routed_plans) == (3 if T == 1 else 1)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -1400,6 +1406,10 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     ]
     assert _half_cost(costs, 3, 6) == _half_cost(costs, 6, 2) == fused_moe.WIDE_HALF_COSTS[6]
     assert moe._run_args(0, "p1b5", plan, xf.device)[:2] == (97, 0)  # p1b5 reads 5 bits
+    assert moe._weighed(0, "p1") and not moe._weighed(0, "p1b5") and not moe._weighed(0, "n1")
+    moe.weigh_shares = False
+    assert moe._run_args(0, "p1", plan, xf.device)[:2] == (97, 0) and not moe._weighed(0, "p1")
+    moe.weigh_shares = True
     widths[moe._layer_blocks[0][0]] = 8
     layer.set_widths(widths)
     costs = moe._run_args(0, "p1b5", plan, xf.device)[1]

@@ -575,8 +575,12 @@ class FusedMoE:
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
         self.down_split = DOWN_SPLIT  # CTAs sharing a down tile's columns (None: auto)
+        # one-token gate_up's shares weighed by cost where a block is wider than the build's
+        # binary mma (`_half_costs`); False: equal shares
+        self.weigh_shares = True
         self.down_stream_k = DOWN_STREAM_K  # prefill down on a stream-K wave (None: auto)
-        # `routed`'s launches by (layer, T, shared gate, kernels): made once, their buffers reused
+        # `routed`'s launches by (layer, T, shared gate, kernels, `_weighed`): made once, their
+        # buffers reused
         self._routed_plans: dict[tuple, tuple] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
@@ -650,7 +654,8 @@ class FusedMoE:
         T = x.shape[0]
         out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
         px = self._x_pieces(layer, T, x.device)
-        key = (layer, T, shared_gate_weight is not None, self._kind(layer, T, px))
+        kind = self._kind(layer, T, px)
+        key = (layer, T, shared_gate_weight is not None, kind, self._weighed(layer, kind))
         plan = self._routed_plans.get(key)
         if plan is None:
             plan = self._routed_plan(layer, T, x.shape[1], key[2], px)
@@ -824,20 +829,29 @@ class FusedMoE:
             rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
             self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
         rows, tickets = self._run_buffers[n]
-        costs = self._half_costs(layer, _ONE_TOKEN_BITS[kind], plan)
+        costs = self._half_costs(layer, kind, plan)
         return (np.int32(runs), np.uint32(costs), kernels.ptr(rows), kernels.ptr(tickets))
 
-    def _half_costs(self, layer: int, bits: int, plan: DecodeLaunch) -> int:
+    def _weighed(self, layer: int, kind: str) -> bool:
+        """Whether a one-token gate_up of build `kind` weighs its shares by cost: some block of
+        the layer is wider than the build's binary mma reads (`routed` keys its launches by it,
+        so that widths the pager widens reach the weighting)."""
+        if not self.weigh_shares or kind not in _ONE_TOKEN_BITS:
+            return False
+        return self._widths(layer).widest > _ONE_TOKEN_BITS[kind]
+
+    def _half_costs(self, layer: int, kind: str, plan: DecodeLaunch) -> int:
         """What weighs the routed shares (cuda/moe.cu `cost_share`): a half tile's cost by the
-        wider of its gate and up blocks, 4 bits a width from 1 bit up (1 to `bits`, the build's
-        binary mma; WIDE_HALF_COSTS past it). 0, equal shares and no routing read before them,
-        where no block is wider than `bits`, or where some share could be left without a half
-        at the dearest width's cost (the kernel's split tiles need every share to hold one).
-        Either way a graph captured with these arguments stays correct when the widths change;
+        wider of its gate and up blocks, 4 bits a width from 1 bit up (1 to the build's binary
+        mma's width; WIDE_HALF_COSTS past it). 0, equal shares and no routing read before them,
+        where the layer is not `_weighed`, or where some share could be left without a half at
+        the dearest width's cost (the kernel's split tiles need every share to hold one).
+        Either way a launch made with these arguments stays correct when the widths change;
         only the balance moves."""
+        bits = _ONE_TOKEN_BITS[kind]
         # the kernels' widths, 1-8 bits: 8 nibbles fill the 32-bit argument
         costs = [1 if w <= bits else WIDE_HALF_COSTS[w] for w in range(1, 9)]
-        if self._widths(layer).widest <= bits or 2 * plan.routed_tiles < max(costs) * plan.runs:
+        if not self._weighed(layer, kind) or 2 * plan.routed_tiles < max(costs) * plan.runs:
             return 0
         return sum(c << 4 * i for i, c in enumerate(costs))
 
