@@ -490,10 +490,11 @@ POPC_B5 = True
 # than the lookup kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977).
 P1B5_FROM_WIDE = 0.15
 PN_UNTIL_WIDE = 0.5
-# One token on a large layer whose widest block is 6-8 bits: p1 below P1_UNTIL_WIDE (one Mixtral
-# block in 24: 6 bits 121.3 against the lookup's 144.2 us, 8 bits 148.3 against 155.7), the
-# lookup kernels from it on (two blocks at 8 bits: 180.6 against 172.7; session 41)
-P1_UNTIL_WIDE = 0.05
+# One token on a large layer whose widest block is 6-8 bits: p1 below P1_UNTIL_WIDE, the lookup
+# kernels from it on. Mixtral's 24 blocks, p1's shares weighed by cost (session 42): p1 leads
+# with 3 wide blocks (6 bits 155.9 against the lookup's 163.8 us, 7 bits 168.9 against 173.8,
+# 8 bits level at 190), the lookup from 4 (6 bits 174.1 against 183.3). 0.05 before the weights.
+P1_UNTIL_WIDE = 0.14
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 # gate_up's per-tile grid: no shares (runs, half costs, scratch rows, tickets)
