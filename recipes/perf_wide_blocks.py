@@ -1,7 +1,8 @@
 """Routed decode calls on layers of 4-bit blocks with a share of them wider, on each build the
 launcher can choose, and on the one its rule takes (`auto`, FusedMoE._popc_kind; the builds it
 chose are printed last). One token: the 4-bit popc build (`p1`: wider blocks on its lookup),
-the 5-bit one (`p1b5`) and the lookup kernels (`n1`); a few tokens: the popc kernels (`pn`) and
+the 5-bit one (`p1b5`), the lookup kernels (`n1`) and the lookup gate_up with the popc down
+(`n1p1`); a few tokens: the popc kernels (`pn`) and
 the lookup ones (`n`). Graph replays, L2 cold, us, the best of `rounds`, averaged over `seeds`
 draws of the routing and of which blocks are wide (which of them a call reads moves its time).
 What the rule for layers with wide blocks rests on (docs/PERF.md, sessions 39-41).
@@ -21,9 +22,12 @@ import torch
 from pwctl.bench.kernels import SHAPES, _routed, graph_times, random_routing, synthetic_layer
 from pwctl.runtime import fused_moe
 
-# build -> (popc_decode, POPC_B5); "auto": the launcher's rule
-ONE_TOKEN = {"p1": (True, False), "p1b5": (True, True), "n1": (False, False), "auto": (None, True)}
-FEW_TOKENS = {"pn": (True, True), "n": (False, True), "auto": (None, True)}
+# build -> (popc_decode, POPC_B5, the decode kind forced or None); "auto": the launcher's rule
+ONE_TOKEN = {
+    "p1": (True, False, None), "p1b5": (True, True, None), "n1": (False, False, None),
+    "n1p1": (False, False, "n1p1"), "auto": (None, True, None),
+}  # fmt: skip
+FEW_TOKENS = {"pn": (True, True, None), "n": (False, True, None), "auto": (None, True, None)}
 
 
 def main() -> None:
@@ -65,8 +69,8 @@ def mean_times(
     for seed in range(seeds):
         x = random_routing(layer.spec, T, seed=seed)[0]
         layer.set_widths(widths_of(seed))
-        layer.moe.popc_decode, fused_moe.POPC_B5 = None, True
-        chose.add(layer.moe._popc_kind(0, T) or "lookup")
+        use_build(layer, ONE_TOKEN["auto"])
+        chose.add(layer.moe._kind(0, T, layer.moe._x_pieces(0, T, x.device)))
         for build, t in best_times(layer, x, builds, rounds).items():
             mean[build] += t / seeds
     return mean, chose
@@ -76,10 +80,21 @@ def best_times(layer, x: torch.Tensor, builds: dict, rounds: int) -> dict[str, f
     """Each build's best time of `rounds` on this routing and these widths."""
     best = dict.fromkeys(builds, float("inf"))
     for _ in range(rounds):
-        for build, (popc_on, b5) in builds.items():
-            layer.moe.popc_decode, fused_moe.POPC_B5 = popc_on, b5
+        for build, spec in builds.items():
+            use_build(layer, spec)
             best[build] = min(best[build], graph_times(_routed(layer.moe, x))[0])
+    use_build(layer, ONE_TOKEN["auto"])
     return best
+
+
+def use_build(layer, spec: tuple) -> None:
+    """Set the layer's launcher to a build of ONE_TOKEN / FEW_TOKENS."""
+    popc_on, b5, kind = spec
+    layer.moe.popc_decode, fused_moe.POPC_B5 = popc_on, b5
+    if kind is not None:
+        layer.moe._kind = lambda layer_, T, px: kind
+    elif "_kind" in vars(layer.moe):
+        del layer.moe._kind
 
 
 if __name__ == "__main__":

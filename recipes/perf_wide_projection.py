@@ -11,10 +11,9 @@ import sys
 
 import numpy as np
 import torch
-from perf_wide_blocks import ONE_TOKEN, mean_times
+from perf_wide_blocks import ONE_TOKEN, mean_times, use_build
 
 from pwctl.bench.kernels import SHAPES, _routed, random_routing, synthetic_layer
-from pwctl.runtime import fused_moe
 
 PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0, 1, 2]}
 
@@ -32,7 +31,7 @@ def main() -> None:
                 mean, chose = mean_times(layer, 1, lambda seed, w=widths: w, ONE_TOKEN, 1, seeds)
                 cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
                 print(f"{name:10s} {wide} bits, {label:7s}: {cells} ({chose})", flush=True)
-                for build in ("p1", "n1"):
+                for build in ("p1", "n1", "n1p1"):
                     split = kernel_times(layer, build)
                     cells = "  ".join(f"{k} {us:.1f}" for k, us in split.items())
                     print(f"    {build}: {cells}")
@@ -43,7 +42,7 @@ def main() -> None:
 def kernel_times(layer, build: str, calls: int = 5) -> dict[str, float]:
     """Each kernel's mean device time, us, in eager one-token routed calls on `build` (routing
     seed 0; torch's profiler)."""
-    layer.moe.popc_decode, fused_moe.POPC_B5 = ONE_TOKEN[build]
+    use_build(layer, ONE_TOKEN[build])
     call = _routed(layer.moe, random_routing(layer.spec, 1, seed=0)[0])
     call()
     torch.cuda.synchronize()
@@ -51,7 +50,7 @@ def kernel_times(layer, build: str, calls: int = 5) -> dict[str, float]:
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
-    layer.moe.popc_decode, fused_moe.POPC_B5 = None, True
+    use_build(layer, ONE_TOKEN["auto"])
     times = {}
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.count >= calls:

@@ -469,14 +469,28 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
     widths[blocks[1]] = 6
     layer.set_widths(widths)
-    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
+    # the lookup for one token on a large layer: its gate_up, and the popc down (POPC_DOWN)
+    split = decode(1, None)
+    assert [n for n, _, _ in split][1:] == ["gate_up_n1", "popc_planes", "down_p1"]
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
+    monkeypatch.setattr(fused_moe, "POPC_DOWN", False)
+    lookup = decode(1, None)
+    assert [n for n, _, _ in lookup][1:] == ["gate_up_n1", "down_n1"]
+    monkeypatch.setattr(fused_moe, "POPC_DOWN", True)
+    monkeypatch.setattr(fused_moe, "POPC_B5", False)
+    p1 = decode(1, True)  # p1: the launches the split one takes after its gate_up
+    monkeypatch.setattr(fused_moe, "POPC_B5", True)
+    assert split[0][1] == lookup[0][1]  # the prep builds no x pieces for the lookup gate_up
+    assert split[1] == lookup[1] and split[2:] == p1[2:]  # the same grids
     # a widest block past 5 bits: p1 while under P1_UNTIL_WIDE of the weights are wide
     wide = moe._widths(0).wide
     monkeypatch.setattr(fused_moe, "P1_UNTIL_WIDE", wide + 0.01)
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1", "popc_planes", "down_p1"]
     monkeypatch.setattr(fused_moe, "P1_UNTIL_WIDE", wide)
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "popc_planes", "down_p1"]
+    layer.set_widths(np.full(layer.table.n_blocks, 6))  # no block the popc down's mma reads
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
+    layer.set_widths(widths)
     # a few tokens: the popc kernels until PN_UNTIL_WIDE of the weights are in blocks past 4
     # bits, the lookup kernels from there on (popc_decode True keeps the popc kernels)
     seen = set()
@@ -626,7 +640,8 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
     every real shape: against the reference at every width, mixed widths, and with outlier
     channels in x (x is 16-bit fixed point there). Each build also runs on layers of other
     widths (a graph captured before the pager moved them): p1b3 and p1 on wider blocks, which
-    their lookup path reads, p1b5 on narrower ones and on 8 bits."""
+    their lookup path reads, p1b5 on narrower ones and on 8 bits. The split build (the lookup
+    gate_up, the popc down: "n1p1") on every width."""
     layer = synthetic_layer(SHAPES[shape], seed=3)
     t = layer.table
     rng = np.random.default_rng(3)
@@ -652,6 +667,10 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
                 _poison(layer.moe)
                 got[kind] = layer.moe(0, x, weights, index, scale)
                 del layer.moe._popc_kind
+            layer.moe._kind = lambda layer_, T, px: "n1p1"  # the lookup gate_up, the popc down
+            _poison(layer.moe)
+            got["n1p1"] = layer.moe(0, x, weights, index, scale)
+            del layer.moe._kind
             torch.cuda.synchronize()
             for on, y in got.items():
                 err = float((y - want).norm() / want.norm())

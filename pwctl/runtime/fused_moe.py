@@ -508,6 +508,23 @@ WIDE_HALF_COSTS = {4: 2, 5: 2, 6: 3, 7: 4, 8: 5}
 # the one-token popc builds (their gate_up on a persistent grid) and the widest block each one's
 # binary mma reads
 _ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
+# One token on a large layer the rule sends to the lookup kernels (blocks past 4 bits): gate_up
+# on the lookup, down on the popc build after popc_planes ("n1p1", `_builds`), whose down reads its
+# narrow blocks on the binary mma and its wide ones on a lookup of its own; off, down on the
+# lookup too. A decode kind names one build for both launches but this one.
+POPC_DOWN = True
+_SPLIT_BUILDS = {"n1p1": ("n1", "p1")}
+
+
+def _builds(kind: str) -> tuple[str, str]:
+    """(gate_up's build, down's build) of a decode kind."""
+    return _SPLIT_BUILDS.get(kind, (kind, kind))
+
+
+def _popc(build: str) -> bool:
+    """Whether a build is one of the popc kernels' (x's or h's pieces on the binary mma)."""
+    return build.startswith("p")
+
 
 # FusedMoE.gate_up_runs' default: None, one-token gate_up grids run persistent by
 # kernels.gate_up_runs; a count, that many CTAs (0: one a tile; recipes/perf_kernel_ab.py sets
@@ -771,8 +788,8 @@ class FusedMoE:
         shared: Pairs | None,
         px: XPieces | None,
     ) -> tuple[Callable[[], None], kernels.Prepared]:
-        """`_decode`'s launches into these buffers: gate_up (with popc_planes after it when x's
-        pieces are given) and down, whose one hole is `out`. Both take PDL: gate_up behind
+        """`_decode`'s launches into these buffers: gate_up (with popc_planes after it when
+        down is a popc build) and down, whose one hole is `out`. Both take PDL: gate_up behind
         decode_prep or route_prep (which lets it in once its routing block is the last one left),
         down behind gate_up."""
         kind = self._kind(layer, xf.shape[0], px)
@@ -780,31 +797,34 @@ class FusedMoE:
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key)
         plan, ptr = self._launches[key], kernels.ptr
+        gu_build, dn_build = _builds(kind)
         groups = [(False, pairs)] + ([(True, shared)] if shared is not None else [])
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        xpx, hpx = _NO_PIECES, _NO_PIECES * 2  # the lookup kernels take no pieces
-        if px is not None:  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
+        # the lookup kernels take no pieces; the popc gate_up x's (built by the prep launch)
+        xpx = (ptr(px.buf),) if _popc(gu_build) else _NO_PIECES
+        hpx, planes = _NO_PIECES * 2, None
+        if _popc(dn_build):  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
             hps = [
                 self._pieces(t, h.shape[0], d.words, xf.device)
                 for (t, _), h, d in zip(groups, hp, dn, strict=True)
             ]
-            xpx, hpx = (ptr(px.buf),), (ptr(hps[0]), ptr(hps[-1]))
+            hpx = (ptr(hps[0]), ptr(hps[-1]))
+            planes = self._planes(list(zip(hp, dn, hps, strict=True)))
         gu_args = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
         block = (32 * kernels.WARPS,)
         gate_up = kernels.Prepared(
-            f"gate_up_{kind}", plan.gate_up_grid, block,
-            common + gu_args + xpx + self._run_args(layer, kind, plan, xf.device),
+            f"gate_up_{gu_build}", plan.gate_up_grid, block,
+            common + gu_args + xpx + self._run_args(layer, gu_build, plan, xf.device),
             early=True,
         )  # fmt: skip
-        planes = self._planes(list(zip(hp, dn, hps, strict=True))) if px is not None else None
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
         # down stages while gate_up finishes and waits before it reads h
         down = kernels.Prepared(
-            f"down_{kind}", plan.down_grid, block, common + dn_args + hpx, (len(common) + 1,),
+            f"down_{dn_build}", plan.down_grid, block, common + dn_args + hpx, (len(common) + 1,),
             early=True,
         )  # fmt: skip
         if planes is None:
@@ -858,9 +878,16 @@ class FusedMoE:
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
-        are given (`_x_pieces`), else the lookup kernels of T's n-tiles."""
+        are given (`_x_pieces`), else the lookup kernels of T's n-tiles, but for one token on a
+        large layer whose narrowest block the popc down reads (`POPC_DOWN`): the lookup gate_up
+        with that down ("n1p1")."""
         popc_kind = self._popc_kind(layer, T) if px is not None else None
-        return popc_kind or f"n{kernels.n_tiles(T)}"
+        if popc_kind:
+            return popc_kind
+        split = T == 1 and POPC_DOWN and self.popc_decode is None and self._popc_pays[layer]
+        if split and self._widths(layer).narrowest <= kernels.POPC_MAX_BITS:
+            return "n1p1"
+        return f"n{kernels.n_tiles(T)}"
 
     def _popc_kind(self, layer: int, T: int) -> str | None:
         """The popc kernels' build for a call of T tokens in `layer`, or None for the lookup
@@ -968,13 +995,14 @@ class FusedMoE:
         gate_up, down = self._scalars(layer, False)
         # gate_up covers every padded column of h (rows past I are written as zeros)
         tiles = [32 * d.wpad // rows for d in dn]
-        r, t = self._down_groups(kind, n_routed, dn)
+        gu_build, dn_build = _builds(kind)
+        r, t = self._down_groups(dn_build, n_routed, dn)
         t = t or r
         # grid rows after the routed slots' that number the shared expert's CTAs
         extra = (-(-tiles[-1] // tiles[0]), -(-t.slot_ctas // r.slot_ctas))
         extra = extra if with_shared else (0, 0)
         t_tiles = tiles[-1] if with_shared else 0
-        runs, t_runs = self._gate_up_runs(kind, tiles[0] * n_routed, t_tiles)
+        runs, t_runs = self._gate_up_runs(gu_build, tiles[0] * n_routed, t_tiles)
         return DecodeLaunch(
             gate_up_grid=(runs + t_runs, 1) if runs else (tiles[0], n_routed + extra[0]),
             runs=runs,
@@ -997,7 +1025,7 @@ class FusedMoE:
         (`kernels.down_groups`, unless DOWN_ONE_WAVE is off)."""
         if self.down_split is not None and self.down_split < 1:
             raise ValueError(f"down_split {self.down_split}: at least one CTA a tile")
-        wave = kernels.resident_ctas(f"down_{kind}") if kind.startswith("p") else None
+        wave = kernels.resident_ctas(f"down_{kind}") if _popc(kind) else None
         shared = (dn[1].rows, dn[1].words) if len(dn) > 1 else None
         return kernels.down_groups(
             (dn[0].rows, dn[0].words), n_routed, shared, wave, self.down_split, DOWN_ONE_WAVE
