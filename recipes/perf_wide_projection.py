@@ -1,9 +1,10 @@
 """Where a wide block costs a one-token call: every routed expert's gate, up or down block (or all
 three) at `wide` bits, the rest at 4, on the one-token builds (perf_wide_blocks.py's `p1`, `p1b5`,
 `n1`, `auto`). Every call reads the wide projection, so a cell shows its whole cost; the shared
-expert stays at 4 bits. Graph replays, L2 cold, us, averaged over `seeds` routings.
-Usage (GPU machine):
-  python3 recipes/perf_wide_projection.py mixtral,qwen-moe 5,8 [seeds]"""
+expert stays at 4 bits. Also `p1` with one CTA a gate_up tile (`p1 a tile`) instead of its
+persistent wave. Graph replays, L2 cold, us, averaged over `seeds` routings.
+Usage (GPU machine; cases: none and the keys of PROJECTIONS, default all):
+  python3 recipes/perf_wide_projection.py mixtral,qwen-moe 5,8 [seeds] [cases]"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from perf_wide_blocks import ONE_TOKEN, mean_times, use_build
 
 from pwctl.bench.kernels import SHAPES, _routed, random_routing, synthetic_layer
+from pwctl.runtime import fused_moe
 
 PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0, 1, 2]}
 
@@ -21,14 +23,18 @@ PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0
 def main() -> None:
     shapes, wides = sys.argv[1].split(","), [int(w) for w in sys.argv[2].split(",")]
     seeds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    cases = {"none": [], **PROJECTIONS}
+    if len(sys.argv) > 4:
+        cases = {k: cases[k] for k in sys.argv[4].split(",")}
     for name in shapes:
         layer = synthetic_layer(SHAPES[name], seed=0)
         routed = layer.moe._layer_blocks[0].reshape(-1, 3)[: layer.spec.num_experts]
         for wide in wides:
-            for label, cols in {"none": [], **PROJECTIONS}.items():
+            for label, cols in cases.items():
                 widths = np.full(layer.table.n_blocks, 4)
                 widths[routed[:, cols].ravel()] = wide
                 mean, chose = mean_times(layer, 1, lambda seed, w=widths: w, ONE_TOKEN, 1, seeds)
+                mean["p1 a tile"] = tile_grid_time(layer, widths, seeds)
                 cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
                 print(f"{name:10s} {wide} bits, {label:7s}: {cells} ({chose})", flush=True)
                 for build in ("p1", "n1", "n1p1"):
@@ -37,6 +43,19 @@ def main() -> None:
                     print(f"    {build}: {cells}")
         del layer
         torch.cuda.empty_cache()
+
+
+def tile_grid_time(layer, widths: np.ndarray, seeds: int) -> float:
+    """`p1`'s time, s, averaged as `mean_times` does, with one CTA a gate_up tile instead of its
+    persistent wave (FusedMoE.gate_up_runs = 0)."""
+    moe = layer.moe
+    moe.gate_up_runs = 0
+    moe._launches.clear(), moe._routed_plans.clear()  # both keep the grid
+    try:
+        return mean_times(layer, 1, lambda seed: widths, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]
+    finally:
+        moe.gate_up_runs = fused_moe.GATE_UP_RUNS
+        moe._launches.clear(), moe._routed_plans.clear()
 
 
 def kernel_times(layer, build: str, calls: int = 5) -> dict[str, float]:
