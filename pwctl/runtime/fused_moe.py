@@ -501,17 +501,19 @@ _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are
 _NO_RUNS = (np.int32(0), np.uint32(0), np.uint64(0), np.uint64(0))
 # What a half tile costs in a one-token gate_up's persistent shares (cuda/moe.cu `cost_share`)
 # when its gate or up block is wider than the build's binary mma reads (those tiles take the
-# lookup), by that width; 1 for the others. Mixtral, one token, `p1` with a few blocks past 4 bits
-# (H200, docs/PERF.md session 41): against equal shares, 2 took 1-9% off every case measured;
-# 8-bit blocks did best at 5 (up to 9%), 5-bit ones at 2 (5 cost them up to 13%).
+# lookup), by that width; 1 for the others. Mixtral, one token, `p1` with blocks past 4 bits (H200,
+# docs/PERF.md session 42, six tables over 24 cells): within 2.1% of each cell's best, where
+# equal shares lost up to 11% and a cost of 2 at every width (session 41's) 4.8%.
 WIDE_HALF_COSTS = {4: 2, 5: 2, 6: 3, 7: 4, 8: 5}
 # the one-token popc builds (their gate_up on a persistent grid) and the widest block each one's
 # binary mma reads
 _ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
 # One token on a large layer the rule sends to the lookup kernels (blocks past 4 bits): gate_up
 # on the lookup, down on the popc build after popc_planes ("n1p1", `_builds`), whose down reads its
-# narrow blocks on the binary mma and its wide ones on a lookup of its own; off, down on the
-# lookup too. A decode kind names one build for both launches but this one.
+# narrow blocks on the binary mma and its wide ones on a lookup of its own, faster than down_n1's
+# (Mixtral, session 42: 1.6-8% off the lookup kernels in 7 of 10 cells, 1-3% slower on two
+# budget mixes); off, down on the lookup too. A decode kind names one build for both launches
+# but this one.
 POPC_DOWN = True
 _SPLIT_BUILDS = {"n1p1": ("n1", "p1")}
 
@@ -611,9 +613,9 @@ class FusedMoE:
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
         # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
         # gate_up_p1 / _pn: one-token slots on binary tensor cores), where a block is narrow
-        # enough: True, False, or None (default): one-token calls on every layer, calls of a
-        # few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (`_popc_pays`),
-        # blocks past 4 bits by `_popc_kind`'s rule
+        # enough: True, False (the lookup kernels only), or None (default): one-token calls on
+        # every layer, calls of a few tokens on the layers that read at least POPC_MIN_WEIGHTS a
+        # token (`_popc_pays`), blocks past 4 bits by `_popc_kind`'s rule and `_kind`'s n1p1
         self.popc_decode: bool | None = POPC_DECODE
 
     def __call__(
