@@ -9,6 +9,7 @@ Usage (GPU machine; cases: none and the keys of PROJECTIONS, default all):
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ def main() -> None:
                 widths = np.full(layer.table.n_blocks, 4)
                 widths[routed[:, cols].ravel()] = wide
                 mean, chose = mean_times(layer, 1, lambda seed, w=widths: w, ONE_TOKEN, 1, seeds)
-                mean["p1 a tile"] = tile_grid_time(layer, widths, seeds)
+                mean["p1 a tile"] = tile_grid_time(layer, lambda seed, w=widths: w, seeds)
                 cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
                 print(f"{name:10s} {wide} bits, {label:7s}: {cells} ({chose})", flush=True)
                 for build in ("p1", "n1", "n1p1"):
@@ -45,14 +46,14 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def tile_grid_time(layer, widths: np.ndarray, seeds: int) -> float:
+def tile_grid_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> float:
     """`p1`'s time, s, averaged as `mean_times` does, with one CTA a gate_up tile instead of its
     persistent wave (FusedMoE.gate_up_runs = 0)."""
     moe = layer.moe
     moe.gate_up_runs = 0
     moe._launches.clear(), moe._routed_plans.clear()  # both keep the grid
     try:
-        return mean_times(layer, 1, lambda seed: widths, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]
+        return mean_times(layer, 1, widths_of, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]
     finally:
         moe.gate_up_runs = fused_moe.GATE_UP_RUNS
         moe._launches.clear(), moe._routed_plans.clear()
