@@ -748,7 +748,8 @@ def test_one_token_runs_match_reference(shape):
     tiles after its first restaged by moving the pointers on (`restage`), shares that end
     mid-tile meeting through a ticket (split_join). One CTA a tile, a few CTAs (long runs), the
     launcher's choice and a CTA a half tile, at 3 and 4 bits (p1b3, p1) and mixed widths (wider
-    blocks on the lookup, staged afresh), each call twice: the second half of a tile resets its
+    blocks on the lookup, staged afresh; the counts set by hand run the wave weighed by cost,
+    the launcher's choice one CTA a tile), each call twice: the second half of a tile resets its
     ticket for the next. "qwen-moe": the shared expert's tiles on CTAs of their own after the
     routed ones' (at 4 bits its layer's tiles are more than a wave). "straddle": 560-byte rows in
     16 KB slabs, so that some rows of a tile move on within their slab and others cross an edge
@@ -970,8 +971,8 @@ def test_routed_decode_matches_reference(shape, T):
     """`FusedMoE.routed` (router folded into the decode launch) against the torch path on the
     routing it chose, eager and replayed from a CUDA graph on new tokens. One token: on the
     binary tensor-core kernels, x's pieces built by route_prep. The eager calls reuse their
-    launches (`_routed_plans`): new x and router tensors, and new widths, must reach them, the
-    weighing of one-token shares by the widths (`_weighed`) among them."""
+    launches (`_routed_plans`): new x and router tensors, and new widths, must reach them, a
+    block past the one-token build's mma (`_past_mma`: its gate_up grid) among them."""
     layer = synthetic_layer(SHAPES[shape], seed=3)
     layer.set_widths(np.full(layer.table.n_blocks, 3))
     spec, gen = layer.spec, torch.Generator(device="cuda").manual_seed(0)
@@ -998,7 +999,7 @@ def test_routed_decode_matches_reference(shape, T):
     check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager, 4 bits")
     assert len(layer.moe._routed_plans) == (2 if T == 1 else 1)
     widths = np.full(layer.table.n_blocks, 4)
-    widths[layer.moe._layer_blocks[0][::4]] = 6  # one token: p1b5, its shares weighed by cost
+    widths[layer.moe._layer_blocks[0][::4]] = 6  # one token: p1b5, blocks past its mma
     layer.set_widths(widths)
     check(layer.moe.routed(0, x, gw, sgw)[0].clone(), "eager, some blocks at 6 bits")
     assert len(layer.moe._routed_plans) == (3 if T == 1 else 1)
@@ -1440,6 +1441,13 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     assert moe._run_args(0, "p1", plan, xf.device)[1] != 0
     monkeypatch.setitem(fused_moe.WIDE_HALF_COSTS, 7, 11)  # even with no 7-bit block
     assert moe._run_args(0, "p1", plan, xf.device)[1] == 0
+    # by default a layer with a block past the build's mma takes one CTA a tile; a count of
+    # CTAs set by hand still runs the wave (its shares weighed as above)
+    assert moe._decode_launch(0, 2, True, "p1").runs == 0
+    assert moe._decode_launch(0, 2, True, "p1b5").runs == 0  # an 8-bit block: past 5 bits too
+    moe.gate_up_runs = 97 + 3
+    assert moe._decode_launch(0, 2, True, "p1").runs == 97
+    moe.gate_up_runs = None
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     n = len(moe._run_buffers[next(iter(moe._run_buffers))][1])
     assert n == 97 + 1 + 3 + 1  # cuda/moe.cu RUN: routed [1, 97], shared [99, 101]

@@ -503,7 +503,9 @@ _NO_RUNS = (np.int32(0), np.uint32(0), np.uint64(0), np.uint64(0))
 # when its gate or up block is wider than the build's binary mma reads (those tiles take the
 # lookup), by that width; 1 for the others. Mixtral, one token, `p1` with blocks past 4 bits (H200,
 # docs/PERF.md session 42, six tables over 24 cells): within 2.1% of each cell's best, where
-# equal shares lost up to 11% and a cost of 2 at every width (session 41's) 4.8%.
+# equal shares lost up to 11% and a cost of 2 at every width (session 41's) 4.8%. Such layers
+# take one CTA a tile instead by default (GATE_UP_RUNS), faster still; the costs weigh a wave
+# that gate_up_runs asks for.
 WIDE_HALF_COSTS = {4: 2, 5: 2, 6: 3, 7: 4, 8: 5}
 # the one-token popc builds (their gate_up on a persistent grid) and the widest block each one's
 # binary mma reads
@@ -529,8 +531,11 @@ def _popc(build: str) -> bool:
 
 
 # FusedMoE.gate_up_runs' default: None, one-token gate_up grids run persistent by
-# kernels.gate_up_runs; a count, that many CTAs (0: one a tile; recipes/perf_kernel_ab.py sets
-# it for A/B runs)
+# kernels.gate_up_runs, but one CTA a tile where a block is wider than the build's binary mma
+# (`_past_mma`: Mixtral, one to three blocks of 24 at 5-8 bits, 3-8% faster than the wave
+# weighed by cost; every gate at 5-8 bits 6-10%; at 4 bits the wave is 4% faster; docs/PERF.md
+# session 42); a count, that many CTAs (0: one a tile; recipes/perf_kernel_ab.py sets it for
+# A/B runs)
 GATE_UP_RUNS: int | None = None
 # FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
 DOWN_SPLIT: int | None = None
@@ -591,15 +596,16 @@ class FusedMoE:
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         if on_cuda:  # every kernel compiled (or found in CuPy's cache) now, while the model loads,
             kernels.modules()  # not in a first request's step (104 s on a fresh H200 machine)
-        self._launches: dict[tuple[int, int, bool, str], DecodeLaunch] = {}
+        self._launches: dict[tuple[int, int, bool, str, bool], DecodeLaunch] = {}
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
         self.down_split = DOWN_SPLIT  # CTAs sharing a down tile's columns (None: auto)
-        # one-token gate_up's shares weighed by cost where a block is wider than the build's
-        # binary mma (`_half_costs`); False: equal shares
+        # a persistent one-token gate_up's shares weighed by cost where a block is wider than
+        # the build's binary mma (`_half_costs`; such layers take that grid only when
+        # gate_up_runs is set); False: equal shares
         self.weigh_shares = True
         self.down_stream_k = DOWN_STREAM_K  # prefill down on a stream-K wave (None: auto)
-        # `routed`'s launches by (layer, T, shared gate, kernels, `_weighed`): made once, their
+        # `routed`'s launches by (layer, T, shared gate, kernels, `_past_mma`): made once, their
         # buffers reused
         self._routed_plans: dict[tuple, tuple] = {}
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
@@ -675,7 +681,7 @@ class FusedMoE:
         out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
         px = self._x_pieces(layer, T, x.device)
         kind = self._kind(layer, T, px)
-        key = (layer, T, shared_gate_weight is not None, kind, self._weighed(layer, kind))
+        key = (layer, T, shared_gate_weight is not None, kind, self._past_mma(layer, kind))
         plan = self._routed_plans.get(key)
         if plan is None:
             plan = self._routed_plan(layer, T, x.shape[1], key[2], px)
@@ -795,9 +801,9 @@ class FusedMoE:
         decode_prep or route_prep (which lets it in once its routing block is the last one left),
         down behind gate_up."""
         kind = self._kind(layer, xf.shape[0], px)
-        key = (layer, pairs.expert.numel(), shared is not None, kind)
+        key = (layer, pairs.expert.numel(), shared is not None, kind, self._past_mma(layer, kind))
         if key not in self._launches:
-            self._launches[key] = self._decode_launch(*key)
+            self._launches[key] = self._decode_launch(*key[:4])
         plan, ptr = self._launches[key], kernels.ptr
         gu_build, dn_build = _builds(kind)
         groups = [(False, pairs)] + ([(True, shared)] if shared is not None else [])
@@ -855,13 +861,18 @@ class FusedMoE:
         costs = self._half_costs(layer, kind, plan)
         return (np.int32(runs), np.uint32(costs), kernels.ptr(rows), kernels.ptr(tickets))
 
+    def _past_mma(self, layer: int, kind: str) -> bool:
+        """Whether some block of `layer` is wider than the binary mma of a one-token gate_up
+        of `kind` reads (those tiles take its lookup). It sets that gate_up's grid and whether
+        its shares are weighed, so the launches are kept by it too: widths the pager widens
+        reach them."""
+        gate_up = _builds(kind)[0]
+        return gate_up in _ONE_TOKEN_BITS and self._widths(layer).widest > _ONE_TOKEN_BITS[gate_up]
+
     def _weighed(self, layer: int, kind: str) -> bool:
-        """Whether a one-token gate_up of build `kind` weighs its shares by cost: some block of
-        the layer is wider than the build's binary mma reads (`routed` keys its launches by it,
-        so that widths the pager widens reach the weighting)."""
-        if not self.weigh_shares or kind not in _ONE_TOKEN_BITS:
-            return False
-        return self._widths(layer).widest > _ONE_TOKEN_BITS[kind]
+        """Whether a persistent one-token gate_up of build `kind` weighs its shares by cost
+        (`_past_mma`, unless weigh_shares is off)."""
+        return self.weigh_shares and self._past_mma(layer, kind)
 
     def _half_costs(self, layer: int, kind: str, plan: DecodeLaunch) -> int:
         """What weighs the routed shares (cuda/moe.cu `cost_share`): a half tile's cost by the
@@ -1004,7 +1015,8 @@ class FusedMoE:
         extra = (-(-tiles[-1] // tiles[0]), -(-t.slot_ctas // r.slot_ctas))
         extra = extra if with_shared else (0, 0)
         t_tiles = tiles[-1] if with_shared else 0
-        runs, t_runs = self._gate_up_runs(gu_build, tiles[0] * n_routed, t_tiles)
+        past_mma = self._past_mma(layer, gu_build)
+        runs, t_runs = self._gate_up_runs(gu_build, tiles[0] * n_routed, t_tiles, past_mma)
         return DecodeLaunch(
             gate_up_grid=(runs + t_runs, 1) if runs else (tiles[0], n_routed + extra[0]),
             runs=runs,
@@ -1033,17 +1045,22 @@ class FusedMoE:
             (dn[0].rows, dn[0].words), n_routed, shared, wave, self.down_split, DOWN_ONE_WAVE
         )
 
-    def _gate_up_runs(self, kind: str, tiles: int, shared_tiles: int) -> tuple[int, int]:
+    def _gate_up_runs(
+        self, kind: str, tiles: int, shared_tiles: int, past_mma: bool = False
+    ) -> tuple[int, int]:
         """gate_up's persistent CTAs (cuda/moe.cu Run) in a one-token call of `tiles` routed
         tiles (every slot live) and the shared expert's `shared_tiles`, (routed, shared):
         `gate_up_runs` of them (at most a CTA a half tile), or `kernels.gate_up_runs` on one
         wave of the kernel's CTAs, split by `kernels.gate_up_shares`; (0, 0), one CTA a tile,
-        for the other builds."""
+        for the other builds and, unless gate_up_runs is set, where a block is wider than the
+        build's mma (`past_mma`: GATE_UP_RUNS)."""
         if kind not in _ONE_TOKEN_BITS:
             return 0, 0
         ctas = self.gate_up_runs
         if ctas is not None and ctas < 0:
             raise ValueError(f"gate_up_runs {ctas}: a count of CTAs, >= 0")
+        if ctas is None and past_mma:
+            return 0, 0
         if ctas is None:
             wave = kernels.resident_ctas(f"gate_up_{kind}")
             ctas = kernels.gate_up_runs(tiles + shared_tiles, wave)
