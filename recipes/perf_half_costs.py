@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 from perf_wide_blocks import wide_widths
-from perf_width_mix import mix_widths
+from perf_width_mix import mix_widths, parse_pairs
 
 from pwctl.bench.kernels import SHAPES, _routed, graph_times, random_routing, synthetic_layer
 from pwctl.runtime import fused_moe
@@ -40,8 +40,8 @@ def _cells(n: int, wides: list[int], shares: list[float], mixes: list[str]) -> l
     cells = [(f"{w} bits on {s:4.2f}", lambda seed, w=w, s=s: wide_widths(n, w, s, seed))
              for w in wides for s in shares]  # fmt: skip
     for mix in mixes:
-        m = {int(w): float(s) for w, s in (p.split(":") for p in mix.split(","))}
-        cells.append((mix, lambda seed, m=m: mix_widths(n, m, np.random.default_rng(seed + 1))))
+        shares = parse_pairs(mix)
+        cells.append((mix, lambda seed, m=shares: mix_widths(n, m, seed)))
     return cells
 
 
@@ -56,19 +56,15 @@ def _mean_by_table(
             x = random_routing(layer.spec, 1, seed=seed)[0]
             layer.set_widths(widths_of(seed))
             for table in tables:
-                costs = {w: 1 for w in saved} if table in ("eq", "off") else _parse(table)
+                costs = {w: 1 for w in saved} if table in ("eq", "off") else parse_pairs(table, int)
                 fused_moe.WIDE_HALF_COSTS.update(costs)
                 layer.moe.weigh_shares = table != "off"
-                layer.moe._routed_plans.clear()  # `routed` keeps its launches' arguments
+                layer.moe.forget_launches()
                 mean[table] += graph_times(_routed(layer.moe, x))[0] * 1e6 / seeds
     finally:
         fused_moe.WIDE_HALF_COSTS.update(saved)
         layer.moe.popc_decode, fused_moe.POPC_B5, layer.moe.weigh_shares = None, True, True
     return mean
-
-
-def _parse(table: str) -> dict[int, int]:
-    return {int(w): int(c) for w, c in (p.split(":") for p in table.split(","))}
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 launcher can choose, and on the one its rule takes (`auto`, FusedMoE._popc_kind; the builds it
 chose are printed last). One token: the 4-bit popc build (`p1`: wider blocks on its lookup),
 the 5-bit one (`p1b5`), the lookup kernels (`n1`) and the lookup gate_up with the popc down
-(`n1p1`); a few tokens: the popc kernels (`pn`) and
-the lookup ones (`n`). Graph replays, L2 cold, us, the best of `rounds`, averaged over `seeds`
-draws of the routing and of which blocks are wide (which of them a call reads moves its time).
-What the rule for layers with wide blocks rests on (docs/PERF.md, sessions 39-41).
+(`n1p1`); a few tokens: the popc kernels (`pn`) and the lookup ones (`n`). Graph replays, L2
+cold, us, the best of `rounds`, averaged over `seeds` draws of the routing and of which blocks
+are wide (which of them a call reads moves its time). What the rule for layers with wide blocks
+rests on (docs/PERF.md, sessions 39-42).
 Usage (GPU machine):
   python3 recipes/perf_wide_blocks.py mixtral,qwen3-moe 5,8 0,0.25,0.5,1 [rounds] [tokens] [seeds]
 (tokens: a comma-separated list, as the shapes, widths and shares are)"""

@@ -51,12 +51,12 @@ def tile_grid_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) ->
     persistent wave (FusedMoE.gate_up_runs = 0)."""
     moe = layer.moe
     moe.gate_up_runs = 0
-    moe._launches.clear(), moe._routed_plans.clear()  # both keep the grid
+    moe.forget_launches()
     try:
         return mean_times(layer, 1, widths_of, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]
     finally:
         moe.gate_up_runs = fused_moe.GATE_UP_RUNS
-        moe._launches.clear(), moe._routed_plans.clear()
+        moe.forget_launches()
 
 
 def kernel_times(layer, build: str, calls: int = 5) -> dict[str, float]:

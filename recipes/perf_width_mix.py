@@ -18,19 +18,24 @@ from perf_wide_blocks import FEW_TOKENS, ONE_TOKEN, mean_times
 from pwctl.bench.kernels import SHAPES, synthetic_layer
 
 
-def mix_widths(n: int, mix: dict[int, float], rng: np.random.Generator) -> np.ndarray:
+def parse_pairs(text: str, value: type = float) -> dict[int, float]:
+    """ "w:v,w:v" as {w: value(v)} (a mix's shares, a table's costs)."""
+    return {int(w): value(v) for w, v in (pair.split(":") for pair in text.split(","))}
+
+
+def mix_widths(n: int, mix: dict[int, float], seed: int) -> np.ndarray:
     """n widths in the mix's proportions (rounded; the rest at the most common width),
-    shuffled."""
+    shuffled by seed."""
     counts = {w: round(share * n) for w, share in mix.items()}
     common = max(mix, key=mix.get)
     counts[common] += n - sum(counts.values())
     widths = np.concatenate([np.full(c, w) for w, c in counts.items()])
-    return rng.permutation(widths)
+    return np.random.default_rng(seed + 1).permutation(widths)
 
 
 def main() -> None:
     shapes = sys.argv[1].split(",")
-    mix = {int(w): float(s) for w, s in (pair.split(":") for pair in sys.argv[2].split(","))}
+    mix = parse_pairs(sys.argv[2])
     tokens = [int(t) for t in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1]
     seeds = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for name in shapes:
@@ -48,8 +53,7 @@ def _cell(layer, T: int, mix: dict[int, float], seeds: int) -> tuple[dict, set]:
     rule chose on the mix."""
     builds = ONE_TOKEN if T == 1 else FEW_TOKENS
     n = layer.table.n_blocks
-    mixed = lambda seed: mix_widths(n, mix, np.random.default_rng(seed + 1))  # noqa: E731
-    mean, chose = mean_times(layer, T, mixed, builds, 1, seeds)
+    mean, chose = mean_times(layer, T, lambda seed: mix_widths(n, mix, seed), builds, 1, seeds)
     four = mean_times(layer, T, lambda seed: np.full(n, 4), {"auto": builds["auto"]}, 1, seeds)
     return {**mean, "4 bits": four[0]["auto"]}, chose
 

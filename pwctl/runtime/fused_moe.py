@@ -788,6 +788,13 @@ class FusedMoE:
         gate_up()
         down(out.data_ptr())
 
+    def forget_launches(self) -> None:
+        """Drop the launches kept for decode and `routed` calls. Their grids and arguments
+        follow gate_up_runs, down_split, weigh_shares and WIDE_HALF_COSTS as they were when each
+        was made: call this after changing one (A/B runs)."""
+        self._launches.clear()
+        self._routed_plans.clear()
+
     def _decode_launches(
         self,
         layer: int,
@@ -882,10 +889,12 @@ class FusedMoE:
         the dearest width's cost (the kernel's split tiles need every share to hold one).
         Either way a launch made with these arguments stays correct when the widths change;
         only the balance moves."""
+        if not self._weighed(layer, kind):  # every call on a wave asks: the cheap test first
+            return 0
         bits = _ONE_TOKEN_BITS[kind]
         # the kernels' widths, 1-8 bits: 8 nibbles fill the 32-bit argument
         costs = [1 if w <= bits else WIDE_HALF_COSTS[w] for w in range(1, 9)]
-        if not self._weighed(layer, kind) or 2 * plan.routed_tiles < max(costs) * plan.runs:
+        if 2 * plan.routed_tiles < max(costs) * plan.runs:
             return 0
         return sum(c << 4 * i for i, c in enumerate(costs))
 
@@ -1046,7 +1055,7 @@ class FusedMoE:
         )
 
     def _gate_up_runs(
-        self, kind: str, tiles: int, shared_tiles: int, past_mma: bool = False
+        self, kind: str, tiles: int, shared_tiles: int, past_mma: bool
     ) -> tuple[int, int]:
         """gate_up's persistent CTAs (cuda/moe.cu Run) in a one-token call of `tiles` routed
         tiles (every slot live) and the shared expert's `shared_tiles`, (routed, shared):
