@@ -695,48 +695,7 @@ struct Run {
     int a, b;   // halves [a, b)
     int j;      // this CTA's share (persistent grid); its first tile's scratch is j's, its last j + 1's
     int tiles;  // tiles a slot
-    // the routed group's shares weighed by cost (`cost_share`): its CTAs, its slots, and what a
-    // half tile costs by the wider of its gate and up blocks, 4 bits a width from 1 bit up (0:
-    // equal shares)
-    int n, slots;
-    unsigned costs;
 };
-
-// What a half tile of routed slot `slot` costs in `cost_share`: 1 where the build's binary mma
-// reads its gate and up blocks, more by their width where one is wider (those tiles take the
-// lookup, which streams a half tile several times slower: docs/KERNELS.md, sessions 41-42).
-__device__ __forceinline__ int half_cost(const Paged& g, const Slots& s, const Run& r, int slot) {
-    const int e = __ldg(s.expert + slot);
-    const int wg = __ldg(g.width + __ldg(s.block_ids + 3 * e));
-    const int wu = __ldg(g.width + __ldg(s.block_ids + 3 * e + 1));
-    return (r.costs >> 4 * (max(wg, wu) - 1)) & 15u;
-}
-
-// The first half h of the routed group whose start cost S(h) reaches k / n of the total: S(h) n
-// >= k total, exact in integers. Slots are `2 tiles` halves each, in order.
-__device__ int cost_bound(const Paged& g, const Slots& s, const Run& r, i64 total, int k) {
-    const i64 want = (i64)k * total, half = 2LL * r.tiles;
-    i64 cum = 0;  // the cost before slot `slot`, times n
-    for (int slot = 0; slot < r.slots; ++slot) {
-        const i64 c = (i64)half_cost(g, s, r, slot) * r.n;
-        if (want <= cum + half * c) return (int)(half * slot + (want - cum + c - 1) / c);
-        cum += half * c;
-    }
-    return (int)(half * r.slots);
-}
-
-// A one-token call's routed share j of n by cost, not by halves: where some slots' tiles take the
-// lookup, equal shares left the CTAs holding them ending ~2.5-3x later than the rest (Mixtral,
-// one 5-bit gate or up block: docs/KERNELS.md, session 41). Needs the routing: after the wait.
-// Every share keeps at least one half while a share's cost (total / n) is at least the dearest
-// half's, which the launcher checks.
-__device__ Run cost_share(const Paged& g, const Slots& s, Run r) {
-    i64 total = 0;
-    for (int slot = 0; slot < r.slots; ++slot) total += 2LL * r.tiles * half_cost(g, s, r, slot);
-    r.a = cost_bound(g, s, r, total, r.j);
-    r.b = cost_bound(g, s, r, total, r.j + 1);
-    return r;
-}
 
 // Where a tile computed in two halves meets (split_join): a scratch a share, the one that begins
 // in the tile.
@@ -1487,10 +1446,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
     prefetch_ids(g, s);
     wait_previous();  // the slots and x's pieces come from the prep launch
     start_next();
-    if constexpr (!FEW) {
-        if (run.costs != 0 && threadIdx.x == 0) share = cost_share(g, s, run);
-        __syncthreads();
-    }
+    if constexpr (!FEW) __syncthreads();
     STAMP(0, 1);
     // FEW grids hold a tile a CTA (the loop runs once, and the compiler knows it): their state
     // stays in registers, as before the shares (read from shared memory it cost `pnb3` 1-14%)
@@ -2590,20 +2546,20 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
 // docs/PERF.md session 30) take the scratch indices after the routed ones' [0, runs].
 #define RUN                                                                                      \
     const int tiles = t ? t_tiles : 32 * wpad_out / ROWS, at = slot * tiles + tile;              \
-    Run run{2 * at, 2 * at + 2, 0, tiles, 1, 1, 0u};                                             \
+    Run run{2 * at, 2 * at + 2, 0, tiles};                                                       \
     if (runs > 0) {                                                                              \
         const int n = t ? gridDim.x - runs : runs, j = t ? blockIdx.x - runs : blockIdx.x;     \
         const i64 halves = 2LL * (t ? 1 : n_routed) * tiles;                                     \
         run = Run{(int)(j * halves / n), (int)((j + 1) * halves / n), t ? runs + 1 + j : j,      \
-                  tiles, n, n_routed, t ? 0u : half_costs};                                      \
+                  tiles};                                                                        \
     }
 #define GATE_UP_ENTRY(NAME, BOUNDS, GATE_UP)                                                      \
     extern "C" __global__ void BOUNDS gate_up_##NAME(                                             \
         PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
         int wpad_in, int wpad_out, i64 bits_nbytes, int rpt, int n_routed, SHARED_SLOT_ARGS,    \
         unsigned short* t_hp, int t_I, int t_wpad_out, i64 t_bits_nbytes, int t_rpt,            \
-        int t_tiles, int t_split, const PopcX* px, int runs, unsigned half_costs,             \
-        float* split_sum, int* split_ticket) {                                                   \
+        int t_tiles, int t_split, const PopcX* px, int runs, float* split_sum,                  \
+        int* split_ticket) {                                                                     \
         GATE_UP_GROUP                                                                            \
         (void)t_split; /* 1: gate_up splits no columns on the per-tile grid */                    \
         RUN                                                                                      \

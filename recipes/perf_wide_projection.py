@@ -1,8 +1,9 @@
 """Where a wide block costs a one-token call: every routed expert's gate, up or down block (or all
 three) at `wide` bits, the rest at 4, on the one-token builds (perf_wide_blocks.py's `p1`, `p1b5`,
 `n1`, `auto`). Every call reads the wide projection, so a cell shows its whole cost; the shared
-expert stays at 4 bits. Also `p1` with one CTA a gate_up tile (`p1 a tile`) instead of its
-persistent wave. Graph replays, L2 cold, us, averaged over `seeds` routings.
+expert stays at 4 bits. Also `p1` on one wave of persistent gate_up CTAs in equal shares (`p1
+wave`), where by default a layer with a wide block takes one CTA a tile. Graph replays, L2 cold,
+us, averaged over `seeds` routings.
 Usage (GPU machine; cases: none and the keys of PROJECTIONS, default all):
   python3 recipes/perf_wide_projection.py mixtral,qwen-moe 5,8 [seeds] [cases]"""
 
@@ -16,7 +17,7 @@ import torch
 from perf_wide_blocks import ONE_TOKEN, mean_times, use_build
 
 from pwctl.bench.kernels import SHAPES, _routed, random_routing, synthetic_layer
-from pwctl.runtime import fused_moe
+from pwctl.runtime import fused_moe, kernels
 
 PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0, 1, 2]}
 
@@ -35,7 +36,7 @@ def main() -> None:
                 widths = np.full(layer.table.n_blocks, 4)
                 widths[routed[:, cols].ravel()] = wide
                 mean, chose = mean_times(layer, 1, lambda seed, w=widths: w, ONE_TOKEN, 1, seeds)
-                mean["p1 a tile"] = tile_grid_time(layer, lambda seed, w=widths: w, seeds)
+                mean["p1 wave"] = wave_time(layer, lambda seed, w=widths: w, seeds)
                 cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
                 print(f"{name:10s} {wide} bits, {label:7s}: {cells} ({chose})", flush=True)
                 for build in ("p1", "n1", "n1p1"):
@@ -46,11 +47,11 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def tile_grid_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> float:
-    """`p1`'s time, s, averaged as `mean_times` does, with one CTA a gate_up tile instead of its
-    persistent wave (FusedMoE.gate_up_runs = 0)."""
+def wave_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> float:
+    """`p1`'s time, s, averaged as `mean_times` does, with gate_up on one wave of persistent CTAs
+    (FusedMoE.gate_up_runs)."""
     moe = layer.moe
-    moe.gate_up_runs = 0
+    moe.gate_up_runs = kernels.resident_ctas("gate_up_p1")
     moe.forget_launches()
     try:
         return mean_times(layer, 1, widths_of, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]

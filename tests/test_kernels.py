@@ -372,8 +372,8 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     build (p1b5); more tokens, the flag off, or no block of the layer the build's binary mma
     reads (4 bits, one token 5), no pieces and the lookup kernels. By default (popc_decode
     None) the rule measured in docs/PERF.md: blocks past 4 bits take one token to the lookup
-    but on a large layer, by the share of weights past 4 bits: p1 or p1b5 where the widest block
-    is 5 bits, p1 or the lookup where it is wider; a few tokens on large layers only, while
+    but on a layer large enough, by the shares of weights past 4 and 5 bits: p1, p1b5 (large
+    layers) or the lookup gate_up with the popc down; a few tokens on large layers only, while
     under half the weights are past 4 bits."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
@@ -445,17 +445,31 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     layer.set_widths(np.full(layer.table.n_blocks, 6))
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
-    # by default (popc_decode None) one token with a block past 4 bits takes the lookup
-    # kernels, but for a widest block of 5 bits on a layer large enough (`_popc_pays`): p1 while
-    # under P1B5_FROM_WIDE of the layer's weights are in 5-bit blocks, p1b5 from it on
+    # by default (popc_decode None) one token with a block past 4 bits takes `_wide_kind`'s
+    # build: on a layer under WIDE_POPC_MIN_WEIGHTS, the lookup kernels
     blocks = moe._layer_blocks[0]
     widths[:] = 4
     widths[blocks[0]] = 5
     layer.set_widths(widths)
+    monkeypatch.setitem(moe._popc_pays, 0, False)
+    monkeypatch.setitem(moe._wide_popc, 0, False)
+    p1 = ["gate_up_p1", "popc_planes", "down_p1"]
+    split = ["gate_up_n1", "popc_planes", "down_p1"]  # the lookup gate_up, the popc down
+    p1b5 = ["gate_up_p1b5", "popc_planes", "down_p1b5"]
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
+    # on a layer of WIDE_POPC_MIN_WEIGHTS, p1 while under MID_P1_UNTIL_WIDE of its weights are
+    # past 4 bits, the split build from there on
+    monkeypatch.setitem(moe._wide_popc, 0, True)
+    wide = moe._widths(0).wide
+    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", wide + 0.01)
+    assert [n for n, _, _ in decode(1, None)][1:] == p1
+    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", wide)
+    assert [n for n, _, _ in decode(1, None)][1:] == split
+    # on a large layer (`_popc_pays`), while under P1_UNTIL_WIDER of its weights are past 5
+    # bits: p1b5 from P1B5_FROM_WIDE past 4 bits while under P1B5_UNTIL_WIDER are past 5, else p1
     monkeypatch.setitem(moe._popc_pays, 0, True)
     assert moe._widths(0).wide < fused_moe.P1B5_FROM_WIDE
-    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1", "popc_planes", "down_p1"]
+    assert [n for n, _, _ in decode(1, None)][1:] == p1
     widths[blocks[:3]] = 5  # expert 0's gate, up and down
     layer.set_widths(widths)
     size = {
@@ -463,31 +477,35 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
         for g in (False, True)
     }
     expert_0 = size[False] / (spec.num_experts * size[False] + size[True])  # its 3 blocks
-    assert moe._widths(0) == (4, 5, pytest.approx(expert_0))
-    assert moe._widths(0).wide >= fused_moe.P1B5_FROM_WIDE
-    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1b5", "popc_planes", "down_p1b5"]
+    assert moe._widths(0) == (4, 5, pytest.approx(expert_0), 0.0)
+    monkeypatch.setattr(fused_moe, "P1B5_FROM_WIDE", moe._widths(0).wide)
+    assert [n for n, _, _ in decode(1, None)][1:] == p1b5
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
+    monkeypatch.setattr(fused_moe, "POPC_B5", False)  # off: p1
+    assert [n for n, _, _ in decode(1, None)][1:] == p1
+    monkeypatch.setattr(fused_moe, "POPC_B5", True)
     widths[blocks[1]] = 6
     layer.set_widths(widths)
-    # the lookup for one token on a large layer: its gate_up, and the popc down (POPC_DOWN)
-    split = decode(1, None)
-    assert [n for n, _, _ in split][1:] == ["gate_up_n1", "popc_planes", "down_p1"]
+    wider = moe._widths(0).wider
+    assert 0 < wider < moe._widths(0).wide
+    monkeypatch.setattr(fused_moe, "P1B5_UNTIL_WIDER", wider + 0.01)
+    assert [n for n, _, _ in decode(1, None)][1:] == p1b5  # p1b5 reads the 6-bit one's lookup
+    monkeypatch.setattr(fused_moe, "P1B5_UNTIL_WIDER", wider)
+    assert [n for n, _, _ in decode(1, None)][1:] == p1
+    monkeypatch.setattr(fused_moe, "P1_UNTIL_WIDER", wider)
+    # past P1_UNTIL_WIDER the lookup for one token: its gate_up, and the popc down (POPC_DOWN)
+    split_launches = decode(1, None)
+    assert [n for n, _, _ in split_launches][1:] == split
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
     monkeypatch.setattr(fused_moe, "POPC_DOWN", False)
     lookup = decode(1, None)
     assert [n for n, _, _ in lookup][1:] == ["gate_up_n1", "down_n1"]
     monkeypatch.setattr(fused_moe, "POPC_DOWN", True)
     monkeypatch.setattr(fused_moe, "POPC_B5", False)
-    p1 = decode(1, True)  # p1: the launches the split one takes after its gate_up
+    p1_launches = decode(1, True)  # p1: the launches the split one takes after its gate_up
     monkeypatch.setattr(fused_moe, "POPC_B5", True)
-    assert split[0][1] == lookup[0][1]  # the prep builds no x pieces for the lookup gate_up
-    assert split[1] == lookup[1] and split[2:] == p1[2:]  # the same grids
-    # a widest block past 5 bits: p1 while under P1_UNTIL_WIDE of the weights are wide
-    wide = moe._widths(0).wide
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_WIDE", wide + 0.01)
-    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1", "popc_planes", "down_p1"]
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_WIDE", wide)
-    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "popc_planes", "down_p1"]
+    assert split_launches[0][1] == lookup[0][1]  # the prep builds no x pieces for the lookup
+    assert split_launches[1] == lookup[1] and split_launches[2:] == p1_launches[2:]  # grids
     layer.set_widths(np.full(layer.table.n_blocks, 6))  # no block the popc down's mma reads
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
     layer.set_widths(widths)
@@ -1304,37 +1322,18 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
 
 
-def _run_shares(runs: int, tiles: int, shares: list[tuple[int, int]] | None = None) -> list[tuple]:
+def _run_shares(runs: int, tiles: int) -> list[tuple]:
     """cuda/moe.cu RUN and gate_up_popc's loop replayed: (tile, kz, kn, idx) of each CTA's work
-    on a persistent grid of `runs` CTAs over `tiles` tiles: equal shares of the halves, or
-    `shares` (`_cost_shares`)."""
+    on a persistent grid of `runs` CTAs over `tiles` tiles, in equal shares of the halves."""
     done, halves = [], 2 * tiles
     for j in range(runs):
-        h, b = shares[j] if shares else (j * halves // runs, (j + 1) * halves // runs)
+        h, b = j * halves // runs, (j + 1) * halves // runs
         while h < b:
             kz = h & 1
             kn = 1 if kz == 0 and h + 2 <= b else 2
             done.append((h >> 1, kz, kn, j + 1 - kz))
             h += 2 if kn == 1 else 1
     return done
-
-
-def _cost_shares(half_costs: list[int], tiles: int, n: int) -> list[tuple[int, int]]:
-    """cuda/moe.cu `cost_share` replayed: n persistent CTAs' halves [a, b) of the routed slots'
-    tiles (`tiles` a slot, a half tile of slot i costing half_costs[i]), share j starting at the
-    first half whose start cost reaches j / n of the total."""
-    cum = [0]  # the cost before each half
-    for c in (c for c in half_costs for _ in range(2 * tiles)):
-        cum.append(cum[-1] + c)
-    total = cum[-1]
-    bound = [next(h for h, v in enumerate(cum) if v * n >= k * total) for k in range(n + 1)]
-    return list(itertools.pairwise(bound))
-
-
-def _half_cost(costs: int, gate_bits: int, up_bits: int) -> int:
-    """cuda/moe.cu `half_cost` on the launcher's packed costs: a nibble a width from 1 bit up,
-    read at the wider of a slot's gate and up blocks."""
-    return (costs >> 4 * (max(gate_bits, up_bits) - 1)) & 15
 
 
 def _check_split_tiles(work: list[tuple], n_tiles: int, runs: int) -> dict[int, int]:
@@ -1363,42 +1362,12 @@ def test_run_shares_cover_every_tile_once(runs):
         assert len(split) < runs
 
 
-@pytest.mark.parametrize(
-    "costs, tiles, runs",
-    [([1, 3], 896, 528), ([3, 1], 256, 97), ([1, 1, 5, 1], 128, 64), ([2, 3], 20, 7),
-     ([3, 3], 300, 300), ([1, 3], 12, 32)],
-)  # fmt: skip
-def test_cost_shares_cover_every_tile_once(costs, tiles, runs):
-    """Shares weighed by each slot's half-tile cost (cuda/moe.cu `cost_share`, replayed by
-    `_cost_shares`): contiguous, every half once, none empty while a share's cost is at
-    least the dearest half's (the launcher's condition, `_half_costs`), each within a half's cost
-    of an equal share of the cost, and every tile once (`_check_split_tiles`), shares of a
-    single half among them (the last case). `tiles`: a slot's."""
-    halves = 2 * tiles * len(costs)
-    shares = _cost_shares(costs, tiles, runs)
-    assert shares[0][0] == 0 and shares[-1][1] == halves
-    assert all(b == a2 for (_, b), (a2, _) in itertools.pairwise(shares))
-    total = 2 * tiles * sum(costs)
-    assert total >= max(costs) * runs  # (so that none is empty)
-    half_cost = [c for c in costs for _ in range(2 * tiles)]
-    for a, b in shares:
-        assert b > a
-        assert abs(sum(half_cost[a:b]) - total / runs) <= max(costs)
-    _check_split_tiles(_run_shares(runs, tiles * len(costs), shares), tiles * len(costs), runs)
-    if total == max(costs) * runs:  # a share's cost is the dearest half's: some hold one
-        assert min(b - a for a, b in shares) == 1
-    if len(set(costs)) > 1:  # the dear slot's halves are spread over more CTAs
-        dear = costs.index(max(costs)) * 2 * tiles
-        held = [min(b, dear + 2 * tiles) - max(a, dear) for a, b in shares]
-        assert max(held) <= -(-2 * tiles * len(costs) // runs)
-
-
 def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     """With a shared expert, a one-token gate_up whose routed and shared tiles are more than a
     wave runs one wave of persistent CTAs, split between the two groups in proportion to their
     tiles (routed first in the grid, each group at least one CTA and at most one a half tile);
     under a wave, one CTA a tile. The split tiles' scratch covers both groups' shares. The
-    routed shares are weighed by cost where a block is wider than the build's binary mma."""
+    routed ones take one CTA a tile where a block is wider than the build's binary mma."""
     assert kernels.gate_up_shares(528, 384, 352) == (275, 253)  # Qwen1.5-MoE, 4 bits
     assert kernels.gate_up_shares(528, 1792, 0) == (528, 0)
     assert kernels.gate_up_shares(0, 384, 352) == (0, 0)
@@ -1415,34 +1384,12 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     shared = 32 * moe.proj[(0, True, "down")].wpad // kernels.ROWS  # 16
     plan = moe._decode_launch(0, 2, True, "p1")
     assert (plan.runs, plan.gate_up_grid) == (97, (100, 1))  # 100 * 512 / 528
-    args = moe._run_args(0, "p1", plan, xf.device)
-    assert args[:2] == (97, 0)  # no block past p1's 4 bits: equal shares
+    assert moe._run_args(plan, xf.device)[0] == 97
     widths = np.full(layer.table.n_blocks, 4)
-    widths[moe._layer_blocks[0][0]] = 5  # a block past them: shares weighed by cost
-    layer.set_widths(widths)
-    costs = moe._run_args(0, "p1", plan, xf.device)[1]
-    assert [_half_cost(costs, w, 1) for w in range(1, 9)] == [1] * 4 + [
-        fused_moe.WIDE_HALF_COSTS[w] for w in range(5, 9)
-    ]
-    assert _half_cost(costs, 3, 6) == _half_cost(costs, 6, 2) == fused_moe.WIDE_HALF_COSTS[6]
-    assert moe._run_args(0, "p1b5", plan, xf.device)[:2] == (97, 0)  # p1b5 reads 5 bits
-    assert moe._weighed(0, "p1") and not moe._weighed(0, "p1b5") and not moe._weighed(0, "n1")
-    moe.weigh_shares = False
-    assert moe._run_args(0, "p1", plan, xf.device)[:2] == (97, 0) and not moe._weighed(0, "p1")
-    moe.weigh_shares = True
     widths[moe._layer_blocks[0][0]] = 8
     layer.set_widths(widths)
-    costs = moe._run_args(0, "p1b5", plan, xf.device)[1]
-    assert [_half_cost(costs, w, w) for w in range(1, 9)] == [1] * 5 + [
-        fused_moe.WIDE_HALF_COSTS[w] for w in range(6, 9)
-    ]
-    # 1024 routed halves on 97 shares: a dearest cost of 10 leaves each a half, 11 may not
-    monkeypatch.setitem(fused_moe.WIDE_HALF_COSTS, 7, 10)
-    assert moe._run_args(0, "p1", plan, xf.device)[1] != 0
-    monkeypatch.setitem(fused_moe.WIDE_HALF_COSTS, 7, 11)  # even with no 7-bit block
-    assert moe._run_args(0, "p1", plan, xf.device)[1] == 0
     # by default a layer with a block past the build's mma takes one CTA a tile; a count of
-    # CTAs set by hand still runs the wave (its shares weighed as above)
+    # CTAs set by hand still runs the wave
     assert moe._decode_launch(0, 2, True, "p1").runs == 0
     assert moe._decode_launch(0, 2, True, "p1b5").runs == 0  # an 8-bit block: past 5 bits too
     moe.gate_up_runs = 97 + 3

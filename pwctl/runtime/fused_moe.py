@@ -193,6 +193,7 @@ class WidthSpan(NamedTuple):
     narrowest: int
     widest: int
     wide: float  # the share of the layer's weights in blocks wider than kernels.POPC_MAX_BITS
+    wider: float  # the share in blocks wider than 5 bits (past p1b5's binary mma)
 
 
 @dataclass
@@ -477,36 +478,39 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 POPC_MIN_WEIGHTS = 128 << 20
 # FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
 POPC_DECODE: bool | None = None
-# One-token layers of large layers whose widest block is 5 bits take the 5-bit build (`p1b5`:
-# 5-bit blocks on the binary mma too, not the lookup); off, the 4-bit one
-# (recipes/perf_kernel_ab.py's `b5=0`). Other layers with blocks past 4 bits: the lookup kernels.
+# One-token calls on a large layer (`_popc_pays`) may take the 5-bit build (`p1b5`: 5-bit blocks
+# on the binary mma too, not the lookup) where its rule says (below); off, they do not
+# (recipes/perf_kernel_ab.py's `b5=0`).
 POPC_B5 = True
-# Where the share of a large layer's expert weights in blocks past 4 bits (`WidthSpan.wide`)
-# turns the launcher (`FusedMoE._popc_kind`), measured on Mixtral's layer (H200, docs/PERF.md
-# session 41): one token with a widest block of 5 bits takes p1b5 from P1B5_FROM_WIDE on (below,
-# p1, whose lookup reads the few 5-bit blocks: 147.5 against 153.7 us at an eighth of them, 159.2
-# against 156.6 at a sixth); a call of 2..POPC_MAX_TOKENS tokens takes the popc kernels below
-# PN_UNTIL_WIDE and the lookup ones from it on (their slots on wide blocks run a lookup slower
-# than the lookup kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977).
-P1B5_FROM_WIDE = 0.15
+# One token on a layer with blocks past 4 bits (`FusedMoE._wide_kind`), by the shares of its
+# expert weights in blocks past 4 bits and past 5 (`WidthSpan.wide`, `.wider`). Measured on the
+# three layer shapes with every build timed on the same draws (H200, docs/PERF.md session 43;
+# `p1` on one CTA a gate_up tile, GATE_UP_RUNS):
+# - A layer reading fewer than WIDE_POPC_MIN_WEIGHTS a token (Qwen3-MoE, 38M) takes the lookup
+#   kernels: they led `p1` and the split build by 2-6% in 23 of 24 cells (5-8 bits on 2-12%).
+# - A large layer (POPC_MIN_WEIGHTS, Mixtral) takes the split build (n1p1, `_kind`) from
+#   P1_UNTIL_WIDER of its weights past 5 bits on (6-8 bits on a sixth: p1 1% behind to 3% ahead;
+#   from 0.21, 0-5% behind); `p1b5` from P1B5_FROM_WIDE past 4 bits while under P1B5_UNTIL_WIDER
+#   are past 5 (every wide block at 5 bits: p1 led to 0.42, 164.9 against p1b5's 165.6 us, p1b5
+#   from 0.5, 173.6 against 177.0; half the blocks at 5 and one or two of 24 at 6 or 8: p1b5
+#   3-11% ahead; four at 6: p1 172.1, p1b5 182.7); else `p1`.
+# - A layer between them (Qwen1.5-MoE, 69M) takes `p1` while under MID_P1_UNTIL_WIDE are past 4
+#   bits (5-8 bits on 2-8%: 1-10% faster than the split), else the split build (1-11% faster than
+#   the lookup kernels in 15 of 19 cells from there on, within 1.2% of them in the rest); p1b5 was
+#   12-45% slower than the others in every cell.
+# A call of 2..POPC_MAX_TOKENS tokens takes the popc kernels below PN_UNTIL_WIDE past 4 bits and
+# the lookup ones from it on (their slots on wide blocks run a lookup slower than the lookup
+# kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977; session 41).
+WIDE_POPC_MIN_WEIGHTS = 48 << 20
+P1_UNTIL_WIDER = 0.18
+P1B5_FROM_WIDE = 0.45
+P1B5_UNTIL_WIDER = 0.12
+MID_P1_UNTIL_WIDE = 0.1
 PN_UNTIL_WIDE = 0.5
-# One token on a large layer whose widest block is 6-8 bits: p1 below P1_UNTIL_WIDE, the lookup
-# kernels from it on. Mixtral's 24 blocks, p1's shares weighed by cost (session 42): p1 leads
-# with 3 wide blocks (6 bits 155.9 against the lookup's 163.8 us, 7 bits 168.9 against 173.8,
-# 8 bits level at 190), the lookup from 4 (6 bits 174.1 against 183.3). 0.05 before the weights.
-P1_UNTIL_WIDE = 0.14
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
-# gate_up's per-tile grid: no shares (runs, half costs, scratch rows, tickets)
-_NO_RUNS = (np.int32(0), np.uint32(0), np.uint64(0), np.uint64(0))
-# What a half tile costs in a one-token gate_up's persistent shares (cuda/moe.cu `cost_share`)
-# when its gate or up block is wider than the build's binary mma reads (those tiles take the
-# lookup), by that width; 1 for the others. Mixtral, one token, `p1` with blocks past 4 bits (H200,
-# docs/PERF.md session 42, six tables over 24 cells): within 2.1% of each cell's best, where
-# equal shares lost up to 11% and a cost of 2 at every width (session 41's) 4.8%. Such layers
-# take one CTA a tile instead by default (GATE_UP_RUNS), faster still; the costs weigh a wave
-# that gate_up_runs asks for.
-WIDE_HALF_COSTS = {4: 2, 5: 2, 6: 3, 7: 4, 8: 5}
+# gate_up's per-tile grid: no shares (runs, scratch rows, tickets)
+_NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))
 # the one-token popc builds (their gate_up on a persistent grid) and the widest block each one's
 # binary mma reads
 _ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
@@ -532,10 +536,10 @@ def _popc(build: str) -> bool:
 
 # FusedMoE.gate_up_runs' default: None, one-token gate_up grids run persistent by
 # kernels.gate_up_runs, but one CTA a tile where a block is wider than the build's binary mma
-# (`_past_mma`: Mixtral, one to three blocks of 24 at 5-8 bits, 3-8% faster than the wave
-# weighed by cost; every gate at 5-8 bits 6-10%; at 4 bits the wave is 4% faster; docs/PERF.md
-# session 42); a count, that many CTAs (0: one a tile; recipes/perf_kernel_ab.py sets it for
-# A/B runs)
+# (`_past_mma`: on Mixtral one CTA a tile was 3-13% faster than the wave in 16 of 16 cells of
+# 5-8-bit blocks, with the wave's shares weighed by each tile's cost, since removed; at 4 bits
+# the wave is 4% faster; docs/PERF.md sessions 42-43); a count, that many CTAs in equal shares
+# (0: one a tile; recipes/perf_kernel_ab.py sets it for A/B runs)
 GATE_UP_RUNS: int | None = None
 # FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
 DOWN_SPLIT: int | None = None
@@ -600,10 +604,6 @@ class FusedMoE:
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
         self.down_split = DOWN_SPLIT  # CTAs sharing a down tile's columns (None: auto)
-        # a persistent one-token gate_up's shares weighed by cost where a block is wider than
-        # the build's binary mma (`_half_costs`; such layers take that grid only when
-        # gate_up_runs is set); False: equal shares
-        self.weigh_shares = True
         self.down_stream_k = DOWN_STREAM_K  # prefill down on a stream-K wave (None: auto)
         # `routed`'s launches by (layer, T, shared gate, kernels, `_past_mma`): made once, their
         # buffers reused
@@ -612,9 +612,9 @@ class FusedMoE:
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
         # layer -> (width_version, WidthSpan): `_widths`
         self._width_spans: dict[int, tuple[int, WidthSpan]] = {}
-        self._popc_pays = {
-            layer: self._weights_a_token(layer) >= POPC_MIN_WEIGHTS for layer in self.block_ids
-        }
+        reads = {layer: self._weights_a_token(layer) for layer in self.block_ids}
+        self._popc_pays = {layer: n >= POPC_MIN_WEIGHTS for layer, n in reads.items()}
+        self._wide_popc = {layer: n >= WIDE_POPC_MIN_WEIGHTS for layer, n in reads.items()}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
         # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
@@ -790,8 +790,8 @@ class FusedMoE:
 
     def forget_launches(self) -> None:
         """Drop the launches kept for decode and `routed` calls. Their grids and arguments
-        follow gate_up_runs, down_split, weigh_shares and WIDE_HALF_COSTS as they were when each
-        was made: call this after changing one (A/B runs)."""
+        follow gate_up_runs and down_split as they were when each was made: call this after
+        changing one (A/B runs)."""
         self._launches.clear()
         self._routed_plans.clear()
 
@@ -833,7 +833,7 @@ class FusedMoE:
         block = (32 * kernels.WARPS,)
         gate_up = kernels.Prepared(
             f"gate_up_{gu_build}", plan.gate_up_grid, block,
-            common + gu_args + xpx + self._run_args(layer, gu_build, plan, xf.device),
+            common + gu_args + xpx + self._run_args(plan, xf.device),
             early=True,
         )  # fmt: skip
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
@@ -851,9 +851,9 @@ class FusedMoE:
 
         return gate_up_then_planes, down
 
-    def _run_args(self, layer: int, kind: str, plan: DecodeLaunch, device: torch.device) -> tuple:
+    def _run_args(self, plan: DecodeLaunch, device: torch.device) -> tuple:
         """gate_up's last arguments: its persistent routed CTAs (of the grid's, the shared
-        expert's after them); what weighs their shares (`_half_costs`); and for the tiles split
+        expert's after them); and for the tiles split
         between two shares, their halves' rows (2 halves x gate and up x ROWS floats) and
         tickets (zero between launches: a tile's second half to finish resets the tile's): a
         scratch a CTA and one more a group (cuda/moe.cu RUN)."""
@@ -865,48 +865,25 @@ class FusedMoE:
             rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
             self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
         rows, tickets = self._run_buffers[n]
-        costs = self._half_costs(layer, kind, plan)
-        return (np.int32(runs), np.uint32(costs), kernels.ptr(rows), kernels.ptr(tickets))
+        return (np.int32(runs), kernels.ptr(rows), kernels.ptr(tickets))
 
     def _past_mma(self, layer: int, kind: str) -> bool:
         """Whether some block of `layer` is wider than the binary mma of a one-token gate_up
-        of `kind` reads (those tiles take its lookup). It sets that gate_up's grid and whether
-        its shares are weighed, so the launches are kept by it too: widths the pager widens
-        reach them."""
+        of `kind` reads (those tiles take its lookup). It sets that gate_up's grid
+        (`_gate_up_runs`), so the launches are kept by it too: widths the pager widens reach
+        them."""
         gate_up = _builds(kind)[0]
         return gate_up in _ONE_TOKEN_BITS and self._widths(layer).widest > _ONE_TOKEN_BITS[gate_up]
-
-    def _weighed(self, layer: int, kind: str) -> bool:
-        """Whether a persistent one-token gate_up of build `kind` weighs its shares by cost
-        (`_past_mma`, unless weigh_shares is off)."""
-        return self.weigh_shares and self._past_mma(layer, kind)
-
-    def _half_costs(self, layer: int, kind: str, plan: DecodeLaunch) -> int:
-        """What weighs the routed shares (cuda/moe.cu `cost_share`): a half tile's cost by the
-        wider of its gate and up blocks, 4 bits a width from 1 bit up (1 to the build's binary
-        mma's width; WIDE_HALF_COSTS past it). 0, equal shares and no routing read before them,
-        where the layer is not `_weighed`, or where some share could be left without a half at
-        the dearest width's cost (the kernel's split tiles need every share to hold one).
-        Either way a launch made with these arguments stays correct when the widths change;
-        only the balance moves."""
-        if not self._weighed(layer, kind):  # every call on a wave asks: the cheap test first
-            return 0
-        bits = _ONE_TOKEN_BITS[kind]
-        # the kernels' widths, 1-8 bits: 8 nibbles fill the 32-bit argument
-        costs = [1 if w <= bits else WIDE_HALF_COSTS[w] for w in range(1, 9)]
-        if 2 * plan.routed_tiles < max(costs) * plan.runs:
-            return 0
-        return sum(c << 4 * i for i, c in enumerate(costs))
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
         are given (`_x_pieces`), else the lookup kernels of T's n-tiles, but for one token on a
-        large layer whose narrowest block the popc down reads (`POPC_DOWN`): the lookup gate_up
-        with that down ("n1p1")."""
+        layer of at least WIDE_POPC_MIN_WEIGHTS whose narrowest block the popc down reads
+        (`POPC_DOWN`): the lookup gate_up with that down ("n1p1")."""
         popc_kind = self._popc_kind(layer, T) if px is not None else None
         if popc_kind:
             return popc_kind
-        split = T == 1 and POPC_DOWN and self.popc_decode is None and self._popc_pays[layer]
+        split = T == 1 and POPC_DOWN and self.popc_decode is None and self._wide_popc[layer]
         if split and self._widths(layer).narrowest <= kernels.POPC_MAX_BITS:
             return "n1p1"
         return f"n{kernels.n_tiles(T)}"
@@ -919,12 +896,8 @@ class FusedMoE:
         build carries none of it), "b3" (binary mma up to 3 bits; 6 CTAs an SM for one token,
         5 for several, against 4) when no block is wider than 3 bits in the widths the kernels
         read (the last `DeviceTable.sync`), None when none is as narrow as the build's mma reads.
-        With blocks wider than 4 bits, by default (popc_decode None): one token on a large
-        layer takes the 5-bit build "p1b5" when the widest is 5 bits and at least
-        P1B5_FROM_WIDE of its weights are past 4 bits (p1 below), p1 when the widest is wider
-        and under P1_UNTIL_WIDE of the weights are, else the lookup kernels, as every smaller
-        layer does (docs/PERF.md session 40: Mixtral, half the blocks at 8 bits, 309 us against
-        373 on p1); a few tokens take the lookup kernels from PN_UNTIL_WIDE of the weights on
+        With blocks wider than 4 bits, by default (popc_decode None): one token by
+        `_wide_kind`; a few tokens take the lookup kernels from PN_UNTIL_WIDE of the weights on
         (session 41). popc_decode True: p1b5 (p1 with POPC_B5 off) or pn while any block is
         narrow enough. Every build reads every width (wider blocks take its lookup), so a graph
         captured before the pager widens a block stays correct, only slower."""
@@ -932,21 +905,35 @@ class FusedMoE:
         on = (T == 1 or self._popc_pays[layer]) if auto else self.popc_decode
         if T > kernels.POPC_MAX_TOKENS or not on:
             return None
-        narrowest, widest, wide = self._widths(layer)
-        b3 = "b3" if widest <= 3 else ""
+        span = self._widths(layer)
+        b3 = "b3" if span.widest <= 3 else ""
         if T > 1:
-            if narrowest > kernels.POPC_MAX_BITS or (auto and wide >= PN_UNTIL_WIDE):
+            if span.narrowest > kernels.POPC_MAX_BITS or (auto and span.wide >= PN_UNTIL_WIDE):
                 return None
             return "pn" + b3
-        if widest <= kernels.POPC_MAX_BITS:
+        if span.widest <= kernels.POPC_MAX_BITS:
             return "p1" + b3
-        if auto and not self._popc_pays[layer]:
-            return None
-        if auto and widest > 5:
-            return "p1" if wide < P1_UNTIL_WIDE else None
-        if POPC_B5 and narrowest <= 5 and (not auto or wide >= P1B5_FROM_WIDE):
+        if auto:
+            return self._wide_kind(layer, span)
+        if POPC_B5 and span.narrowest <= 5:
             return "p1b5"
-        return "p1" if narrowest <= kernels.POPC_MAX_BITS else None
+        return "p1" if span.narrowest <= kernels.POPC_MAX_BITS else None
+
+    def _wide_kind(self, layer: int, span: WidthSpan) -> str | None:
+        """The default popc build of one token on a layer with a block past 4 bits (the rule
+        at WIDE_POPC_MIN_WEIGHTS), or None for the lookup gate_up (`_kind` adds the popc down
+        on a layer of WIDE_POPC_MIN_WEIGHTS). On a large layer (`_popc_pays`) while under
+        P1_UNTIL_WIDER of its weights are past 5 bits: "p1b5" from P1B5_FROM_WIDE past 4 bits
+        while under P1B5_UNTIL_WIDER are past 5, else "p1" while a block is at most 4 bits. On
+        a smaller one of WIDE_POPC_MIN_WEIGHTS, "p1" while under MID_P1_UNTIL_WIDE are past 4
+        bits."""
+        if self._popc_pays[layer]:
+            if span.wider >= P1_UNTIL_WIDER:
+                return None
+            if POPC_B5 and span.wide >= P1B5_FROM_WIDE and span.wider < P1B5_UNTIL_WIDER:
+                return "p1b5"  # (a share past 5 bits under 1: a block of at most 5)
+            return "p1" if span.narrowest <= kernels.POPC_MAX_BITS else None
+        return "p1" if self._wide_popc[layer] and span.wide < MID_P1_UNTIL_WIDE else None
 
     def _widths(self, layer: int) -> WidthSpan:
         """`layer`'s blocks in the widths the kernels read, cached until the next width upload
@@ -956,8 +943,10 @@ class FusedMoE:
             blocks = self._layer_blocks[layer]
             w = self.dt.synced_width[blocks]
             weights = self._block_weights[blocks]
-            wide = float(weights[w > kernels.POPC_MAX_BITS].sum() / weights.sum())
-            version, span = self.dt.width_version, WidthSpan(int(w.min()), int(w.max()), wide)
+            past = (kernels.POPC_MAX_BITS, _ONE_TOKEN_BITS["p1b5"])
+            wide, wider = (float(weights[w > b].sum() / weights.sum()) for b in past)
+            span = WidthSpan(int(w.min()), int(w.max()), wide, wider)
+            version = self.dt.width_version
             self._width_spans[layer] = (version, span)
         return span
 
