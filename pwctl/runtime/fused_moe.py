@@ -853,10 +853,10 @@ class FusedMoE:
 
     def _run_args(self, plan: DecodeLaunch, device: torch.device) -> tuple:
         """gate_up's last arguments: its persistent routed CTAs (of the grid's, the shared
-        expert's after them); and for the tiles split
-        between two shares, their halves' rows (2 halves x gate and up x ROWS floats) and
-        tickets (zero between launches: a tile's second half to finish resets the tile's): a
-        scratch a CTA and one more a group (cuda/moe.cu RUN)."""
+        expert's after them) and, for the tiles split between two shares, their halves' rows
+        (2 halves x gate and up x ROWS floats) and tickets (zero between launches: a tile's
+        second half to finish resets the tile's): a scratch a CTA and one more a group
+        (cuda/moe.cu RUN)."""
         runs, ctas = plan.runs, plan.gate_up_grid[0]
         if runs == 0:
             return _NO_RUNS
