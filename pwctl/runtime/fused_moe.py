@@ -483,25 +483,27 @@ POPC_DECODE: bool | None = None
 # (recipes/perf_kernel_ab.py's `b5=0`).
 POPC_B5 = True
 # One token on a layer with blocks past 4 bits (`FusedMoE._wide_kind`), by the shares of its
-# expert weights in blocks past 4 bits and past 5 (`WidthSpan.wide`, `.wider`). Measured on the
-# three layer shapes with every build timed on the same draws (H200, docs/PERF.md session 43;
+# expert weights in blocks past 4 bits and past 5 (`WidthSpan.wide`, `.wider`). Measured on four
+# layer shapes with every build timed on the same draws (H200, docs/PERF.md session 43;
 # `p1` on one CTA a gate_up tile, GATE_UP_RUNS):
-# - A layer reading fewer than WIDE_POPC_MIN_WEIGHTS a token (Qwen3-MoE, 38M) takes the lookup
-#   kernels: they led `p1` and the split build by 2-6% in 23 of 24 cells (5-8 bits on 2-12%).
+# - A layer reading fewer than WIDE_POPC_MIN_WEIGHTS a token takes the lookup kernels: on
+#   Qwen3-MoE (37.7M) they led `p1` and the split build by 2-6% in 23 of 24 cells (5-8 bits on
+#   2-12%), on an OLMoE layer (50.3M: 64 experts, top 8, 1024 x 2048) by 7-15% in every such
+#   cell (8 bits on 0.25: 75.1 against the split's 82.3 us) and 1-11% on the budget mixes.
 # - A large layer (POPC_MIN_WEIGHTS, Mixtral) takes the split build (n1p1, `_kind`) from
 #   P1_UNTIL_WIDER of its weights past 5 bits on (6-8 bits on a sixth: p1 1% behind to 3% ahead;
 #   from 0.21, 0-5% behind); `p1b5` from P1B5_FROM_WIDE past 4 bits while under P1B5_UNTIL_WIDER
 #   are past 5 (every wide block at 5 bits: p1 led to 0.42, 164.9 against p1b5's 165.6 us, p1b5
 #   from 0.5, 173.6 against 177.0; half the blocks at 5 and one or two of 24 at 6 or 8: p1b5
 #   3-11% ahead; four at 6: p1 172.1, p1b5 182.7); else `p1`.
-# - A layer between them (Qwen1.5-MoE, 69M) takes `p1` while under MID_P1_UNTIL_WIDE are past 4
-#   bits (5-8 bits on 2-8%: 1-10% faster than the split), else the split build (1-11% faster than
-#   the lookup kernels in 15 of 19 cells from there on, within 1.2% of them in the rest); p1b5 was
-#   12-45% slower than the others in every cell.
+# - A layer between them (Qwen1.5-MoE, 69.2M with its shared expert) takes `p1` while under
+#   MID_P1_UNTIL_WIDE are past 4 bits (5-8 bits on 2-8%: 1-10% faster than the split), else the
+#   split build (1-11% faster than the lookup kernels in 15 of 19 cells from there on, within
+#   1.2% of them in the rest); p1b5 was 12-45% slower than the others in every cell.
 # A call of 2..POPC_MAX_TOKENS tokens takes the popc kernels below PN_UNTIL_WIDE past 4 bits and
 # the lookup ones from it on (their slots on wide blocks run a lookup slower than the lookup
 # kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977; session 41).
-WIDE_POPC_MIN_WEIGHTS = 48 << 20
+WIDE_POPC_MIN_WEIGHTS = 56 << 20
 P1_UNTIL_WIDER = 0.18
 P1B5_FROM_WIDE = 0.45
 P1B5_UNTIL_WIDER = 0.12
