@@ -33,10 +33,11 @@ def _spec(hidden, inter, experts, top_k, shared=0, order="softmax_topk", norm=Fa
     return MoESpec(experts, top_k, inter, hidden, order, norm, 1.0, shared, shared > 0, "silu")
 
 
-SHAPES = {  # one layer of each: Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B
+SHAPES = {  # one layer of each: Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, OLMoE-1B-7B
     "mixtral": _spec(4096, 14336, 8, 2, norm=True),
     "qwen-moe": _spec(2048, 1408, 60, 4, shared=5632),
     "qwen3-moe": _spec(2048, 768, 128, 8, norm=True),
+    "olmoe": _spec(2048, 1024, 64, 8),
 }
 
 
