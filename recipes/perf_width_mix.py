@@ -18,9 +18,9 @@ from perf_wide_blocks import FEW_TOKENS, ONE_TOKEN, mean_times
 from pwctl.bench.kernels import SHAPES, synthetic_layer
 
 
-def parse_pairs(text: str, value: type = float) -> dict[int, float]:
-    """ "w:v,w:v" as {w: value(v)} (a mix's shares, a table's costs)."""
-    return {int(w): value(v) for w, v in (pair.split(":") for pair in text.split(","))}
+def parse_mix(text: str) -> dict[int, float]:
+    """ "width:share,width:share" as {width: share}."""
+    return {int(w): float(v) for w, v in (pair.split(":") for pair in text.split(","))}
 
 
 def mix_widths(n: int, mix: dict[int, float], seed: int) -> np.ndarray:
@@ -35,7 +35,7 @@ def mix_widths(n: int, mix: dict[int, float], seed: int) -> np.ndarray:
 
 def main() -> None:
     shapes = sys.argv[1].split(",")
-    mix = parse_pairs(sys.argv[2])
+    mix = parse_mix(sys.argv[2])
     tokens = [int(t) for t in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1]
     seeds = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for name in shapes:

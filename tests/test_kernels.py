@@ -766,7 +766,7 @@ def test_one_token_runs_match_reference(shape):
     tiles after its first restaged by moving the pointers on (`restage`), shares that end
     mid-tile meeting through a ticket (split_join). One CTA a tile, a few CTAs (long runs), the
     launcher's choice and a CTA a half tile, at 3 and 4 bits (p1b3, p1) and mixed widths (wider
-    blocks on the lookup, staged afresh; the counts set by hand run the wave weighed by cost,
+    blocks on the lookup, staged afresh; the counts set by hand run the wave in equal shares,
     the launcher's choice one CTA a tile), each call twice: the second half of a tile resets its
     ticket for the next. "qwen-moe": the shared expert's tiles on CTAs of their own after the
     routed ones' (at 4 bits its layer's tiles are more than a wave). "straddle": 560-byte rows in
