@@ -1,14 +1,16 @@
 """Where a wide block costs a one-token call: every routed expert's gate, up or down block (or all
-three) at `wide` bits, the rest at 4, on the one-token builds (perf_wide_blocks.py's `p1`, `p1b5`,
-`n1`, `auto`). Every call reads the wide projection, so a cell shows its whole cost; the shared
-expert stays at 4 bits. Also `p1` on one wave of persistent gate_up CTAs in equal shares (`p1
+three; or a `share` of those blocks, drawn by seed) at `wide` bits, the rest at 4, on the
+one-token builds (perf_wide_blocks.py's `p1`, `p1b5`, `n1`, `n1p1`, `auto`). With every block of
+a projection wide each call reads it, so a cell shows its whole cost; the shared expert stays at
+4 bits. Also `p1` on one wave of persistent gate_up CTAs in equal shares (`p1
 wave`), where by default a layer with a wide block takes one CTA a tile. Graph replays, L2 cold,
 us, averaged over `seeds` routings.
 Usage (GPU machine; cases: none and the keys of PROJECTIONS, default all):
-  python3 recipes/perf_wide_projection.py mixtral,qwen-moe 5,8 [seeds] [cases]"""
+  python3 recipes/perf_wide_projection.py mixtral,qwen-moe 5,8 [seeds] [cases] [shares]"""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable
 
@@ -28,23 +30,39 @@ def main() -> None:
     cases = {"none": [], **PROJECTIONS}
     if len(sys.argv) > 4:
         cases = {k: cases[k] for k in sys.argv[4].split(",")}
+    shares = [float(f) for f in sys.argv[5].split(",")] if len(sys.argv) > 5 else [1.0]
     for name in shapes:
         layer = synthetic_layer(SHAPES[name], seed=0)
         routed = layer.moe._layer_blocks[0].reshape(-1, 3)[: layer.spec.num_experts]
-        for wide in wides:
-            for label, cols in cases.items():
-                widths = np.full(layer.table.n_blocks, 4)
-                widths[routed[:, cols].ravel()] = wide
-                mean, chose = mean_times(layer, 1, lambda seed, w=widths: w, ONE_TOKEN, 1, seeds)
-                mean["p1 wave"] = wave_time(layer, lambda seed, w=widths: w, seeds)
-                cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
-                print(f"{name:10s} {wide} bits, {label:7s}: {cells} ({chose})", flush=True)
+        for wide, share, (label, cols) in itertools.product(wides, shares, cases.items()):
+            widths_of = projection_widths(layer.table.n_blocks, routed[:, cols], wide, share)
+            mean, chose = mean_times(layer, 1, widths_of, ONE_TOKEN, 1, seeds)
+            mean["p1 wave"] = wave_time(layer, widths_of, seeds)
+            cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
+            print(
+                f"{name:10s} {wide} bits, {label:7s} on {share:4.2f}: {cells} ({chose})", flush=True
+            )
+            if share == 1:  # the profiler's split (one routing): every block of the projection
                 for build in ("p1", "n1", "n1p1"):
                     split = kernel_times(layer, build)
                     cells = "  ".join(f"{k} {us:.1f}" for k, us in split.items())
                     print(f"    {build}: {cells}")
         del layer
         torch.cuda.empty_cache()
+
+
+def projection_widths(
+    n: int, blocks: np.ndarray, wide: int, share: float
+) -> Callable[[int], np.ndarray]:
+    """n blocks at 4 bits but `share` of `blocks` (a projection's), drawn by seed, at `wide`."""
+
+    def widths_of(seed: int) -> np.ndarray:
+        widths = np.full(n, 4)
+        pick = np.random.default_rng(seed + 1).permutation(blocks.ravel())
+        widths[pick[: round(share * blocks.size)]] = wide
+        return widths
+
+    return widths_of
 
 
 def wave_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> float:

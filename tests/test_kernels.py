@@ -371,10 +371,11 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     tokens take gate_up_pn / down_pn (pnb3); one token with a block wider than 4 bits, the 5-bit
     build (p1b5); more tokens, the flag off, or no block of the layer the build's binary mma
     reads (4 bits, one token 5), no pieces and the lookup kernels. By default (popc_decode
-    None) the rule measured in docs/PERF.md: blocks past 4 bits take one token to the lookup
-    but on a layer large enough, by the shares of weights past 4 and 5 bits: p1, p1b5 (large
-    layers) or the lookup gate_up with the popc down; a few tokens on large layers only, while
-    under half the weights are past 4 bits."""
+    None) the rule measured in docs/PERF.md: one token on the popc kernels from P1_MIN_WEIGHTS
+    a token (the lookup kernels below), with blocks past 4 bits by the shares of the layer's
+    weights and of its gate and up weights past 4 and 5 bits: p1, p1b5 (large layers) or the
+    lookup gate_up with the popc down; a few tokens on large layers only, while under half the
+    weights are past 4 bits."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch_packed", record)
@@ -445,44 +446,68 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     layer.set_widths(np.full(layer.table.n_blocks, 6))
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
-    # by default (popc_decode None) one token with a block past 4 bits takes `_wide_kind`'s
-    # build: on a layer under WIDE_POPC_MIN_WEIGHTS, the lookup kernels
-    blocks = moe._layer_blocks[0]
+    # by default (popc_decode None) one token takes the popc kernels only on a layer of
+    # P1_MIN_WEIGHTS: under it, the lookup kernels at every width
+    blocks, n = moe._layer_blocks[0], layer.table.n_blocks
+    layer.set_widths(np.full(n, 4))
+    monkeypatch.setitem(moe._popc_pays, 0, False)
+    monkeypatch.setitem(moe._p1_pays, 0, False)
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
     widths[:] = 4
     widths[blocks[0]] = 5
     layer.set_widths(widths)
-    monkeypatch.setitem(moe._popc_pays, 0, False)
-    monkeypatch.setitem(moe._wide_popc, 0, False)
+    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
+    # on a layer of P1_MIN_WEIGHTS: p1 while under MID_P1_UNTIL_WIDE of its weights are past 4
+    # bits, the split build from there on
+    monkeypatch.setitem(moe._p1_pays, 0, True)
     p1 = ["gate_up_p1", "popc_planes", "down_p1"]
     split = ["gate_up_n1", "popc_planes", "down_p1"]  # the lookup gate_up, the popc down
     p1b5 = ["gate_up_p1b5", "popc_planes", "down_p1b5"]
-    assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
-    # on a layer of WIDE_POPC_MIN_WEIGHTS, p1 while under MID_P1_UNTIL_WIDE of its weights are
-    # past 4 bits, the split build from there on
-    monkeypatch.setitem(moe._wide_popc, 0, True)
-    wide = moe._widths(0).wide
-    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", wide + 0.01)
+    span = moe._widths(0)
+    assert span.gate_up_wide > span.wide > 0 == span.gate_up_wider  # expert 0's gate alone
+    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", span.wide + 0.01)
     assert [n for n, _, _ in decode(1, None)][1:] == p1
-    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", wide)
+    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", span.wide)
     assert [n for n, _, _ in decode(1, None)][1:] == split
-    # on a large layer (`_popc_pays`), while under P1_UNTIL_WIDER of its weights are past 5
-    # bits: p1b5 from P1B5_FROM_WIDE past 4 bits while under P1B5_UNTIL_WIDER are past 5, else p1
+    # on a large layer (`_popc_pays`): p1b5 from P1B5_FROM_WIDE of its weights past 4 bits
+    # while under P1B5_UNTIL_WIDER are past 5; else p1 while under P1_UNTIL_GATE_UP_WIDE of its
+    # gate and up weights are past 4 bits and under P1_UNTIL_GATE_UP_WIDER past 5
     monkeypatch.setitem(moe._popc_pays, 0, True)
     assert moe._widths(0).wide < fused_moe.P1B5_FROM_WIDE
+    assert moe._widths(0).gate_up_wide < fused_moe.P1_UNTIL_GATE_UP_WIDE
     assert [n for n, _, _ in decode(1, None)][1:] == p1
+    downs = np.full(n, 4)
+    downs[blocks[2::3]] = 8  # every down past 5 bits, the shared expert's too: still p1
+    layer.set_widths(downs)
+    assert (
+        moe._widths(0).gate_up_wide == 0 < fused_moe.P1_UNTIL_GATE_UP_WIDER < moe._widths(0).wider
+    )
+    assert [n for n, _, _ in decode(1, None)][1:] == p1
+    layer.set_widths(widths)
     widths[blocks[:3]] = 5  # expert 0's gate, up and down
     layer.set_widths(widths)
-    size = {
-        g: sum(q.rows * q.cols for (_, s, _), q in moe.proj.items() if s == g)
-        for g in (False, True)
-    }
-    expert_0 = size[False] / (spec.num_experts * size[False] + size[True])  # its 3 blocks
-    assert moe._widths(0) == (4, 5, pytest.approx(expert_0), 0.0)
+
+    def weights(shared: bool, projs: tuple[str, ...]) -> int:
+        return sum(
+            q.rows * q.cols for (_, s, p), q in moe.proj.items() if s == shared and p in projs
+        )
+
+    def expert_0(projs: tuple[str, ...]) -> float:  # its blocks' share of the layer's
+        return weights(False, projs) / (
+            spec.num_experts * weights(False, projs) + weights(True, projs)
+        )
+
+    everything, gate_up = expert_0(("gate", "up", "down")), expert_0(("gate", "up"))
+    want = (4, 5, pytest.approx(everything), 0.0, pytest.approx(gate_up), 0.0)
+    assert moe._widths(0) == want
     monkeypatch.setattr(fused_moe, "P1B5_FROM_WIDE", moe._widths(0).wide)
     assert [n for n, _, _ in decode(1, None)][1:] == p1b5
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
     monkeypatch.setattr(fused_moe, "POPC_B5", False)  # off: p1
     assert [n for n, _, _ in decode(1, None)][1:] == p1
+    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDE", moe._widths(0).gate_up_wide)
+    assert [n for n, _, _ in decode(1, None)][1:] == split
+    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDE", 0.5)
     monkeypatch.setattr(fused_moe, "POPC_B5", True)
     widths[blocks[1]] = 6
     layer.set_widths(widths)
@@ -492,8 +517,8 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     assert [n for n, _, _ in decode(1, None)][1:] == p1b5  # p1b5 reads the 6-bit one's lookup
     monkeypatch.setattr(fused_moe, "P1B5_UNTIL_WIDER", wider)
     assert [n for n, _, _ in decode(1, None)][1:] == p1
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_WIDER", wider)
-    # past P1_UNTIL_WIDER the lookup for one token: its gate_up, and the popc down (POPC_DOWN)
+    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDER", moe._widths(0).gate_up_wider)
+    # past P1_UNTIL_GATE_UP_WIDER the split build: the lookup gate_up, the popc down (POPC_DOWN)
     split_launches = decode(1, None)
     assert [n for n, _, _ in split_launches][1:] == split
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
@@ -1586,25 +1611,27 @@ def test_down_groups_fit_a_shared_expert_in_one_wave(monkeypatch):
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_popc_kernels_by_default_for_one_token_or_a_large_layer(monkeypatch, shared):
-    """popc_decode None (the default) takes the popc kernels for every one-token call on blocks
-    of at most 4 bits, and for calls of up to POPC_MAX_TOKENS tokens on a layer whose token
-    reads at least POPC_MIN_WEIGHTS expert weights (top-k routed experts' and the shared one's);
-    True and False force them on and off."""
+def test_popc_kernels_by_default_on_a_layer_large_enough(monkeypatch, shared):
+    """popc_decode None (the default) takes the popc kernels on blocks of at most 4 bits for
+    one-token calls on a layer whose token reads at least P1_MIN_WEIGHTS expert weights (top-k
+    routed experts' and the shared one's), and for calls of up to POPC_MAX_TOKENS tokens from
+    POPC_MIN_WEIGHTS on; True and False force them on and off."""
     spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
     reads = 2 * 3 * 768 * 4096 + (3 * 768 * 256 if shared else 0)  # hidden 768
-    for bar, on in ((reads, True), (reads + 1, False)):
-        monkeypatch.setattr(fused_moe, "POPC_MIN_WEIGHTS", bar)
+    cpu = torch.device("cpu")
+    for one, few in ((reads, reads), (reads, reads + 1), (reads + 1, reads + 1)):
+        monkeypatch.setattr(fused_moe, "P1_MIN_WEIGHTS", one)
+        monkeypatch.setattr(fused_moe, "POPC_MIN_WEIGHTS", few)
         layer = synthetic_layer(spec, device="cpu", seed=0)
         layer.set_widths(np.full(layer.table.n_blocks, 4))  # blocks the binary mma reads
         moe = layer.moe
         assert moe._weights_a_token(0) == reads
-        assert moe._x_pieces(0, 1, torch.device("cpu")) is not None
-        assert (moe._x_pieces(0, kernels.POPC_MAX_TOKENS, torch.device("cpu")) is not None) == on
-        assert moe._x_pieces(0, kernels.POPC_MAX_TOKENS + 1, torch.device("cpu")) is None
+        assert (moe._x_pieces(0, 1, cpu) is not None) == (one <= reads)
+        assert (moe._x_pieces(0, kernels.POPC_MAX_TOKENS, cpu) is not None) == (few <= reads)
+        assert moe._x_pieces(0, kernels.POPC_MAX_TOKENS + 1, cpu) is None
         for forced in (True, False):
             moe.popc_decode = forced
-            assert (moe._x_pieces(0, 1, torch.device("cpu")) is not None) == forced
+            assert (moe._x_pieces(0, 1, cpu) is not None) == forced
 
 
 def test_pdl_configs_are_built_once_a_grid():

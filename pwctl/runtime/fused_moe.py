@@ -194,6 +194,8 @@ class WidthSpan(NamedTuple):
     widest: int
     wide: float  # the share of the layer's weights in blocks wider than kernels.POPC_MAX_BITS
     wider: float  # the share in blocks wider than 5 bits (past p1b5's binary mma)
+    gate_up_wide: float  # the same two shares of its gate and up weights alone: where the
+    gate_up_wider: float  # one-token builds p1 and n1p1 differ on a large layer (the same down)
 
 
 @dataclass
@@ -482,31 +484,36 @@ POPC_DECODE: bool | None = None
 # on the binary mma too, not the lookup) where its rule says (below); off, they do not
 # (recipes/perf_kernel_ab.py's `b5=0`).
 POPC_B5 = True
-# One token on a layer with blocks past 4 bits (`FusedMoE._wide_kind`), by the shares of its
-# expert weights in blocks past 4 bits and past 5 (`WidthSpan.wide`, `.wider`). Measured on four
-# layer shapes with every build timed on the same draws (H200, docs/PERF.md session 43;
-# `p1` on one CTA a gate_up tile, GATE_UP_RUNS):
-# - A layer reading fewer than WIDE_POPC_MIN_WEIGHTS a token takes the lookup kernels: on
-#   Qwen3-MoE (37.7M) they led `p1` and the split build by 2-6% in 23 of 24 cells (5-8 bits on
-#   2-12%), on an OLMoE layer (50.3M: 64 experts, top 8, 1024 x 2048) by 7-15% in every such
-#   cell (8 bits on 0.25: 75.1 against the split's 82.3 us) and 1-11% on the budget mixes.
-# - A large layer (POPC_MIN_WEIGHTS, Mixtral) takes the split build (n1p1, `_kind`) from
-#   P1_UNTIL_WIDER of its weights past 5 bits on (6-8 bits on a sixth: p1 1% behind to 3% ahead;
-#   from 0.21, 0-5% behind); `p1b5` from P1B5_FROM_WIDE past 4 bits while under P1B5_UNTIL_WIDER
-#   are past 5 (every wide block at 5 bits: p1 led to 0.42, 164.9 against p1b5's 165.6 us, p1b5
-#   from 0.5, 173.6 against 177.0; half the blocks at 5 and one or two of 24 at 6 or 8: p1b5
-#   3-11% ahead; four at 6: p1 172.1, p1b5 182.7); else `p1`.
-# - A layer between them (Qwen1.5-MoE, 69.2M with its shared expert) takes `p1` while under
-#   MID_P1_UNTIL_WIDE are past 4 bits (5-8 bits on 2-8%: 1-10% faster than the split), else the
-#   split build (1-11% faster than the lookup kernels in 15 of 19 cells from there on, within
-#   1.2% of them in the rest); p1b5 was 12-45% slower than the others in every cell.
+# One token takes the popc kernels on a layer reading at least P1_MIN_WEIGHTS a token, and the
+# lookup kernels below it: on Qwen3-MoE (37.7M) and an OLMoE layer (50.3M: 64 experts, top 8,
+# 1024 x 2048) the lookup kernels were up to 12% faster than `p1` at 2-4 bits (both shapes at 2
+# bits 11-12%, OLMoE at 4 bits 5%) and at most 1.6% slower, and 2-15% faster with wide blocks
+# (H200, docs/PERF.md sessions 43-44); on Qwen1.5-MoE (69.2M with its shared expert) and Mixtral
+# `p1` leads by 7-35% at 2-4 bits.
+# With blocks past 4 bits (`FusedMoE._wide_kind`; every build timed on the same draws, `p1` on
+# one CTA a gate_up tile, GATE_UP_RUNS; sessions 42-44):
+# - A large layer (POPC_MIN_WEIGHTS, Mixtral) takes `p1b5` from P1B5_FROM_WIDE of its weights
+#   past 4 bits while under P1B5_UNTIL_WIDER are past 5 (every wide block at 5 bits: p1 led to
+#   0.42, p1b5 from 0.5, 173.6 against 177.0 us; half the blocks at 5 and one or two of 24 at 6
+#   or 8: p1b5 3-11% ahead; four at 6: p1 172.1, p1b5 182.7). Else the split build (n1p1, `_kind`:
+#   the lookup gate_up, the popc down) from P1_UNTIL_GATE_UP_WIDE of its gate and up weights past
+#   4 bits or P1_UNTIL_GATE_UP_WIDER past 5, else `p1`. Only gate and up count: both builds run
+#   the same down, and `p1` reads a wide gate or up (and the narrow one beside it) by a lookup on
+#   4 CTAs an SM where `gate_up_n1` runs more (every gate at 5 bits: the split 141.7 against
+#   147.5 us; every down at 6 bits: `p1` 149.5, the split 176.9).
+# - A layer between them (Qwen1.5-MoE) takes `p1` while under MID_P1_UNTIL_WIDE of its weights
+#   are past 4 bits (5-8 bits on 2-8% of the blocks: 1-10% faster than the split), else the split
+#   build (1-11% faster than the lookup kernels in 15 of 19 cells, within 1.2% of them in the
+#   rest); p1b5 was 12-45% slower than the others in every cell. Its downs count too: past 4
+#   bits they cost `p1` more than the split (every down at 8 bits: 68.6 against 63.9 us).
 # A call of 2..POPC_MAX_TOKENS tokens takes the popc kernels below PN_UNTIL_WIDE past 4 bits and
 # the lookup ones from it on (their slots on wide blocks run a lookup slower than the lookup
 # kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977; session 41).
-WIDE_POPC_MIN_WEIGHTS = 56 << 20
-P1_UNTIL_WIDER = 0.18
+P1_MIN_WEIGHTS = 56 << 20
 P1B5_FROM_WIDE = 0.45
 P1B5_UNTIL_WIDER = 0.12
+P1_UNTIL_GATE_UP_WIDE = 0.5
+P1_UNTIL_GATE_UP_WIDER = 0.3
 MID_P1_UNTIL_WIDE = 0.1
 PN_UNTIL_WIDE = 0.5
 
@@ -616,7 +623,7 @@ class FusedMoE:
         self._width_spans: dict[int, tuple[int, WidthSpan]] = {}
         reads = {layer: self._weights_a_token(layer) for layer in self.block_ids}
         self._popc_pays = {layer: n >= POPC_MIN_WEIGHTS for layer, n in reads.items()}
-        self._wide_popc = {layer: n >= WIDE_POPC_MIN_WEIGHTS for layer, n in reads.items()}
+        self._p1_pays = {layer: n >= P1_MIN_WEIGHTS for layer, n in reads.items()}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
         # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
@@ -880,20 +887,21 @@ class FusedMoE:
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
         are given (`_x_pieces`), else the lookup kernels of T's n-tiles, but for one token on a
-        layer of at least WIDE_POPC_MIN_WEIGHTS whose narrowest block the popc down reads
+        layer of at least P1_MIN_WEIGHTS whose narrowest block the popc down reads
         (`POPC_DOWN`): the lookup gate_up with that down ("n1p1")."""
         popc_kind = self._popc_kind(layer, T) if px is not None else None
         if popc_kind:
             return popc_kind
-        split = T == 1 and POPC_DOWN and self.popc_decode is None and self._wide_popc[layer]
+        split = T == 1 and POPC_DOWN and self.popc_decode is None and self._p1_pays[layer]
         if split and self._widths(layer).narrowest <= kernels.POPC_MAX_BITS:
             return "n1p1"
         return f"n{kernels.n_tiles(T)}"
 
     def _popc_kind(self, layer: int, T: int) -> str | None:
         """The popc kernels' build for a call of T tokens in `layer`, or None for the lookup
-        kernels. Up to POPC_MAX_TOKENS tokens when popc_decode is set or (None) for one token
-        or a layer large enough (`_popc_pays`): "p1" for one token, "pn" for more (their slots
+        kernels. Up to POPC_MAX_TOKENS tokens when popc_decode is set or (None) on a layer large
+        enough: one token from P1_MIN_WEIGHTS (`_p1_pays`), a few from POPC_MIN_WEIGHTS
+        (`_popc_pays`). "p1" for one token, "pn" for more (their slots
         of several tokens take the lookup inside the launch; kept apart so that the one-token
         build carries none of it), "b3" (binary mma up to 3 bits; 6 CTAs an SM for one token,
         5 for several, against 4) when no block is wider than 3 bits in the widths the kernels
@@ -904,7 +912,7 @@ class FusedMoE:
         narrow enough. Every build reads every width (wider blocks take its lookup), so a graph
         captured before the pager widens a block stays correct, only slower."""
         auto = self.popc_decode is None
-        on = (T == 1 or self._popc_pays[layer]) if auto else self.popc_decode
+        on = (self._p1_pays if T == 1 else self._popc_pays)[layer] if auto else self.popc_decode
         if T > kernels.POPC_MAX_TOKENS or not on:
             return None
         span = self._widths(layer)
@@ -922,20 +930,22 @@ class FusedMoE:
         return "p1" if span.narrowest <= kernels.POPC_MAX_BITS else None
 
     def _wide_kind(self, layer: int, span: WidthSpan) -> str | None:
-        """The default popc build of one token on a layer with a block past 4 bits (the rule
-        at WIDE_POPC_MIN_WEIGHTS), or None for the lookup gate_up (`_kind` adds the popc down
-        on a layer of WIDE_POPC_MIN_WEIGHTS). On a large layer (`_popc_pays`) while under
-        P1_UNTIL_WIDER of its weights are past 5 bits: "p1b5" from P1B5_FROM_WIDE past 4 bits
-        while under P1B5_UNTIL_WIDER are past 5, else "p1" while a block is at most 4 bits. On
-        a smaller one of WIDE_POPC_MIN_WEIGHTS, "p1" while under MID_P1_UNTIL_WIDE are past 4
-        bits."""
-        if self._popc_pays[layer]:
-            if span.wider >= P1_UNTIL_WIDER:
-                return None
-            if POPC_B5 and span.wide >= P1B5_FROM_WIDE and span.wider < P1B5_UNTIL_WIDER:
-                return "p1b5"  # (a share past 5 bits under 1: a block of at most 5)
-            return "p1" if span.narrowest <= kernels.POPC_MAX_BITS else None
-        return "p1" if self._wide_popc[layer] and span.wide < MID_P1_UNTIL_WIDE else None
+        """The default popc build of one token on a layer of P1_MIN_WEIGHTS with a block past 4
+        bits (the rule at P1_MIN_WEIGHTS), or None for the split build (`_kind`: the lookup
+        gate_up, the popc down). On a large layer (`_popc_pays`): "p1b5" from P1B5_FROM_WIDE of
+        its weights past 4 bits while under P1B5_UNTIL_WIDER are past 5; else "p1" while under
+        P1_UNTIL_GATE_UP_WIDE of its gate and up weights are past 4 bits and under
+        P1_UNTIL_GATE_UP_WIDER past 5. On a smaller one, "p1" while under MID_P1_UNTIL_WIDE of
+        its weights are past 4 bits."""
+        if not self._popc_pays[layer]:
+            return "p1" if span.wide < MID_P1_UNTIL_WIDE else None
+        if POPC_B5 and span.wide >= P1B5_FROM_WIDE and span.wider < P1B5_UNTIL_WIDER:
+            return "p1b5"  # (a share past 5 bits under 1: a block of at most 5)
+        split = (
+            span.gate_up_wide >= P1_UNTIL_GATE_UP_WIDE
+            or span.gate_up_wider >= P1_UNTIL_GATE_UP_WIDER
+        )
+        return None if split or span.narrowest > kernels.POPC_MAX_BITS else "p1"
 
     def _widths(self, layer: int) -> WidthSpan:
         """`layer`'s blocks in the widths the kernels read, cached until the next width upload
@@ -945,9 +955,14 @@ class FusedMoE:
             blocks = self._layer_blocks[layer]
             w = self.dt.synced_width[blocks]
             weights = self._block_weights[blocks]
+            gate_up = np.arange(len(blocks)) % 3 < 2  # (an expert's gate, up, down in order)
             past = (kernels.POPC_MAX_BITS, _ONE_TOKEN_BITS["p1b5"])
-            wide, wider = (float(weights[w > b].sum() / weights.sum()) for b in past)
-            span = WidthSpan(int(w.min()), int(w.max()), wide, wider)
+            shares = [
+                float(weights[(w > b) & of].sum() / weights[of].sum())
+                for of in (np.ones_like(gate_up), gate_up)
+                for b in past
+            ]
+            span = WidthSpan(int(w.min()), int(w.max()), *shares)
             version = self.dt.width_version
             self._width_spans[layer] = (version, span)
         return span
