@@ -470,13 +470,13 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 
 
 # The popc kernels save ~15% of a one-token slot's streaming and cost more a call (x's pieces in
-# the prep launch, popc_planes for h). On the H200, one-token calls win or tie on every shape since
-# popc_planes lets down launch early (session 29: routed, Qwen3-MoE 39.0 -> 37.8 us at 4 bits,
-# Qwen1.5-MoE 42.5 -> 38.9 at 3); calls of 2..POPC_MAX_TOKENS tokens win on Mixtral (~352M
-# expert weights a token; 1.14-1.23x, session 16) and lose on Qwen1.5-MoE (69M) and Qwen3-MoE
-# (38M; 2 tokens, routed: 44.3 against 52.2 us at 3 bits). So one token takes them on every
-# layer, a few tokens on the layers that read at least POPC_MIN_WEIGHTS a token (docs/PERF.md),
-# while their blocks are narrow enough (`FusedMoE._popc_kind`).
+# the prep launch, popc_planes for h). On the H200 one-token calls win on Mixtral and Qwen1.5-MoE
+# (since session 29, when popc_planes let down launch early: routed, Qwen1.5-MoE 42.5 -> 38.9 us
+# at 3 bits), not on the smaller layers since session 44 (P1_MIN_WEIGHTS below); calls of
+# 2..POPC_MAX_TOKENS tokens win on Mixtral (~352M expert weights a token; 1.14-1.23x, session 16)
+# and lose on Qwen1.5-MoE (69M) and Qwen3-MoE (38M; 2 tokens, routed: 44.3 against 52.2 us at 3
+# bits). So one token takes them from P1_MIN_WEIGHTS a token, a few tokens from POPC_MIN_WEIGHTS
+# (docs/PERF.md), while their blocks are narrow enough (`FusedMoE._popc_kind`).
 POPC_MIN_WEIGHTS = 128 << 20
 # FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
 POPC_DECODE: bool | None = None
@@ -629,8 +629,9 @@ class FusedMoE:
         # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
         # gate_up_p1 / _pn: one-token slots on binary tensor cores), where a block is narrow
         # enough: True, False (the lookup kernels only), or None (default): one-token calls on
-        # every layer, calls of a few tokens on the layers that read at least POPC_MIN_WEIGHTS a
-        # token (`_popc_pays`), blocks past 4 bits by `_popc_kind`'s rule and `_kind`'s n1p1
+        # the layers that read at least P1_MIN_WEIGHTS a token (`_p1_pays`), calls of a few
+        # tokens from POPC_MIN_WEIGHTS (`_popc_pays`), blocks past 4 bits by `_popc_kind`'s rule
+        # and `_kind`'s n1p1
         self.popc_decode: bool | None = POPC_DECODE
 
     def __call__(
