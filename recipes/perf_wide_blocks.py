@@ -53,10 +53,14 @@ def _cell(layer, T: int, wide: int, share: float, rounds: int, seeds: int) -> tu
     return mean_times(layer, T, widths_of, ONE_TOKEN if T == 1 else FEW_TOKENS, rounds, seeds)
 
 
-def wide_widths(n: int, wide: int, share: float, seed: int) -> np.ndarray:
-    """n blocks at 4 bits but `share` of them, drawn by seed, at `wide`."""
+def wide_widths(
+    n: int, wide: int, share: float, seed: int, among: np.ndarray | None = None
+) -> np.ndarray:
+    """n blocks at 4 bits but `share` of them (of the blocks `among`, default all), drawn by
+    seed, at `wide`."""
+    pool = np.arange(n) if among is None else among.ravel()
     widths = np.full(n, 4)
-    widths[np.random.default_rng(seed + 1).permutation(n)[: round(share * n)]] = wide
+    widths[np.random.default_rng(seed + 1).permutation(pool)[: round(share * pool.size)]] = wide
     return widths
 
 

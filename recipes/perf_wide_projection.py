@@ -10,13 +10,14 @@ Usage (GPU machine; cases: none and the keys of PROJECTIONS, default all):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections.abc import Callable
 
 import numpy as np
 import torch
-from perf_wide_blocks import ONE_TOKEN, mean_times, use_build
+from perf_wide_blocks import ONE_TOKEN, mean_times, use_build, wide_widths
 
 from pwctl.bench.kernels import SHAPES, _routed, random_routing, synthetic_layer
 from pwctl.runtime import fused_moe, kernels
@@ -35,7 +36,9 @@ def main() -> None:
         layer = synthetic_layer(SHAPES[name], seed=0)
         routed = layer.moe._layer_blocks[0].reshape(-1, 3)[: layer.spec.num_experts]
         for wide, share, (label, cols) in itertools.product(wides, shares, cases.items()):
-            widths_of = projection_widths(layer.table.n_blocks, routed[:, cols], wide, share)
+            widths_of = functools.partial(
+                wide_widths, layer.table.n_blocks, wide, share, among=routed[:, cols]
+            )
             mean, chose = mean_times(layer, 1, widths_of, ONE_TOKEN, 1, seeds)
             mean["p1 wave"] = wave_time(layer, widths_of, seeds)
             cells = "  ".join(f"{k} {t * 1e6:7.1f}" for k, t in mean.items())
@@ -49,20 +52,6 @@ def main() -> None:
                     print(f"    {build}: {cells}")
         del layer
         torch.cuda.empty_cache()
-
-
-def projection_widths(
-    n: int, blocks: np.ndarray, wide: int, share: float
-) -> Callable[[int], np.ndarray]:
-    """n blocks at 4 bits but `share` of `blocks` (a projection's), drawn by seed, at `wide`."""
-
-    def widths_of(seed: int) -> np.ndarray:
-        widths = np.full(n, 4)
-        pick = np.random.default_rng(seed + 1).permutation(blocks.ravel())
-        widths[pick[: round(share * blocks.size)]] = wide
-        return widths
-
-    return widths_of
 
 
 def wave_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> float:

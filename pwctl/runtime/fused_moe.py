@@ -956,14 +956,13 @@ class FusedMoE:
             blocks = self._layer_blocks[layer]
             w = self.dt.synced_width[blocks]
             weights = self._block_weights[blocks]
-            gate_up = np.arange(len(blocks)) % 3 < 2  # (an expert's gate, up, down in order)
             past = (kernels.POPC_MAX_BITS, _ONE_TOKEN_BITS["p1b5"])
-            shares = [
-                float(weights[(w > b) & of].sum() / weights[of].sum())
-                for of in (np.ones_like(gate_up), gate_up)
-                for b in past
-            ]
-            span = WidthSpan(int(w.min()), int(w.max()), *shares)
+
+            def shares(w: np.ndarray, weights: np.ndarray) -> list[float]:
+                return [float(weights[w > b].sum() / weights.sum()) for b in past]
+
+            gate_up = [a.reshape(-1, 3)[:, :2] for a in (w, weights)]  # (gate, up, down an expert)
+            span = WidthSpan(int(w.min()), int(w.max()), *shares(w, weights), *shares(*gate_up))
             version = self.dt.width_version
             self._width_spans[layer] = (version, span)
         return span
