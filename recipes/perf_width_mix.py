@@ -5,7 +5,9 @@ replays, L2 cold, us, averaged over `seeds` draws of the routing and of which bl
 width. What a pagedweight budget costs decode (docs/PERF.md, session 41).
 Usage (GPU machine):
   python3 recipes/perf_width_mix.py mixtral,qwen3-moe 3:0.2,4:0.3,5:0.5 [tokens] [seeds]
-(a mix: width:share pairs; tokens: a comma-separated list)"""
+  python3 recipes/perf_width_mix.py qwen-moe gate=4:0.5,5:0.5+up=4:1+down=6:0.5,7:0.5
+(a mix: width:share pairs over every block, or one mix a projection, joined by "+", as
+`planner_widths.py` prints them; tokens: a comma-separated list)"""
 
 from __future__ import annotations
 
@@ -17,10 +19,32 @@ from perf_wide_blocks import FEW_TOKENS, ONE_TOKEN, mean_times
 
 from pwctl.bench.kernels import SHAPES, synthetic_layer
 
+PROJECTIONS = ("gate", "up", "down")  # a layer's blocks are expert-major: [expert, 3]
 
-def parse_mix(text: str) -> dict[int, float]:
-    """ "width:share,width:share" as {width: share}."""
-    return {int(w): float(v) for w, v in (pair.split(":") for pair in text.split(","))}
+
+def parse_mix(text: str) -> dict[str | None, dict[int, float]]:
+    """ "width:share,width:share" as {None: {width: share}} (every block), or
+    "gate=...+up=...+down=..." as {projection: {width: share}}."""
+
+    def one(part: str) -> dict[int, float]:
+        return {int(w): float(v) for w, v in (pair.split(":") for pair in part.split(","))}
+
+    if "=" not in text:
+        return {None: one(text)}
+    mixes = dict(part.split("=") for part in text.split("+"))
+    if set(mixes) != set(PROJECTIONS):
+        raise ValueError(f"a mix by projection names each of {PROJECTIONS} once: {text!r}")
+    return {p: one(m) for p, m in mixes.items()}
+
+
+def layer_widths(blocks: np.ndarray, mixes: dict[str | None, dict[int, float]], seed: int):
+    """The widths of a layer's blocks (`blocks`: ids, expert-major [expert, 3]) drawn from
+    `parse_mix`'s mixes: over every block, or over each projection's blocks."""
+    widths = np.zeros(blocks.size, dtype=np.int64)
+    for proj, mix in mixes.items():
+        ids = blocks.ravel() if proj is None else blocks[:, PROJECTIONS.index(proj)]
+        widths[ids] = mix_widths(ids.size, mix, seed)
+    return widths
 
 
 def mix_widths(n: int, mix: dict[int, float], seed: int) -> np.ndarray:
@@ -48,12 +72,13 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def _cell(layer, T: int, mix: dict[int, float], seeds: int) -> tuple[dict, set]:
+def _cell(layer, T: int, mix: dict, seeds: int) -> tuple[dict, set]:
     """Each build's time on the mix and the rule's on 4 bits (`mean_times`); the builds the
     rule chose on the mix."""
     builds = ONE_TOKEN if T == 1 else FEW_TOKENS
-    n = layer.table.n_blocks
-    mean, chose = mean_times(layer, T, lambda seed: mix_widths(n, mix, seed), builds, 1, seeds)
+    n, blocks = layer.table.n_blocks, layer.moe._layer_blocks[0].reshape(-1, 3)
+    widths_of = lambda seed: layer_widths(blocks, mix, seed)  # noqa: E731
+    mean, chose = mean_times(layer, T, widths_of, builds, 1, seeds)
     four = mean_times(layer, T, lambda seed: np.full(n, 4), {"auto": builds["auto"]}, 1, seeds)
     return {**mean, "4 bits": four[0]["auto"]}, chose
 

@@ -527,8 +527,9 @@ _ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
 # on the lookup, down on the popc build after popc_planes ("n1p1", `_builds`), whose down reads its
 # narrow blocks on the binary mma and its wide ones on a lookup of its own, faster than down_n1's
 # (Mixtral, session 42: 1.6-8% off the lookup kernels in 7 of 10 cells, 1-3% slower on two
-# budget mixes); off, down on the lookup too. A decode kind names one build for both launches
-# but this one.
+# budget mixes), also where no block is narrow enough for its mma (session 45, every block at
+# 5-8 bits or the planner's mixes past budget 0.55: Qwen1.5-MoE 9-11% faster, Mixtral 0-5%);
+# off, down on the lookup too. A decode kind names one build for both launches but this one.
 POPC_DOWN = True
 _SPLIT_BUILDS = {"n1p1": ("n1", "p1")}
 
@@ -888,13 +889,13 @@ class FusedMoE:
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
         """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
         are given (`_x_pieces`), else the lookup kernels of T's n-tiles, but for one token on a
-        layer of at least P1_MIN_WEIGHTS whose narrowest block the popc down reads
-        (`POPC_DOWN`): the lookup gate_up with that down ("n1p1")."""
+        layer of at least P1_MIN_WEIGHTS (`POPC_DOWN`): the lookup gate_up with the popc down
+        ("n1p1"), even where no block is narrow enough for that down's binary mma (its lookup
+        of wide blocks beats down_n1's; docs/PERF.md, session 45)."""
         popc_kind = self._popc_kind(layer, T) if px is not None else None
         if popc_kind:
             return popc_kind
-        split = T == 1 and POPC_DOWN and self.popc_decode is None and self._p1_pays[layer]
-        if split and self._widths(layer).narrowest <= kernels.POPC_MAX_BITS:
+        if T == 1 and POPC_DOWN and self.popc_decode is None and self._p1_pays[layer]:
             return "n1p1"
         return f"n{kernels.n_tiles(T)}"
 
