@@ -165,11 +165,15 @@ def run(
         title = f"fused MoE layer, {name} (copy {copy_bw / 1e12:.2f} TB/s)"
         print_table(title, kb.ROW_COLUMNS, [kb.row_cells(r) for r in rows])
         checks = kb.against_targets(rows)
-        print_table(
-            "against the kernel targets (worst of the rows each covers)",
-            kb.TARGET_COLUMNS,
-            [kb.target_cells(c) for c in checks],
-        )
+        if checks:
+            print_table(
+                "against the kernel targets (worst of the rows each covers)",
+                kb.TARGET_COLUMNS,
+                [kb.target_cells(c) for c in checks],
+            )
+        else:  # e.g. only widths 5-8: say so rather than print an empty table
+            names = "; ".join(t.name for t in kb.TARGETS)
+            console.print(f"no kernel target covers these rows (targets: {names})")
         write_json(json, {"device": name, "copy_bytes_per_s": copy_bw,
                           "rows": [r.as_dict() for r in rows], "targets": checks})  # fmt: skip
         return
