@@ -523,13 +523,14 @@ _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))
 # the one-token popc builds (their gate_up on a persistent grid) and the widest block each one's
 # binary mma reads
 _ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
-# One token on a large layer the rule sends to the lookup kernels (blocks past 4 bits): gate_up
-# on the lookup, down on the popc build after popc_planes ("n1p1", `_builds`), whose down reads its
-# narrow blocks on the binary mma and its wide ones on a lookup of its own, faster than down_n1's
-# (Mixtral, session 42: 1.6-8% off the lookup kernels in 7 of 10 cells, 1-3% slower on two
-# budget mixes), also where no block is narrow enough for its mma (session 45, every block at
-# 5-8 bits or the planner's mixes past budget 0.55: Qwen1.5-MoE 9-11% faster, Mixtral 0-5%);
-# off, down on the lookup too. A decode kind names one build for both launches but this one.
+# One token on a layer of P1_MIN_WEIGHTS the rule sends off the popc builds (blocks past 4
+# bits): gate_up on the lookup, down on the popc build after popc_planes ("n1p1", `_builds`),
+# whose down reads its narrow blocks on the binary mma and its wide ones on a lookup of its own,
+# faster than down_n1's (Mixtral, session 42: 1.6-8% off the lookup kernels in 7 of 10 cells,
+# 1-3% slower on two budget mixes), also where no block is narrow enough for its mma (session
+# 45, every block at 5-8 bits or the planner's mixes past budget 0.55: Qwen1.5-MoE 9-11%
+# faster, Mixtral 0-5%); off, down on the lookup too. A decode kind names one build for both
+# launches but this one.
 POPC_DOWN = True
 _SPLIT_BUILDS = {"n1p1": ("n1", "p1")}
 
