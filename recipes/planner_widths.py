@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pwctl.policy import parse_policy
+from pwctl.recipe import PROJECTIONS
 from pwctl.runtime.engine import Engine, open_pack
 
 
@@ -22,7 +23,7 @@ def main() -> None:
     for budget in sys.argv[2].split(","):
         engine.set_policy(parse_policy(f"pagedweight:{budget}"))
         widths = np.asarray(engine.store.widths)
-        by_proj = "+".join(f"{p}={mix(widths[proj == p])}" for p in ("gate", "up", "down"))
+        by_proj = "+".join(f"{p}={mix(widths[proj == p])}" for p in PROJECTIONS)
         print(f"pagedweight:{budget}  mean {widths.mean():.2f} bits  mix {mix(widths)}  {by_proj}")
 
 

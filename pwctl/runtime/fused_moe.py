@@ -948,7 +948,7 @@ class FusedMoE:
             span.gate_up_wide >= P1_UNTIL_GATE_UP_WIDE
             or span.gate_up_wider >= P1_UNTIL_GATE_UP_WIDER
         )
-        return None if split or span.narrowest > kernels.POPC_MAX_BITS else "p1"
+        return None if split else "p1"  # (no block at 4 bits or less: every share is 1, split)
 
     def _widths(self, layer: int) -> WidthSpan:
         """`layer`'s blocks in the widths the kernels read, cached until the next width upload
