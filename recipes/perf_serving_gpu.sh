@@ -5,17 +5,21 @@
 #   (b) pressure: --memory-budget = fp16 weights + the KV of 4 sequences of 2304 tokens,
 #       32 concurrent requests of 2048 in / 256 out: fp16 vs uniform:4 vs pagedweight
 #   (c) decode tokens/s at batch 1 vs transformers' own FP16 generate (recipes/perf_hf_generate.py)
+#   (d) the serving-time cap: batch 1 with memory to spare (pagedweight raises every block to
+#       the pack's widest width) with and without --max-bits 4, against uniform:4 / uniform:8
 # Every figure is `pwctl bench --throughput` on the serving engine; one process per policy, so
 # torch.cuda.max_memory_allocated is that policy's alone. pagedweight's BUDGET is uniform:4's
 # plane bytes (equal expert memory at peak pressure).
 # Usage (device tool, one stage per call, each well under 10 minutes):
 #   bash recipes/perf_serving_gpu.sh prep; bash recipes/perf_serving_gpu.sh a; ... b; ... c
+# SHAPE (default qwen-moe; mixtral, qwen3-moe: pwctl.bench.synthetic.SHAPES).
 # LAYERS (default 8): Qwen1.5-MoE has 24; 24 layers need ~62 GB of disk (bf16 checkpoint + 8-bit
 # planes + fp16 reference), too close to the 1-GPU machine's 64 GB.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}
 LAYERS=${LAYERS:-8}
+SHAPE=${SHAPE:-qwen-moe}
 CK=${CK:-/tmp/qwen-moe-ckpt}
 PACK=${PACK:-/tmp/qwen-moe-pack}
 IO=(--input-len 2048 --output-len 256)
@@ -27,7 +31,7 @@ case "${1:-}" in
 prep)
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python3 -m pwctl.bench.synthetic "$CK" --shape qwen-moe --layers "$LAYERS"
+  python3 -m pwctl.bench.synthetic "$CK" --shape "$SHAPE" --layers "$LAYERS"
   pwctl convert "$CK" "$PACK" --device cuda --force --json "$OUT/convert_qwen_moe.json" | tail -5
   # budgeted policies need a profile; proxy = no KL sweep (the weights are synthetic anyway)
   pwctl profile "$PACK" --method proxy --samples 4 --seq-len 256 --device cuda | tail -3
@@ -59,8 +63,15 @@ c)
   done
   python3 recipes/perf_hf_generate.py "$CK" "${IO[@]}" --json "$OUT/serve_c_hf_generate.json"
   ;;
+d)
+  D=(--input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-128}" --batch 1)
+  pwctl bench "$PACK" --throughput --device cuda "${D[@]}" --policy fp16 --policy uniform:4 \
+    --policy uniform:8 --policy pagedweight:0.3 --json "$OUT/serve_d.json"
+  pwctl bench "$PACK" --throughput --device cuda "${D[@]}" --policy pagedweight:0.3 \
+    --max-bits 4 --json "$OUT/serve_d_max_bits_4.json"
+  ;;
 *)
-  echo "usage: bash recipes/perf_serving_gpu.sh prep|a|b|c" >&2
+  echo "usage: bash recipes/perf_serving_gpu.sh prep|a|b|c|d" >&2
   exit 2
   ;;
 esac

@@ -120,3 +120,16 @@ def test_fixed_policy_keeps_widths_and_checks_the_budget(bundled_pack):
     with pytest.raises(PwctlError, match="exceeds the context"):
         engine.start_batching(parse_policy("fp16"), None, BatchConfig(max_model_len=8))
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=6))
+
+
+def test_a_budget_past_the_widest_planes_gives_the_kv_cache_the_rest(bundled_pack):
+    # pagedweight:0.6 asks for more plane bytes than every block at 6 bits holds: the planner's
+    # BUDGET stops there, so the default memory budget (widest planes + a full context for every
+    # sequence) holds every sequence's KV, as for uniform:6
+    engine = Engine(Pack(bundled_pack))
+    widest = engine.widest_plane_bytes()
+    cfg = BatchConfig(max_seqs=2, max_batch_tokens=16)
+    batcher = engine.start_batching(parse_policy("pagedweight:0.6"), None, cfg)
+    assert engine.allocator.budget == widest
+    full = cfg.max_seqs * -(-engine.model.config.max_position_embeddings // cfg.block_size)
+    assert batcher.kv.pool.capacity == full

@@ -82,3 +82,18 @@ def test_convert_generate_bench(checkpoints, tmp_path):
         app, ["bench", str(out), "--ppl", "--data", str(data), "--policy", "uniform:2"]
     )
     assert r.exit_code == 2 and "widths 3..6" in r.output
+
+    # --max-bits: a serving-time cap below the pack's widest width
+    r = runner.invoke(
+        app,
+        ["generate", str(out), "--prompt", "The earth", "--max-tokens", "3",
+         "--policy", "uniform:4", "--max-bits", "5", "--json", str(tmp_path / "g5.json")],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "g5.json").read_text())["max_bits"] == 5
+    for args, said in (
+        (["--policy", "uniform:6", "--max-bits", "5"], "serves widths 3..5 (--max-bits)"),
+        (["--max-bits", "7"], "--max-bits 7: this pack holds widths 3..6"),
+    ):
+        r = runner.invoke(app, ["generate", str(out), "--prompt", "x", *args])
+        assert r.exit_code == 2 and said in r.output, r.output

@@ -98,11 +98,13 @@ def test_paged_equals_store_bundled(fixture, request):
         assert outs[1][0] == paged.generate_ids(ids[0], 16)
 
 
-def pressure_run(engine: Engine, budget: int | None, cfg: BatchConfig) -> tuple[list, list]:
+def pressure_run(
+    engine: Engine, budget: int | None, cfg: BatchConfig, policy_text: str = "pagedweight:0.4"
+) -> tuple[list, list]:
     """Eight requests under KV pressure (demotions), the short ones finish, the long one keeps
     decoding while the freed KV memory goes back to the planes (promotions after the planner's
     cooldown). Returns the outputs and the widths of every step."""
-    policy = parse_policy("pagedweight:0.4")
+    policy = parse_policy(policy_text)
     batcher = engine.start_batching(policy, None if budget is None else f"{budget}b", cfg)
     if engine.paged is not None:  # each boundary: the widths kernels read are the plan's
         commit = batcher.boundary
@@ -312,3 +314,67 @@ def test_paged_arena_on_cuda(bundled_pack):
     batcher.run(ids, SamplingParams(max_tokens=12, ignore_eos=True))
     # activations only: KV blocks live in the arena (fixed: weights + workspace estimate)
     assert torch.cuda.max_memory_allocated() - before <= batcher.memory.fixed
+
+
+# --- a serving-time width cap (--max-bits) -----------------------------------------------------
+
+
+def test_max_bits_caps_every_plan_and_the_widest_planes(bundled_pack):
+    """`Engine(max_bits=5)` on a 3..6-bit pack: every block starts at 5, no plan of a budgeted
+    policy goes past it (with spare memory the uncapped planner does reach 6), the widest
+    plane bytes the budget sizes for are those at 5 bits, and wider fixed policies are refused."""
+    pack = Pack(bundled_pack)
+    free, capped = Engine(pack), Engine(pack, max_bits=5)
+    assert (capped.store.widths == 5).all()
+    assert capped.widest_plane_bytes() == sum(b.bytes_at(5) for b in pack.blocks)
+    assert capped.widest_plane_bytes() < free.widest_plane_bytes()
+    policy = parse_policy("pagedweight:0.6")
+    cfg = BatchConfig(max_seqs=2, max_batch_tokens=16)
+    free.start_batching(policy, None, cfg)
+    capped.start_batching(policy, None, cfg)
+    assert free.store.widths.max() == 6  # room to spare: the uncapped planner uses width 6
+    assert capped.store.widths.max() == 5 and capped.store.widths.min() >= pack.manifest.min_bits
+    assert capped.batcher.memory.planes <= capped.widest_plane_bytes()
+    with pytest.raises(PwctlError, match=r"serves widths 3\.\.5 \(--max-bits\)"):
+        capped.set_policy(parse_policy("uniform:6"))
+    capped.set_policy(parse_policy("uniform:4"))
+    assert (capped.store.widths == 4).all()
+    for bad in (2, 7):
+        with pytest.raises(PwctlError, match=rf"--max-bits {bad}: this pack holds widths 3\.\.6"):
+            Engine(pack, max_bits=bad)
+
+
+def test_max_bits_paged_pressure_equals_store(bundled_pack):
+    """Under the cap, demotions and promotions through the pager give what the store gives, and
+    no step's widths (planned or read by the kernels) pass the cap."""
+    pack = Pack(bundled_pack)
+    store, paged = Engine(pack, max_bits=5), Engine(pack, experts="paged", max_bits=5)
+    assert paged.paged.table.n_slabs * paged.paged.slab_bytes == paged.widest_plane_bytes()
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    probe = store.start_batching(parse_policy("pagedweight:0.25"), None, cfg)
+    budget = probe.memory.fixed + store.widest_plane_bytes() + 12 * probe.kv.block_bytes
+    want, want_trace = pressure_run(store, budget, cfg, "pagedweight:0.25")
+    got, got_trace = pressure_run(paged, budget, cfg, "pagedweight:0.25")
+    assert got == want
+    assert all(np.array_equal(a, b) for a, b in zip(got_trace, want_trace, strict=True))
+    assert np.stack(got_trace).max() == 5 and paged.paged.widths.max() <= 5
+    moves = paged.batcher.memory.moves
+    assert moves.demotions > 0 and moves.promotions > 0
+
+
+@pytest.mark.gpu
+def test_max_bits_on_cuda(bundled_pack):
+    """The cap on the CUDA backend: under KV pressure the kernels never read a block past it,
+    and the paged engine gives the store engine's tokens on the same GPU."""
+    pack = Pack(bundled_pack)
+    store = Engine(pack, "cuda", experts="store", max_bits=5)
+    paged = Engine(pack, "cuda", experts="paged", max_bits=5)
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    probe = store.start_batching(parse_policy("pagedweight:0.25"), None, cfg)
+    budget = probe.memory.fixed + store.widest_plane_bytes() + 12 * probe.kv.block_bytes
+    want, _ = pressure_run(store, budget, cfg, "pagedweight:0.25")
+    got, trace = pressure_run(paged, budget, cfg, "pagedweight:0.25")
+    assert got == want
+    assert np.stack(trace).max() == 5 and paged.paged.widths.max() <= 5
+    moves = paged.batcher.memory.moves
+    assert moves.demotions > 0 and moves.promotions > 0

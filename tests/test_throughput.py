@@ -70,6 +70,18 @@ def test_pagedweight_demotes_under_a_small_budget(bundled_pack, tmp_path):
     assert [r["requests"] for r in report["results"]] == [2, 3]
 
 
+def test_max_bits_caps_the_planes_and_labels_the_rows(bundled_pack, tmp_path):
+    # with no memory pressure pagedweight:0.6 holds every block near 6 bits; capped at 4 its
+    # planes take 4-bit bytes at most, and each row names the cap
+    args = ["--batch", "1", "--policy", "pagedweight:0.6"]
+    free = bench(bundled_pack, tmp_path, *args)["results"][0]
+    capped = bench(bundled_pack, tmp_path, *args, "--max-bits", "4")["results"][0]
+    check_consistent(capped)
+    assert (free["policy"], capped["policy"]) == ("pagedweight:0.6", "pagedweight:0.6 max-bits 4")
+    at4 = sum(b.bytes_at(4) for b in Pack(bundled_pack).blocks)
+    assert capped["peak_plane_bytes"] <= at4 < free["peak_plane_bytes"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -212,7 +212,8 @@ def _run_one(
         torch.cuda.reset_peak_memory_stats()
     timeline = _Timeline(batcher, engine.device)
     seqs = _closed_loop(batcher, timeline, prompts, params, load)
-    return _result(str(policy), mode, load, spec, seqs, timeline, before, batcher.metrics())
+    label = str(policy) if engine.max_bits is None else f"{policy} max-bits {engine.max_bits}"
+    return _result(label, mode, load, spec, seqs, timeline, before, batcher.metrics())
 
 
 def _fresh_batcher(engine: Engine, policy: Policy, budget: str | None, cfg: BatchConfig) -> Batcher:

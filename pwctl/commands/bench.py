@@ -90,6 +90,9 @@ def run(
         float, typer.Option(help="--ppl: pressure trace, KV peak as a fraction of BUDGET")
     ] = 0.0,
     max_tokens: Annotated[int, typer.Option(help="tokens evaluated at most")] = 8192,
+    max_bits: Annotated[
+        int | None, typer.Option(help="widest width served (default: the pack's)")
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
@@ -132,7 +135,7 @@ def run(
         if pack is None:
             raise PwctlError("bench --longbench/--synthetic needs a PACK")
         policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
-        engine = Engine(open_pack(pack), device, experts="store")  # quality: reference math
+        engine = Engine(open_pack(pack), device, experts="store", max_bits=max_bits)
     if longbench:
         if data is None:
             raise PwctlError("bench --longbench needs --data DIR (LongBench jsonl files)")
@@ -193,7 +196,9 @@ def run(
         for p in policies:
             kind = experts_for(p, device)
             if kind not in engines:
-                engines[kind] = Engine(open_pack(pack), device, serving_dtype(device), experts=kind)
+                engines[kind] = Engine(
+                    open_pack(pack), device, serving_dtype(device), kind, max_bits
+                )
             results += tp.run_throughput(engines[kind], [p], spec, data or EVAL_SAMPLE)
         print_table(*tp.table(results))
         write_json(json, tp.report(pack, device, spec, results))
@@ -204,7 +209,7 @@ def run(
         raise PwctlError("bench --ppl needs a PACK")
     policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
     data = data or EVAL_SAMPLE
-    engine = Engine(open_pack(pack), device, experts="store")  # quality: reference math
+    engine = Engine(open_pack(pack), device, experts="store", max_bits=max_bits)  # reference math
     policies += [add_rtn_variant(engine, b) for b in rtn or []]
     if kv_peak < 0:
         raise PwctlError("--kv-peak must be >= 0")

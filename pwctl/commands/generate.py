@@ -22,14 +22,17 @@ def run(
     memory_budget: Annotated[
         str | None, typer.Option(help="planes + KV + workspace: a size (800MB) or a fraction")
     ] = None,
+    max_bits: Annotated[
+        int | None,
+        typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
     pol = parse_policy(policy)
-    engine = Engine(
-        open_pack(pack), device, serving_dtype(device), experts=experts_for(pol, device)
-    )
+    experts = experts_for(pol, device)
+    engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
     engine.start_batching(pol, memory_budget)
     ids = engine.tokenizer(prompt).input_ids
     (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))
@@ -38,6 +41,7 @@ def run(
         json,
         {
             "policy": str(pol),
+            "max_bits": engine.store.max_bits,
             "prompt": prompt,
             "completion": seq.text,
             "tokens": len(seq.output_ids),

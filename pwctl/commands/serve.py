@@ -28,6 +28,10 @@ def run(
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 16,
     max_batch_tokens: Annotated[int, typer.Option(help="tokens per engine step")] = 256,
     max_model_len: Annotated[int | None, typer.Option(help="context (default: model's)")] = None,
+    max_bits: Annotated[
+        int | None,
+        typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
 ) -> None:
     """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -44,12 +48,14 @@ def run(
     experts = experts_for(pol, device)
     if experts == "paged":
         console.print("loading; a first run on this machine compiles the CUDA kernels (~2 min)")
-    engine = Engine(open_pack(pack), device, serving_dtype(device), experts=experts)
+    engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
     cfg = BatchConfig(max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len)
     batcher = engine.start_batching(pol, memory_budget, cfg)
     m = batcher.metrics()
     console.print(
-        f"pwctl serve {pack.name}: policy {pol}, budget {m['memory_budget_bytes'] / 1e6:.1f} MB "
+        f"pwctl serve {pack.name}: policy {pol}"
+        + ("" if max_bits is None else f" up to {max_bits} bits")
+        + f", budget {m['memory_budget_bytes'] / 1e6:.1f} MB "
         f"(planes {m['plane_bytes'] / 1e6:.1f}, KV up to {m['kv_blocks_capacity']} blocks), "
         f"http://{host}:{port}/v1",
         highlight=False,

@@ -22,9 +22,16 @@ STATIC = PlannerConfig(use_router_stats=False, use_residual=False, dynamic_pagin
 
 
 class WidthAllocator:
-    def __init__(self, pack: Pack, policy: Policy, cost_at: np.ndarray | None = None):
-        """`cost_at` [n_blocks, max_bits + 1]: device bytes of each block per width (the paged
-        backend's whole slabs, PageTable.cost_at); default: the planes' exact bytes."""
+    def __init__(
+        self,
+        pack: Pack,
+        policy: Policy,
+        cost_at: np.ndarray | None = None,
+        max_bits: int | None = None,
+    ):
+        """`cost_at` [n_blocks, pack max_bits + 1]: device bytes of each block per width (the
+        paged backend's whole slabs, PageTable.cost_at); default: the planes' exact bytes.
+        `max_bits`: the widest width any plan gives (default: the pack's)."""
         if policy.budget is None:
             raise PwctlError(f"policy {policy} has no budget")
         m = pack.manifest
@@ -34,11 +41,14 @@ class WidthAllocator:
         self.residual = ResidualModel.load(pack) if (pack.path / RESIDUAL_JSON).is_file() else None
         if self.residual is not None and not self.residual.usable:
             self.residual = None  # a model that does not predict held-out sequences adds noise
-        widths = range(m.min_bits, m.max_bits + 1)
+        top = m.max_bits if max_bits is None else max_bits
+        widths = range(m.min_bits, top + 1)
         if cost_at is None:
             cost = np.array([[b.bytes_at(w) for w in widths] for b in pack.blocks], np.int64)
         else:
-            cost = np.asarray(cost_at, dtype=np.int64)[:, m.min_bits : m.max_bits + 1]
+            cost = np.asarray(cost_at, dtype=np.int64)[:, m.min_bits : top + 1]
+        # the planner's curves stop at the cap: its widest width is `top`, damage taken from there
+        damage = self.profile.damage[:, : top - m.min_bits + 1]
         self.budget = policy.budget.resolve(sum(b.fp16_bytes for b in pack.blocks))
         if self.budget < cost[:, 0].sum():
             raise PwctlError(
@@ -46,6 +56,9 @@ class WidthAllocator:
                 f"{cost[:, 0].sum() / 1e6:.2f} MB every block needs at "
                 f"{m.min_bits} bits"
             )
+        # planes never take more than every block at the widest width: BUDGET past that (a
+        # fraction near 1, or a cap) would hold memory back from the KV cache for nothing
+        self.budget = min(self.budget, int(cost[:, -1].sum()))
         block_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
         self._block_layer = block_layer
         self.per_layer = policy.name == "dynamic-layer"
@@ -53,9 +66,7 @@ class WidthAllocator:
         if self.per_layer:  # the planner's "blocks" are whole layers: one width each
             n_layers = len(self.layers)
             cost = np.stack([cost[block_layer == li].sum(0) for li in range(n_layers)])
-            damage = np.stack(
-                [self.profile.damage[block_layer == li].sum(0) for li in range(n_layers)]
-            )
+            damage = np.stack([damage[block_layer == li].sum(0) for li in range(n_layers)])
             self._norm_fit = _norm_estimator(self.profile, block_layer)
             self.planner = Planner(
                 cost,
@@ -70,7 +81,7 @@ class WidthAllocator:
         config = STATIC if policy.name == "static" else PlannerConfig.from_policy(policy)
         self.planner = Planner(
             cost,
-            self.profile.damage,
+            damage,
             m.min_bits,
             np.array([b.layer for b in pack.blocks]),
             np.array([b.expert for b in pack.blocks]),

@@ -64,8 +64,10 @@ class Engine:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         experts: str | None = None,
+        max_bits: int | None = None,
     ):
-        """`experts`: "store" or "paged" (None: paged on CUDA, store on the CPU)."""
+        """`experts`: "store" or "paged" (None: paged on CUDA, store on the CPU). `max_bits`:
+        the widest width served, below the pack's (None: the pack's); no plan goes past it."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise PwctlError("--device cuda: no CUDA device visible")
         experts = experts or ("paged" if device.startswith("cuda") else "store")
@@ -75,6 +77,9 @@ class Engine:
         self.device = device
         self.dtype = dtype
         self.model, self.store = load_model(pack, device, dtype)
+        self.max_bits = max_bits
+        if max_bits is not None:
+            self.store.limit(max_bits)
         self.paged = self._install_paged() if experts == "paged" else None
         self.batcher: Batcher | None = None
         self._tokenizer = None
@@ -89,7 +94,7 @@ class Engine:
         """Build the paged backend (pool for the widest widths), load the store's widths and
         hand it to every MoE block."""
         try:
-            paged = PagedExperts(self.pack, self.device)
+            paged = PagedExperts(self.pack, self.device, max_bits=self.store.max_bits)
         except ValueError as e:  # e.g. an activation the fused MoE does not implement
             raise PwctlError(
                 f"{self.pack.path}: the paged experts cannot run this pack ({e})"
@@ -139,7 +144,7 @@ class Engine:
             if key not in self._allocators:
                 # the paged backend counts whole slabs, as its memory budget does
                 cost = None if self.paged is None else self.paged.table.cost_at
-                self._allocators[key] = WidthAllocator(self.pack, policy, cost)
+                self._allocators[key] = WidthAllocator(self.pack, policy, cost, self.store.max_bits)
             self.allocator = self._allocators[key]
             self.store.widths[:] = self.allocator.widths(headroom)
 
@@ -292,11 +297,11 @@ class Engine:
         return weights + work
 
     def widest_plane_bytes(self) -> int:
-        """Every block at its widest width (whole slabs on the paged backend)."""
+        """Every block at the widest width served (whole slabs on the paged backend)."""
+        top = self.store.max_bits
         if self.paged is not None:
-            return self.paged.widest_bytes(self.paged.table)
-        m = self.pack.manifest
-        return sum(b.bytes_at(m.max_bits) for b in self.pack.blocks)
+            return self.paged.widest_bytes(self.paged.table, top)
+        return sum(b.bytes_at(top) for b in self.pack.blocks)
 
     def _batching(self) -> Batcher:
         if self.batcher is None:

@@ -42,6 +42,17 @@ class ExpertStore:
         for index, w in weights.items():
             self._cache[(index, code)] = w.to(self.device, self.dtype)
 
+    def limit(self, max_bits: int) -> None:
+        """Serve no block wider than `max_bits` (a serving-time cap below the pack's parent width:
+        narrower blocks decode faster on the GPU). Every block starts at the cap."""
+        m = self.pack.manifest
+        if not m.min_bits <= max_bits <= m.max_bits:
+            raise PwctlError(
+                f"--max-bits {max_bits}: this pack holds widths {m.min_bits}..{m.max_bits}"
+            )
+        self.max_bits = max_bits
+        self.widths[:] = max_bits
+
     def has_variant(self, policy: Policy) -> bool:
         """Whether `policy` names a registered variant (weights outside the pack's planes)."""
         return policy.name in self._variants
@@ -54,8 +65,10 @@ class ExpertStore:
             self.widths[:] = FP16_WIDTH
         elif policy.name == "uniform":
             if not self.min_bits <= policy.bits <= self.max_bits:
+                served = "holds" if self.max_bits == self.pack.manifest.max_bits else "serves"
                 raise PwctlError(
-                    f"policy {policy}: this pack holds widths {self.min_bits}..{self.max_bits}"
+                    f"policy {policy}: this pack {served} widths {self.min_bits}..{self.max_bits}"
+                    + ("" if served == "holds" else " (--max-bits)")
                 )
             self.widths[:] = policy.bits
         else:

@@ -25,14 +25,21 @@ from pwctl.runtime.pager import Commit, CpuBackend, CudaBackend, Pager
 
 
 class PagedExperts:
-    def __init__(self, pack: Pack, device: str = "cpu", budget_bytes: int | None = None):
-        """`budget_bytes`: the slab pool; default: every block at its widest width (in whole
-        slabs), so any plan fits and no promotion ever waits for slabs."""
+    def __init__(
+        self,
+        pack: Pack,
+        device: str = "cpu",
+        budget_bytes: int | None = None,
+        max_bits: int | None = None,
+    ):
+        """`budget_bytes`: the slab pool; default: every block at `max_bits` (the widest width
+        served; None: the pack's) in whole slabs, so any plan up to it fits and no promotion
+        ever waits for slabs."""
         self.pack, self.device = pack, device
         probe = PageTable.from_pack(pack, 0)  # the slab size and per-width costs only
         self.slab_bytes = probe.slab_bytes
         if budget_bytes is None:
-            budget_bytes = self.widest_bytes(probe)
+            budget_bytes = self.widest_bytes(probe, max_bits)
         self.table = PageTable.from_pack(pack, budget_bytes, probe.slab_bytes)
         if device.startswith("cuda"):
             self.backend: CpuBackend | CudaBackend = CudaBackend.from_pack(
@@ -44,9 +51,9 @@ class PagedExperts:
         self.moved_bytes = 0  # host -> device bytes of every promotion submitted so far
 
     @staticmethod
-    def widest_bytes(table: PageTable) -> int:
-        """Device bytes of every block at its widest width, in whole slabs."""
-        return int(table.cost_at[:, table.max_bits].sum())
+    def widest_bytes(table: PageTable, max_bits: int | None = None) -> int:
+        """Device bytes of every block at `max_bits` (None: the pack's widest), in whole slabs."""
+        return int(table.cost_at[:, table.max_bits if max_bits is None else max_bits].sum())
 
     def _attach(self) -> None:
         """Pager, device table and fused MoE over the current page table and backend."""
