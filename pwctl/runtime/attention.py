@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from pwctl.runtime.kv_cache import KVCache
+from pwctl.runtime.kv_cache import KVCache, KVRows
 
 ATTN_NAME = "pwctl_paged"
 
@@ -39,31 +39,48 @@ class SeqSpan:
 @dataclass
 class DecodeGroup:
     """The one-query spans of a step, padded together: query rows [S], cache rows [S, L] (padding
-    points at row 0 and is masked out) and the mask [S, 1, 1, L] (True: attend)."""
+    points at row 0 and is masked out; `cached`: the same rows located, flat) and the mask
+    [S, 1, 1, L] (True: attend)."""
 
     rows: torch.Tensor
     slots: torch.Tensor
+    cached: KVRows
     mask: torch.Tensor
 
 
 @dataclass
 class PagedBatch:
-    """What every attention layer of one step needs (built once per step)."""
+    """What every attention layer of one step needs (built once per step; cache rows are
+    located on the first layer and reused by the rest)."""
 
     kv: KVCache
     slots: torch.Tensor  # [T] cache row of each packed token
     spans: list[SeqSpan]
     _decode: dict[int | None, DecodeGroup | None] = field(default_factory=dict)
+    _located: dict[int, KVRows] = field(default_factory=dict)  # -1: the step's tokens; i: span i
 
     def decode_group(self, window: int | None) -> DecodeGroup | None:
-        """The step's decode spans batched (built on the first layer, reused by the rest);
-        None when fewer than two spans decode."""
+        """The step's decode spans batched; None when fewer than two spans decode."""
         if window not in self._decode:
-            self._decode[window] = _decode_group(self.spans, window, self.slots.device)
+            self._decode[window] = _decode_group(self.kv, self.spans, window, self.slots.device)
         return self._decode[window]
 
+    def new_rows(self) -> KVRows:
+        """Where this step's keys and values go."""
+        if -1 not in self._located:
+            self._located[-1] = self.kv.locate(self.slots)
+        return self._located[-1]
 
-def _decode_group(spans: list[SeqSpan], window: int | None, device) -> DecodeGroup | None:
+    def span_rows(self, i: int) -> KVRows:
+        """The cache rows span `i` attends to."""
+        if i not in self._located:
+            self._located[i] = self.kv.locate(self.spans[i].kv_slots)
+        return self._located[i]
+
+
+def _decode_group(
+    kv: KVCache, spans: list[SeqSpan], window: int | None, device
+) -> DecodeGroup | None:
     ones = [s for s in spans if s.q_stop - s.q_start == 1]
     if len(ones) < 2:
         return None
@@ -75,8 +92,8 @@ def _decode_group(spans: list[SeqSpan], window: int | None, device) -> DecodeGro
     mask = pos < lengths[:, None]
     if window is not None:  # the query sits at position length - 1
         mask &= pos > lengths[:, None] - 1 - window
-    rows = torch.tensor([s.q_start for s in ones])
-    return DecodeGroup(rows.to(device), slots.to(device), mask[:, None, None, :].to(device))
+    rows, slots = torch.tensor([s.q_start for s in ones]).to(device), slots.to(device)
+    return DecodeGroup(rows, slots, kv.locate(slots.reshape(-1)), mask[:, None, None, :].to(device))
 
 
 def _mask(span: SeqSpan, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -108,24 +125,24 @@ def paged_attention(
         raise RuntimeError(f"{ATTN_NAME} attention runs only inside Engine.step")
     batch, layer = pwctl_batch, module.layer_idx
     kv = batch.kv
-    kv.write(layer, batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    kv.write(layer, batch.new_rows(), key[0].transpose(0, 1), value[0].transpose(0, 1))
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
     groups = query.shape[1] // key.shape[1]
     out = torch.empty_like(query[0].transpose(0, 1))  # [T, q_heads, D]
     group = batch.decode_group(window)
     if group is not None:
         out[group.rows] = _attend_decode(query, kv, layer, group, groups, scaling)
-    for span in batch.spans:
+    for i, span in enumerate(batch.spans):
         if group is not None and span.q_stop - span.q_start == 1:
             continue
         q = query[0, :, span.q_start : span.q_stop]
-        k, v = kv.read(layer, span.kv_slots)
+        k, v = kv.read(layer, batch.span_rows(i))
         k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
         mask = _mask(span, window, q.device)
         causal = mask is None and q.shape[1] > 1
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scaling)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=groups > 1
+        )
         out[span.q_start : span.q_stop] = o.transpose(0, 1)
     return out.unsqueeze(0), None
 
@@ -135,13 +152,13 @@ def _attend_decode(
 ) -> torch.Tensor:
     """[S, q_heads, D] outputs of the decode spans: one gather, one masked SDPA."""
     S, L = group.slots.shape
-    k, v = kv.read(layer, group.slots.reshape(-1))
+    k, v = kv.read(layer, group.cached)
     q = query[0][:, group.rows].transpose(0, 1)[:, :, None]  # [S, q_heads, 1, D]
     k = k.view(S, L, *k.shape[1:]).transpose(1, 2).to(q.dtype)  # [S, kv_heads, L, D]
     v = v.view(S, L, *v.shape[1:]).transpose(1, 2).to(q.dtype)
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=groups > 1
+    )
     return o[:, :, 0]
 
 

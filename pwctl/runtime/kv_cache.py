@@ -105,6 +105,18 @@ class SlabSource(Protocol):
     def drain(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class KVRows:
+    """Cache rows of some tokens, located for every layer at once (`KVCache.locate`): `slots`
+    [T]; on arena storage also `units` [2 * n_layers, T, units a row], the arena units of layer
+    l's keys at 2l and its values at 2l + 1. A step locates its rows once and every layer
+    indexes them: the address arithmetic is ~8 small GPU ops, which per layer, per keys and
+    values and per read and write made most of an eager decode step's launches."""
+
+    slots: torch.Tensor
+    units: torch.Tensor | None = None
+
+
 def _unit_bytes(row_bytes: int, slab_bytes: int) -> int:
     """The largest power of two dividing `row_bytes`, at most a slab."""
     return min(row_bytes & -row_bytes, slab_bytes)
@@ -250,39 +262,44 @@ class KVCache:
         pos = torch.arange(start, stop, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def write(
-        self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> None:
-        """Keys and values [T, kv_heads, head_dim] of `layer` into `slots`."""
+    def locate(self, slots: torch.Tensor) -> KVRows:
+        """Rows `slots` (cache rows, e.g. from `slots()`) for every layer: valid while no block
+        of theirs changes hands (within one step)."""
         if self.slabs is None:
-            self.k[layer][slots] = key.to(self.k[layer].dtype)
-            self.v[layer][slots] = value.to(self.v[layer].dtype)
+            return KVRows(slots)
+        slots = slots.to(self.block_slabs.device)
+        block, s = slots // self.block_size, slots % self.block_size
+        layers = torch.arange(2 * self.layout.n_layers, device=slots.device)
+        row = layers[:, None] * self.block_size + s[None, :]  # [2 * layers, T]
+        unit = row[..., None] * self._upr + self._j  # [2 * layers, T, units a row]
+        slab = self.block_slabs[block[None, :, None], unit // self._ups]
+        return KVRows(slots, slab * self._ups + unit % self._ups)
+
+    def write(
+        self, layer: int, rows: KVRows | torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Keys and values [T, kv_heads, head_dim] of `layer` into `rows` (located, or slots)."""
+        rows = rows if isinstance(rows, KVRows) else self.locate(rows)
+        if rows.units is None:
+            self.k[layer][rows.slots] = key.to(self.k[layer].dtype)
+            self.v[layer][rows.slots] = value.to(self.v[layer].dtype)
             return
         arena = self._units()
         for kv, x in ((0, key), (1, value)):
             units = x.to(arena.dtype).reshape(-1, self._upr, self._unit_elems)
-            arena[self._addr(layer, kv, slots)] = units
+            arena[rows.units[2 * layer + kv]] = units
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [L, kv_heads, head_dim] of `layer` at `slots`."""
-        if self.slabs is None:
-            return self.k[layer][slots], self.v[layer][slots]
+    def read(self, layer: int, rows: KVRows | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [L, kv_heads, head_dim] of `layer` at `rows` (located, or slots)."""
+        rows = rows if isinstance(rows, KVRows) else self.locate(rows)
+        if rows.units is None:
+            return self.k[layer][rows.slots], self.v[layer][rows.slots]
         lay, arena = self.layout, self._units()
         return tuple(  # type: ignore[return-value]
-            arena[self._addr(layer, kv, slots)].view(-1, lay.kv_heads, lay.head_dim)
-            for kv in (0, 1)
+            arena[rows.units[2 * layer + kv]].view(-1, lay.kv_heads, lay.head_dim) for kv in (0, 1)
         )
 
     def _units(self) -> torch.Tensor:
         """The arena as [units, unit elements] of the cache's dtype (a view, taken per call:
         the cache keeps no reference to an arena its source may replace)."""
         return self.slabs.arena.view(-1).view(self.layout.dtype).view(-1, self._unit_elems)
-
-    def _addr(self, layer: int, kv: int, slots: torch.Tensor) -> torch.Tensor:
-        """[T, units per row] arena units of `layer`'s keys (kv 0) or values (1) at `slots`."""
-        slots = slots.to(self.block_slabs.device)
-        block, s = slots // self.block_size, slots % self.block_size
-        row = (2 * layer + kv) * self.block_size + s
-        unit = row[:, None] * self._upr + self._j[None, :]
-        slab = self.block_slabs[block[:, None], unit // self._ups]
-        return slab * self._ups + unit % self._ups
