@@ -212,7 +212,9 @@ def _run_one(
         torch.cuda.reset_peak_memory_stats()
     timeline = _Timeline(batcher, engine.device)
     seqs = _closed_loop(batcher, timeline, prompts, params, load)
-    label = str(policy) if engine.max_bits is None else f"{policy} max-bits {engine.max_bits}"
+    top = engine.store.max_bits  # a cap below the pack's widest width names the row
+    capped = top < engine.pack.manifest.max_bits and policy.name != "fp16"
+    label = f"{policy} max-bits {top}" if capped else str(policy)
     return _result(label, mode, load, spec, seqs, timeline, before, batcher.metrics())
 
 

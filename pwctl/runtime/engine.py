@@ -77,7 +77,6 @@ class Engine:
         self.device = device
         self.dtype = dtype
         self.model, self.store = load_model(pack, device, dtype)
-        self.max_bits = max_bits
         if max_bits is not None:
             self.store.limit(max_bits)
         self.paged = self._install_paged() if experts == "paged" else None

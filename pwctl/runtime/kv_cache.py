@@ -5,7 +5,8 @@ Block ids run 0..capacity-1, `capacity` being the most blocks the memory budget 
 the KV cache; `limit` is how many of them may be in use now (the memory budget moves it as the
 planner frees or takes back plane bytes). Token `t` of a sequence sits at slot
 `table[t // block_size] * block_size + t % block_size`; `write` / `read` move the keys and
-values of one layer at given slots. Two storages:
+values of one layer at given rows (`locate` finds a step's rows for every layer at once).
+Two storages:
 
 - own tensors (the store backend): `k[l]`, `v[l]` of shape [capacity * block_size, kv_heads,
   head_dim], allocated once;
@@ -110,8 +111,8 @@ class KVRows:
     """Cache rows of some tokens, located for every layer at once (`KVCache.locate`): `slots`
     [T]; on arena storage also `units` [2 * n_layers, T, units a row], the arena units of layer
     l's keys at 2l and its values at 2l + 1. A step locates its rows once and every layer
-    indexes them: the address arithmetic is ~8 small GPU ops, which per layer, per keys and
-    values and per read and write made most of an eager decode step's launches."""
+    indexes them: the address arithmetic is ~8 small GPU ops, which redone per layer, for keys
+    and values, on every read and write were a quarter of an eager decode step's GPU ops."""
 
     slots: torch.Tensor
     units: torch.Tensor | None = None

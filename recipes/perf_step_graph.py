@@ -1,0 +1,73 @@
+"""What a decode step in a CUDA graph would take (a probe for docs/PERF.md, nothing of it is in
+the engine): one sequence is prefilled and decoded eagerly on the serving engine, then the model
+forward of one more decode step (its token, position, cache rows and MoE calls fixed) is timed
+eagerly (synced each call) and replayed from a CUDA graph. The replay is the GPU's time alone.
+Usage (GPU machine): python3 recipes/perf_step_graph.py PACK [POLICY] [--max-bits B]"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pwctl.bench.kernels import _event_time, capture_graph
+from pwctl.checkpoint import EVAL_SAMPLE
+from pwctl.policy import parse_policy
+from pwctl.runtime.attention import ATTN_NAME
+from pwctl.runtime.batcher import BatchConfig
+from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
+from pwctl.runtime.runner import attention_implementation
+from pwctl.runtime.scheduler import SamplingParams
+from pwctl.text import read_texts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("pack")
+    ap.add_argument("policy", nargs="?", default="uniform:4")
+    ap.add_argument("--max-bits", type=int)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    a = ap.parse_args()
+    policy = parse_policy(a.policy)
+    engine = Engine(
+        open_pack(a.pack), "cuda", serving_dtype("cuda"), experts_for(policy, "cuda"), a.max_bits
+    )
+    batcher = engine.start_batching(policy, None, BatchConfig(max_seqs=1))
+    ids = engine.tokenizer(read_texts([EVAL_SAMPLE])[:20000]).input_ids[: a.prompt_len]
+    engine.add_request(ids, SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    batch = batcher.scheduler.schedule()  # the next decode step, run by hand below
+    runner = batcher.runner
+    inputs, pos, paged = runner.inputs(batch)
+    keep = torch.tensor([inputs.shape[1] - 1], device="cuda")
+
+    def forward() -> torch.Tensor:
+        with attention_implementation(engine.model, ATTN_NAME), torch.no_grad():
+            out = engine.model(
+                input_ids=inputs, position_ids=pos, use_cache=False,
+                logits_to_keep=keep, pwctl_batch=paged,
+            )  # fmt: skip
+        return out.logits
+
+    eager = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        forward()
+        torch.cuda.synchronize()
+        eager.append(time.perf_counter() - t0)
+    eager.sort()
+    print(f"{a.policy}: eager forward of one decode step {eager[10] * 1e3:.2f} ms (median of 20)")
+    try:
+        graph = capture_graph(forward)
+    except Exception as e:  # a sync or a host read inside the forward: say which
+        print(f"capture failed: {type(e).__name__}: {e}")
+        return
+    replay = _event_time(graph.replay, 50)
+    print(f"{a.policy}: the same step replayed from a CUDA graph {replay * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
