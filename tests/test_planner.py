@@ -291,12 +291,30 @@ def test_plan_reports_decisions():
     assert len(q.order) >= 2
 
 
+def test_promote_with_every_block_at_its_widest_moves_nothing():
+    # serving with memory to spare calls fit every step with every block already at the top
+    cost, damage = instance(3, 50, 7)
+    planner = Planner(cost, damage, 2, config=PLAIN)
+    full = int(cost[:, -1].sum())
+    planner.plan(2 * full)
+    for _ in range(3):
+        planner.tick()
+        p = planner.fit(2 * full)
+        assert (p.widths == 8).all() and p.order.size == 0 and p.bytes_added == 0
+        assert p.damage == 0 and p.damage_delta == 0
+    planner.free(full // 3)  # below the top again: promotion takes the spare bytes back
+    for _ in range(PLAIN.cooldown):
+        planner.tick()
+    assert planner.fit(2 * full).bytes_added > 0
+
+
 def test_planner_bench_runs():
     from pwctl.bench.planner import run_planner_bench
 
     r = run_planner_bench(repeats=3)
     assert r["blocks"] == 48 * 128 * 3 and r["widths"] == "2..8"
     assert 0 < r["full_replan_ms"] < 1000 and 0 < r["incremental_ms"] < 1000
+    assert 0 < r["at_top_ms"] < 1000
 
 
 @settings(max_examples=25, deadline=None)

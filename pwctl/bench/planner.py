@@ -65,7 +65,9 @@ def run_planner_bench(repeats: int = 200, seed: int = 0) -> dict:
       per-block factors leave the cached hulls standing;
     - cold re-plan: the same with a per-(block, width) residual, so every hull is rebuilt;
     - incremental: one step's router counts, then free or promote the 8 MB the KV cache took
-      or gave back."""
+      or gave back;
+    - at the top: one step's router counts, then the serving engine's promotion into spare
+      memory with every block already at its widest (no pressure, or a --max-bits cap)."""
     table = synthetic_table()
     damage = synthetic_damage(table, seed)
     planner = Planner.from_table(table, damage, PlannerConfig())
@@ -96,11 +98,22 @@ def run_planner_bench(repeats: int = 200, seed: int = 0) -> dict:
         planner.observe(step_counts[planner.step % len(step_counts)])
         planner.fit(budget - (8 << 20) * i[0])  # the KV cache takes 8 MB, then gives it back
 
+    widest = int(table.cost_at[:, table.max_bits].sum())
+
+    def at_top() -> None:
+        planner.tick()
+        planner.observe(step_counts[planner.step % len(step_counts)])
+        planner.fit(2 * widest)
+
     out = {"blocks": n, "widths": f"{table.min_bits}..{table.max_bits}"}
-    for name, fn in (("full_replan", full), ("cold_replan", cold), ("incremental", incremental)):
+    cases = (("full_replan", full), ("cold_replan", cold), ("incremental", incremental),
+             ("at_top", at_top))  # fmt: skip
+    for name, fn in cases:
         if name == "incremental":
             planner.set_residual(layer_factor[0][table.layer])
             planner.plan(budget)
+        if name == "at_top":
+            planner.plan(2 * widest)
         fn()
         med, p90 = _median_ms(fn, repeats)
         out[f"{name}_ms"], out[f"{name}_p90_ms"] = round(med, 3), round(p90, 3)

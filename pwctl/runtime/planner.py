@@ -316,6 +316,8 @@ class Planner:
         if self._frozen():
             return self._idle()
         self._planned = True
+        if (self.k == self.K - 1).all():  # every block at its widest (or the cap): nothing to
+            return self._idle()  # do, and serving with memory to spare asks this every step
         cfg, old = self.cfg, self.k.copy()
         spare = int(spare_bytes) - self._raise_floors()
         added, value, ok = self._segments(up=True)
