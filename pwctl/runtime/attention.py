@@ -38,26 +38,30 @@ class SeqSpan:
 
 @dataclass
 class DecodeGroup:
-    """The one-query spans of a step, padded together: query rows [S], cache rows [S, L] (padding
-    points at row 0 and is masked out; `cached`: the same rows located, flat) and the mask
-    [S, 1, 1, L] (True: attend)."""
+    """The one-query spans of a step, padded together: query rows [S], their cache rows located
+    (`KVCache.locate` of [S, L] rows, flat; padding points at row 0 and is masked out) and the
+    mask [S, 1, 1, L] (True: attend)."""
 
     rows: torch.Tensor
-    slots: torch.Tensor
     cached: KVRows
     mask: torch.Tensor
 
 
 @dataclass
 class PagedBatch:
-    """What every attention layer of one step needs (built once per step; cache rows are
-    located on the first layer and reused by the rest)."""
+    """What every attention layer of one step needs (built once per step): the cache rows of
+    the step's tokens located for every layer at once, and those the spans attend to located on
+    the first layer that reads them, reused by the rest."""
 
     kv: KVCache
     slots: torch.Tensor  # [T] cache row of each packed token
     spans: list[SeqSpan]
+    new: KVRows = field(init=False)  # where every layer writes this step's keys and values
     _decode: dict[int | None, DecodeGroup | None] = field(default_factory=dict)
-    _located: dict[int, KVRows] = field(default_factory=dict)  # -1: the step's tokens; i: span i
+    _span_rows: dict[int, KVRows] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.new = self.kv.locate(self.slots)
 
     def decode_group(self, window: int | None) -> DecodeGroup | None:
         """The step's decode spans batched; None when fewer than two spans decode."""
@@ -65,17 +69,11 @@ class PagedBatch:
             self._decode[window] = _decode_group(self.kv, self.spans, window, self.slots.device)
         return self._decode[window]
 
-    def new_rows(self) -> KVRows:
-        """Where this step's keys and values go."""
-        if -1 not in self._located:
-            self._located[-1] = self.kv.locate(self.slots)
-        return self._located[-1]
-
     def span_rows(self, i: int) -> KVRows:
         """The cache rows span `i` attends to."""
-        if i not in self._located:
-            self._located[i] = self.kv.locate(self.spans[i].kv_slots)
-        return self._located[i]
+        if i not in self._span_rows:
+            self._span_rows[i] = self.kv.locate(self.spans[i].kv_slots)
+        return self._span_rows[i]
 
 
 def _decode_group(
@@ -92,8 +90,9 @@ def _decode_group(
     mask = pos < lengths[:, None]
     if window is not None:  # the query sits at position length - 1
         mask &= pos > lengths[:, None] - 1 - window
-    rows, slots = torch.tensor([s.q_start for s in ones]).to(device), slots.to(device)
-    return DecodeGroup(rows, slots, kv.locate(slots.reshape(-1)), mask[:, None, None, :].to(device))
+    rows = torch.tensor([s.q_start for s in ones]).to(device)
+    cached = kv.locate(slots.to(device).reshape(-1))
+    return DecodeGroup(rows, cached, mask[:, None, None, :].to(device))
 
 
 def _mask(span: SeqSpan, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -125,7 +124,7 @@ def paged_attention(
         raise RuntimeError(f"{ATTN_NAME} attention runs only inside Engine.step")
     batch, layer = pwctl_batch, module.layer_idx
     kv = batch.kv
-    kv.write(layer, batch.new_rows(), key[0].transpose(0, 1), value[0].transpose(0, 1))
+    kv.write(layer, batch.new, key[0].transpose(0, 1), value[0].transpose(0, 1))
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
     groups = query.shape[1] // key.shape[1]
     out = torch.empty_like(query[0].transpose(0, 1))  # [T, q_heads, D]
@@ -151,7 +150,7 @@ def _attend_decode(
     query: torch.Tensor, kv: KVCache, layer: int, group: DecodeGroup, groups: int, scaling
 ) -> torch.Tensor:
     """[S, q_heads, D] outputs of the decode spans: one gather, one masked SDPA."""
-    S, L = group.slots.shape
+    S, L = group.mask.shape[0], group.mask.shape[-1]
     k, v = kv.read(layer, group.cached)
     q = query[0][:, group.rows].transpose(0, 1)[:, :, None]  # [S, q_heads, 1, D]
     k = k.view(S, L, *k.shape[1:]).transpose(1, 2).to(q.dtype)  # [S, kv_heads, L, D]
