@@ -10,16 +10,11 @@ import argparse
 import time
 
 import torch
+from profile_engine_step import decoding_engine
 
 from pwctl.bench.kernels import _event_time, capture_graph
-from pwctl.checkpoint import EVAL_SAMPLE
-from pwctl.policy import parse_policy
 from pwctl.runtime.attention import ATTN_NAME
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
 from pwctl.runtime.runner import attention_implementation
-from pwctl.runtime.scheduler import SamplingParams
-from pwctl.text import read_texts
 
 
 def main() -> None:
@@ -29,13 +24,8 @@ def main() -> None:
     ap.add_argument("--max-bits", type=int)
     ap.add_argument("--prompt-len", type=int, default=256)
     a = ap.parse_args()
-    policy = parse_policy(a.policy)
-    engine = Engine(
-        open_pack(a.pack), "cuda", serving_dtype("cuda"), experts_for(policy, "cuda"), a.max_bits
-    )
-    batcher = engine.start_batching(policy, None, BatchConfig(max_seqs=1))
-    ids = engine.tokenizer(read_texts([EVAL_SAMPLE])[:20000]).input_ids[: a.prompt_len]
-    engine.add_request(ids, SamplingParams(max_tokens=64, ignore_eos=True))
+    engine = decoding_engine(a.pack, a.policy, "cuda", a.max_bits, a.prompt_len, 64)
+    batcher = engine.batcher
     for _ in range(8):
         engine.step()
     batch = batcher.scheduler.schedule()  # the next decode step, run by hand below

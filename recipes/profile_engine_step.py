@@ -13,18 +13,32 @@ import time
 
 import torch
 
+from pwctl.bench.throughput import prompt_windows
 from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.policy import parse_policy
 from pwctl.runtime.batcher import BatchConfig
 from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
 from pwctl.runtime.scheduler import SamplingParams
-from pwctl.text import read_texts
 
 
 def synced(device: str) -> float:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def decoding_engine(
+    pack: str, policy_text: str, device: str, max_bits: int | None, prompt_len: int, tokens: int
+) -> Engine:
+    """The serving engine of `pack` at `policy_text` with one sequence queued: a `prompt_len`-
+    token window of the bundled eval text that will decode `tokens` tokens."""
+    policy = parse_policy(policy_text)
+    experts = experts_for(policy, device)
+    engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
+    engine.start_batching(policy, None, BatchConfig(max_seqs=1))
+    (ids,) = prompt_windows(engine.tokenizer, EVAL_SAMPLE, 1, prompt_len)
+    engine.add_request(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return engine
 
 
 def main() -> None:
@@ -36,12 +50,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt-len", type=int, default=256)
     a = ap.parse_args()
-    policy = parse_policy(a.policy)
-    experts = experts_for(policy, a.device)
-    engine = Engine(open_pack(a.pack), a.device, serving_dtype(a.device), experts, a.max_bits)
-    engine.start_batching(policy, None, BatchConfig(max_seqs=1))
-    ids = engine.tokenizer(read_texts([EVAL_SAMPLE])[:20000]).input_ids[: a.prompt_len]
-    engine.add_request(ids, SamplingParams(max_tokens=4 * a.steps + 8, ignore_eos=True))
+    engine = decoding_engine(a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8)
     for _ in range(a.steps):  # prefill, then warm decode steps
         engine.step()
     t = []

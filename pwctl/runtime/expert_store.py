@@ -65,10 +65,10 @@ class ExpertStore:
             self.widths[:] = FP16_WIDTH
         elif policy.name == "uniform":
             if not self.min_bits <= policy.bits <= self.max_bits:
-                served = "holds" if self.max_bits == self.pack.manifest.max_bits else "serves"
+                capped = self.max_bits < self.pack.manifest.max_bits
                 raise PwctlError(
-                    f"policy {policy}: this pack {served} widths {self.min_bits}..{self.max_bits}"
-                    + ("" if served == "holds" else " (--max-bits)")
+                    f"policy {policy}: this pack {'serves' if capped else 'holds'} widths "
+                    f"{self.min_bits}..{self.max_bits}{' (--max-bits)' if capped else ''}"
                 )
             self.widths[:] = policy.bits
         else:
