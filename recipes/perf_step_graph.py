@@ -13,8 +13,7 @@ import torch
 from profile_engine_step import decoding_engine
 
 from pwctl.bench.kernels import _event_time, capture_graph
-from pwctl.runtime.attention import ATTN_NAME
-from pwctl.runtime.runner import attention_implementation
+from pwctl.runtime.attention import ATTN_NAME, attention_implementation
 
 
 def main() -> None:

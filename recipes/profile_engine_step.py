@@ -1,8 +1,9 @@
 """Where one decode step of the serving engine goes: wall time a step (one sequence, GPU synced
 after each step), the GPU's busy time in the same steps (torch.profiler, kernel time summed), and
-cProfile's top functions. The engine steps eagerly, so wall time past the GPU's is host time.
-Usage (GPU machine; any pack, e.g. the bundled one after `pwctl convert tiny-mixtral PACK`):
-  python3 recipes/profile_engine_step.py PACK POLICY [STEPS] [--max-bits B] [--device cuda]"""
+cProfile's top functions. Wall time past the GPU's is host time (decode steps replay CUDA graphs
+unless --eager). Usage (GPU machine; any pack, e.g. `pwctl convert tiny-mixtral PACK`):
+  python3 recipes/profile_engine_step.py PACK POLICY [STEPS] [--max-bits B] [--device D] [--eager]
+"""
 
 from __future__ import annotations
 
@@ -28,14 +29,15 @@ def synced(device: str) -> float:
 
 
 def decoding_engine(
-    pack: str, policy_text: str, device: str, max_bits: int | None, prompt_len: int, tokens: int
-) -> Engine:
+    pack: str, policy_text: str, device: str, max_bits: int | None, prompt_len: int, tokens: int,
+    cuda_graphs: bool = True,
+) -> Engine:  # fmt: skip
     """The serving engine of `pack` at `policy_text` with one sequence queued: a `prompt_len`-
     token window of the bundled eval text that will decode `tokens` tokens."""
     policy = parse_policy(policy_text)
     experts = experts_for(policy, device)
     engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
-    engine.start_batching(policy, None, BatchConfig(max_seqs=1))
+    engine.start_batching(policy, None, BatchConfig(max_seqs=1, cuda_graphs=cuda_graphs))
     (ids,) = prompt_windows(engine.tokenizer, EVAL_SAMPLE, 1, prompt_len)
     engine.add_request(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
     return engine
@@ -49,8 +51,11 @@ def main() -> None:
     ap.add_argument("--max-bits", type=int)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     a = ap.parse_args()
-    engine = decoding_engine(a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8)
+    engine = decoding_engine(
+        a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8, not a.eager
+    )
     for _ in range(a.steps):  # prefill, then warm decode steps
         engine.step()
     t = []
@@ -59,6 +64,8 @@ def main() -> None:
         engine.step()
         t.append(synced(a.device) - t0)
     t.sort()
+    graphs = engine.batcher.runner.graphs
+    print("decode graphs:", "off (eager)" if graphs is None else graphs.stats())
     print(f"{a.policy} max-bits {a.max_bits}: decode step wall ms median {t[len(t) // 2] * 1e3:.2f}"
           f" min {t[0] * 1e3:.2f} max {t[-1] * 1e3:.2f} over {a.steps}")  # fmt: skip
     if a.device.startswith("cuda"):

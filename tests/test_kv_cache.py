@@ -108,31 +108,46 @@ def test_arena_blocks_hold_what_own_tensors_hold(layout):
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_batched_decode_attention_equals_one_span_at_a_time(window):
-    """Decode spans attended together (padded, masked) give what one SDPA per span gives."""
+    """Decode spans attended together (padded, masked; packed rows or the fixed-shape
+    `DecodeBatch` a CUDA graph reads) give what one SDPA per span gives. Unwritten cache rows
+    hold NaN (as a slab that held planes may): padding must not read them."""
     from types import SimpleNamespace
 
-    from pwctl.runtime.attention import PagedBatch, SeqSpan, paged_attention
+    from pwctl.runtime.attention import DecodeBatch, PagedBatch, SeqSpan, paged_attention
+    from pwctl.runtime.decode_graphs import cache_table
 
     layout = KVLayout(n_layers=1, kv_heads=2, head_dim=8)
-    kv = KVCache(layout, capacity=12, block_size=4)
+    kv = KVCache(layout, capacity=13, block_size=4)
+    kv.k[0].fill_(float("nan"))
+    kv.v[0].fill_(float("nan"))
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 1, 9, 3]  # cached tokens per sequence, the last one being this step's
-    spans, slots = [], []
+    spans, slots, blocks = [], [], []
     for i, n in enumerate(lengths):
-        rows = torch.arange(n) + 12 * i  # three 4-token blocks per sequence
+        rows = torch.arange(n) + 12 * i + 4  # three 4-token blocks per sequence; block 0 unused
         kv.write(0, rows[:-1], *(torch.randn(n - 1, 2, 8, generator=gen) for _ in range(2)))
         spans.append(SeqSpan(i, i + 1, n - 1, rows))
         slots.append(rows[-1:])
+        blocks.append(torch.arange(3) + 3 * i + 1)
     T = len(lengths)
     q = torch.randn(1, 4, T, 8, generator=gen)
     k, v = torch.randn(1, 2, T, 8, generator=gen), torch.randn(1, 2, T, 8, generator=gen)
     module = SimpleNamespace(layer_idx=0)
-    batched = PagedBatch(kv, torch.cat(slots), spans)
-    got, _ = paged_attention(module, q, k, v, None, 0.3, sliding_window=window, pwctl_batch=batched)
+
+    def attend(batch):
+        out, _ = paged_attention(
+            module, q, k, v, None, 0.3, sliding_window=window, pwctl_batch=batch
+        )
+        return out
+
     one_by_one = PagedBatch(kv, torch.cat(slots), spans)
     one_by_one._decode[window] = None  # force the per-span path
-    want, _ = paged_attention(
-        module, q, k, v, None, 0.3, sliding_window=window, pwctl_batch=one_by_one
-    )
+    want = attend(one_by_one)
+    batched = PagedBatch(kv, torch.cat(slots), spans)
+    got = attend(batched)
     assert batched.decode_group(window) is not None  # the batched path ran
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    n = torch.tensor(lengths)
+    fixed = DecodeBatch(kv, torch.cat(slots), cache_table(torch.stack(blocks), n, 4), n)
+    torch.testing.assert_close(attend(fixed), want, rtol=1e-5, atol=1e-6)
+    assert not want.isnan().any()

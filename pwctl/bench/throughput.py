@@ -29,6 +29,7 @@ DEFAULT_POLICIES = ["fp16", "uniform:4"]
 # engine counters reported as their change over the measured run (warm-up excluded)
 DELTAS = ("width_demotions", "width_promotions", "width_demoted_bytes", "width_promoted_bytes",
           "preemptions", "steps", "aborted")  # fmt: skip
+GRAPH_COUNTS = ("decode_graph_captures", "decode_graph_replays")  # absent when eager
 ACCOUNTED = "engine accounting, fixed + planes + KV blocks in use"
 WARMUP_PROMPT = 16  # warm-up request: prompt tokens (at most) ...
 WARMUP_OUTPUT = 4  # ... and output tokens
@@ -47,6 +48,7 @@ class ThroughputSpec:
     max_batch_tokens: int = 256  # tokens per step (serve's default)
     memory_budget: str | None = None
     warmup: bool = True
+    cuda_graphs: bool = True  # decode steps from CUDA graphs (paged experts on CUDA)
 
     def validate(self) -> None:
         """Raise PwctlError on settings that can never run (before the model loads)."""
@@ -75,6 +77,7 @@ class ThroughputSpec:
             max_batch_tokens=self.max_batch_tokens,
             max_queue=max(64, n_requests),  # a batch is submitted whole: never QueueFull
             max_model_len=self.input_len + self.output_len,
+            cuda_graphs=self.cuda_graphs,
         )
 
 
@@ -110,6 +113,8 @@ class ThroughputResult:
     preemptions: int
     steps: int
     aborted: int
+    graph_captures: int = 0  # decode step graphs captured during the run (CUDA)
+    graph_replays: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,6 +220,8 @@ def _run_one(
     top = engine.store.max_bits  # a cap below the pack's widest width names the row
     capped = top < engine.pack.manifest.max_bits and policy.name != "fp16"
     label = f"{policy} max-bits {top}" if capped else str(policy)
+    if engine.device.startswith("cuda") and batcher.runner.graphs is None:
+        label += " eager"  # decode steps launched op by op, not replayed from graphs
     return _result(label, mode, load, spec, seqs, timeline, before, batcher.metrics())
 
 
@@ -281,6 +288,7 @@ def _result(
         delta["width_demotions"], delta["width_promotions"], delta["width_demoted_bytes"],
         delta["width_promoted_bytes"], delta["preemptions"], delta["steps"],
         sum(s.finish_reason == "abort" for s in seqs),
+        *(after.get(k, 0) - before.get(k, 0) for k in GRAPH_COUNTS),
     )  # fmt: skip
 
 

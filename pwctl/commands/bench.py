@@ -17,6 +17,7 @@ from pwctl.bench.ppl import run_ppl
 from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
 from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.commands.common import (
+    CudaGraphs,
     console,
     err_console,
     handles_errors,
@@ -72,6 +73,7 @@ def run(
         str | None, typer.Option(help="--throughput: planes + KV + workspace, as in serve")
     ] = None,
     warmup: Annotated[bool, typer.Option(help="--throughput: one short request first")] = True,
+    cuda_graphs: CudaGraphs = True,
     quantizer: Annotated[bool, typer.Option("--quantizer", help="nested vs RTN g128")] = False,
     planner: Annotated[bool, typer.Option("--planner", help="planner latency (CPU)")] = False,
     results: Annotated[
@@ -186,6 +188,7 @@ def run(
         spec = tp.ThroughputSpec(
             input_len, output_len, tuple(batch or (() if concurrency else (1, 4))),
             tuple(concurrency or ()), requests, max_seqs, max_batch_tokens, memory_budget, warmup,
+            cuda_graphs,
         )  # fmt: skip
         spec.validate()
         if pack is None:

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -15,6 +15,12 @@ from rich.table import Table
 
 from pwctl.errors import PwctlError
 from pwctl.pack import write_atomic
+
+# serve, generate and bench --throughput: how decode steps launch on CUDA
+CudaGraphs = Annotated[
+    bool,
+    typer.Option("--cuda-graphs/--eager", help="decode steps replayed from CUDA graphs (CUDA)"),
+]
 
 # piped output (logs, CI) gets room for the wide tables instead of rich's 80-column default
 console = Console(width=None if sys.stdout.isatty() else 120)

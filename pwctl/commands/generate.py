@@ -7,8 +7,9 @@ from typing import Annotated
 
 import typer
 
-from pwctl.commands.common import console, handles_errors, write_json
+from pwctl.commands.common import CudaGraphs, console, handles_errors, write_json
 from pwctl.policy import parse_policy
+from pwctl.runtime.batcher import BatchConfig
 from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
 from pwctl.runtime.scheduler import SamplingParams
 
@@ -26,6 +27,7 @@ def run(
         int | None,
         typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
     ] = None,
+    cuda_graphs: CudaGraphs = True,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
@@ -33,7 +35,7 @@ def run(
     pol = parse_policy(policy)
     experts = experts_for(pol, device)
     engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
-    engine.start_batching(pol, memory_budget)
+    engine.start_batching(pol, memory_budget, BatchConfig(cuda_graphs=cuda_graphs))
     ids = engine.tokenizer(prompt).input_ids
     (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))
     console.print(seq.text, highlight=False, markup=False)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pwctl.commands.common import console, handles_errors
+from pwctl.commands.common import CudaGraphs, console, handles_errors
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_budget, parse_policy
 from pwctl.runtime.batcher import BatchConfig
@@ -32,6 +32,7 @@ def run(
         int | None,
         typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
     ] = None,
+    cuda_graphs: CudaGraphs = True,
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
 ) -> None:
     """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -49,7 +50,9 @@ def run(
     if experts == "paged":
         console.print("loading; a first run on this machine compiles the CUDA kernels (~2 min)")
     engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
-    cfg = BatchConfig(max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len)
+    cfg = BatchConfig(
+        max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len, cuda_graphs=cuda_graphs
+    )
     batcher = engine.start_batching(pol, memory_budget, cfg)
     m = batcher.metrics()
     console.print(

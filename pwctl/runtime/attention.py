@@ -10,19 +10,37 @@ makes it skip mask creation, so masking (causal, sliding window, sequence bounda
 here. Decoding sequences (one query each) are attended together: one gather of their keys and
 values padded to the longest, one masked SDPA; sequences with several queries (prefill chunks)
 get one SDPA each. A paged attention kernel reading the same tables is the GPU step after this.
+
+Two forms of a step's metadata: `PagedBatch` (any step, built on the host from its spans) and
+`DecodeBatch` (a step whose every sequence decodes one token, in fixed-shape tensors computed
+on the device: what a CUDA graph of the step reads, runtime/decode_graphs.py).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import AttentionInterface
 
 from pwctl.runtime.kv_cache import KVCache, KVRows
 
 ATTN_NAME = "pwctl_paged"
+
+
+@contextmanager
+def attention_implementation(model: nn.Module, name: str):
+    """Switch the model's attention function for the duration (the reference path keeps sdpa)."""
+    config = model.config
+    old = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
 
 
 @dataclass
@@ -39,8 +57,8 @@ class SeqSpan:
 @dataclass
 class DecodeGroup:
     """The one-query spans of a step, padded together: query rows [S], their cache rows located
-    (`KVCache.locate` of [S, L] rows, flat; padding points at row 0 and is masked out) and the
-    mask [S, 1, 1, L] (True: attend)."""
+    (`KVCache.locate` of [S, L] rows, flat; padding repeats the row's first and is masked out)
+    and the mask [S, 1, 1, L] (True: attend)."""
 
     rows: torch.Tensor
     cached: KVRows
@@ -83,16 +101,51 @@ def _decode_group(
     if len(ones) < 2:
         return None
     lengths = torch.tensor([s.kv_slots.numel() for s in ones])
-    slots = torch.zeros(len(ones), int(lengths.max()), dtype=ones[0].kv_slots.dtype)
+    # padding repeats each row's first cache row: written, so finite (a free block's slab may
+    # hold plane bytes, and a NaN key or value there would leak through the mask into the sum)
+    slots = torch.stack([s.kv_slots[:1].cpu() for s in ones]).repeat(1, int(lengths.max()))
     for i, s in enumerate(ones):
         slots[i, : s.kv_slots.numel()] = s.kv_slots.cpu()
-    pos = torch.arange(slots.shape[1])[None, :]
-    mask = pos < lengths[:, None]
-    if window is not None:  # the query sits at position length - 1
-        mask &= pos > lengths[:, None] - 1 - window
     rows = torch.tensor([s.q_start for s in ones]).to(device)
     cached = kv.locate(slots.to(device).reshape(-1))
-    return DecodeGroup(rows, cached, mask[:, None, None, :].to(device))
+    return DecodeGroup(rows, cached, length_mask(lengths.to(device), slots.shape[1], window))
+
+
+def length_mask(lengths: torch.Tensor, L: int, window: int | None) -> torch.Tensor:
+    """[S, 1, 1, L] mask (True: attend) of S one-query rows over L cache rows, row i's query at
+    position lengths[i] - 1 (its cache rows 0..lengths[i]-1, the last `window` of them)."""
+    pos = torch.arange(L, device=lengths.device)[None, :]
+    mask = pos < lengths[:, None]
+    if window is not None:
+        mask &= pos > lengths[:, None] - 1 - window
+    return mask[:, None, None, :]
+
+
+@dataclass
+class DecodeBatch:
+    """A step whose every sequence decodes one token, in fixed-shape device tensors (a CUDA
+    graph's inputs: runtime/decode_graphs.py): row i writes its token's keys and values at
+    cache row `slots[i]` and attends to rows `table[i, :lengths[i]]` (past that, `table[i]`
+    repeats a row of its own, masked out). Every row is in one decode group, even a lone one."""
+
+    kv: KVCache
+    slots: torch.Tensor  # [S]
+    table: torch.Tensor  # [S, L]
+    lengths: torch.Tensor  # [S]
+    spans: list[SeqSpan] = field(default_factory=list)  # none: no row attends on its own
+    new: KVRows = field(init=False)
+    _decode: dict[int | None, DecodeGroup] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.new = self.kv.locate(self.slots)
+
+    def decode_group(self, window: int | None) -> DecodeGroup:
+        if window not in self._decode:
+            S, L = self.table.shape
+            rows = torch.arange(S, device=self.slots.device)
+            cached = self.kv.locate(self.table.reshape(-1))
+            self._decode[window] = DecodeGroup(rows, cached, length_mask(self.lengths, L, window))
+        return self._decode[window]
 
 
 def _mask(span: SeqSpan, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -117,7 +170,7 @@ def paged_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
-    pwctl_batch: PagedBatch | None = None,
+    pwctl_batch: PagedBatch | DecodeBatch | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     if pwctl_batch is None:

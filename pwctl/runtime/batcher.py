@@ -32,6 +32,7 @@ class BatchConfig:
     max_queue: int = 64  # waiting requests before add() raises QueueFull
     block_size: int = 16  # tokens per KV block
     max_model_len: int | None = None  # prompt + output; None: the model's context
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (paged experts on CUDA)
 
 
 @dataclass
@@ -239,4 +240,6 @@ class Batcher:
         }
         if mem.paged is not None:  # the one arena: slabs held by planes, KV blocks, free
             out["arena_slabs"] = mem.paged.pager.counts()
+        if self.runner.graphs is not None:
+            out.update(self.runner.graphs.stats())
         return out

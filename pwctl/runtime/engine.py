@@ -24,8 +24,10 @@ import torch
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
 from pwctl.policy import Policy, parse_budget
+from pwctl.runtime import kernels
 from pwctl.runtime.allocator import WidthAllocator
 from pwctl.runtime.batcher import BatchConfig, Batcher
+from pwctl.runtime.decode_graphs import DecodeGraphs
 from pwctl.runtime.kv_cache import KVCache, KVLayout
 from pwctl.runtime.loader import load_model
 from pwctl.runtime.memory import MemoryBudget
@@ -218,13 +220,22 @@ class Engine:
         )
         self._settle_paged()  # the budget's first plan runs from the first step
         sched = Scheduler(kv, cfg.max_batch_tokens, cfg.max_seqs, cfg.max_queue, memory.make_room)
-        runner = ModelRunner(self.model, kv, self.device)
+        runner = ModelRunner(self.model, kv, self.device, self._decode_graphs(cfg, kv))
         self.batcher = Batcher(
             runner, sched, memory, self.tokenizer, self.eos_ids(), max_len,
             self.allocator if dynamic else None,
             self.paged.commit if self.paged is not None else None,
         )  # fmt: skip
         return self.batcher
+
+    def _decode_graphs(self, cfg: BatchConfig, kv: KVCache) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps: the paged experts on CUDA only (the store's experts
+        read routing on the host), steps of at most the decode kernels' tokens."""
+        if not (cfg.cuda_graphs and self.paged is not None and self.device.startswith("cuda")):
+            return None
+        paged = self.paged
+        seqs = min(cfg.max_seqs, kernels.DECODE_MAX_TOKENS)
+        return DecodeGraphs(self.model, kv, seqs, lambda T: paged.fused.decode_builds(T))
 
     def _on_widths(
         self, hook: Callable[[np.ndarray], None] | None

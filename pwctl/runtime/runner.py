@@ -4,31 +4,25 @@ of the sequences that sample this step."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
-from pwctl.runtime.attention import ATTN_NAME, PagedBatch, SeqSpan
+from pwctl.runtime.attention import ATTN_NAME, PagedBatch, SeqSpan, attention_implementation
+from pwctl.runtime.decode_graphs import DecodeGraphs
 from pwctl.runtime.kv_cache import KVCache
 from pwctl.runtime.scheduler import ScheduledBatch
 
 
-@contextmanager
-def attention_implementation(model: nn.Module, name: str):
-    """Switch the model's attention function for the duration (the reference path keeps sdpa)."""
-    config = model.config
-    old = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = old
-
-
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv: KVCache, device: str | torch.device = "cpu"):
-        self.model, self.kv, self.device = model, kv, torch.device(device)
+    def __init__(
+        self,
+        model: nn.Module,
+        kv: KVCache,
+        device: str | torch.device = "cpu",
+        graphs: DecodeGraphs | None = None,
+    ):
+        """`graphs`: runs the steps it fits (every sequence decoding), CUDA graphs replayed."""
+        self.model, self.kv, self.device, self.graphs = model, kv, torch.device(device), graphs
 
     def inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
         """Packed input ids and positions [1, T], and the attention metadata."""
@@ -48,6 +42,8 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [n, vocab] (fp32) for the sequences that sample, in batch order."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.forward(batch)
         ids, pos, paged = self.inputs(batch)
         keep = [s.q_stop - 1 for s, on in zip(paged.spans, batch.sampling, strict=True) if on]
         if not keep:

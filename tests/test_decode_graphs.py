@@ -1,0 +1,145 @@
+"""Decode steps in fixed shapes (runtime/decode_graphs.py): on the CPU the fixed-shape forward a
+CUDA graph captures runs eagerly and must give the packed-row path's logits and policy signals,
+step for step (padded rows, padded cache rows, every architecture); on CUDA the replayed graphs
+must give the eager engine's logits and tokens, also after a re-capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pwctl import tiny
+from pwctl.pack import Pack
+from pwctl.policy import parse_policy
+from pwctl.runtime.batcher import BatchConfig
+from pwctl.runtime.decode_graphs import MIN_BLOCKS, DecodeGraphs, bucket
+from pwctl.runtime.engine import Engine
+from pwctl.runtime.scheduler import SamplingParams
+
+PROMPTS = [
+    "In the beginning God created",
+    "The quick brown fox",
+    "It is a truth universally acknowledged that a single man in possession",
+]
+
+
+def test_buckets():
+    assert [bucket(n, 6) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 4, 4, 6, 6]
+    assert [bucket(n) for n in (1, 7, 8, 9)] == [1, 8, 8, 16]
+
+
+def checked_run(engine: Engine, policy: str, graphs_factory, rtol: float, atol: float):
+    """Serve PROMPTS; every step the graphs fit runs both ways (the fixed-shape step first,
+    then the packed rows, which rewrite the same cache rows with the same keys and values):
+    the logits and the tap's signals must agree. Returns the shapes the graphs ran."""
+    cfg = BatchConfig(max_seqs=4, max_batch_tokens=32, block_size=4)
+    batcher = engine.start_batching(parse_policy(policy), None, cfg)
+    runner = batcher.runner
+    graphs = graphs_factory(engine, batcher)
+    runner.graphs = None  # the packed rows below run eagerly
+    packed, shapes = runner.forward, []
+
+    def both(batch):
+        if not graphs.fits(batch):
+            return packed(batch)
+        got = graphs.forward(batch).clone()
+        got_seen = dict(batcher.tap.seen) if batcher.tap is not None else {}
+        want = packed(batch)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+        for layer, (x, index, weights) in got_seen.items():
+            wx, wi, ww = batcher.tap.seen[layer]
+            assert x.shape == wx.shape and torch.equal(index, wi)
+            torch.testing.assert_close(x, wx, rtol=rtol, atol=atol)
+            torch.testing.assert_close(weights, ww, rtol=rtol, atol=atol)
+        shapes.append((len(batch.seqs), max(s.num_computed + 1 for s in batch.seqs)))
+        return want
+
+    runner.forward = both
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 20, 12)]
+    seqs = [batcher.add(i, p) for i, p in zip(ids, params, strict=True)]
+    while batcher.has_work:
+        batcher.step()
+    assert all(len(s.output_ids) == p.max_tokens for s, p in zip(seqs, params, strict=True))
+    return graphs, shapes
+
+
+def eager_graphs(engine, batcher):
+    return DecodeGraphs(engine.model, batcher.kv, 4, capture=False)
+
+
+@pytest.mark.parametrize("experts", ["store", "paged"])
+def test_fixed_shape_decode_equals_packed_rows(bundled_pack, experts):
+    """Three sequences (padded to 4 rows), then two, then one; lengths across several L
+    buckets; a budgeted policy, so the tap's signals are checked too (real rows only)."""
+    engine = Engine(Pack(bundled_pack), experts=experts)
+    assert engine.start_batching(parse_policy("uniform:4")).runner.graphs is None  # CPU
+    graphs, shapes = checked_run(engine, "pagedweight:0.3", eager_graphs, 1e-4, 1e-5)
+    assert graphs.replays == graphs.captures == 0  # no capture on the CPU
+    assert {s for s, _ in shapes} == {1, 2, 3}
+    block = engine.batcher.kv.block_size
+    assert max(n for _, n in shapes) > MIN_BLOCKS * block  # crossed into a second L bucket
+
+
+@pytest.mark.parametrize("arch", tiny.ARCHS)
+def test_fixed_shape_decode_every_arch(arch, packs):
+    engine = Engine(Pack(packs[(arch, "per_expert")]), experts="paged")
+    _, shapes = checked_run(engine, "uniform:4", eager_graphs, 1e-4, 1e-5)
+    assert shapes
+
+
+# --- CUDA (skipped without a device) ------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", tiny.ARCHS)
+def test_graph_replay_equals_eager_on_cuda(arch, packs):
+    """Replayed graphs against the eager packed rows on the same GPU, step for step; the
+    engine's own graphs give the eager engine's tokens."""
+    engine = Engine(Pack(packs[(arch, "per_expert")]), "cuda", torch.float16)
+
+    def own(engine, batcher):  # the engine's own, on the builds of the widths in use
+        return batcher.runner.graphs
+
+    graphs, shapes = checked_run(engine, "uniform:4", own, 2e-2, 2e-2)
+    assert graphs.disabled is None and graphs.captures >= 3 and graphs.replays == len(shapes)
+    outs = []
+    for on in (True, False):
+        cfg = BatchConfig(max_seqs=4, block_size=4, cuda_graphs=on)
+        batcher = engine.start_batching(parse_policy("uniform:3"), None, cfg)
+        ids = [engine.tokenizer(p).input_ids for p in PROMPTS]
+        outs.append([s.output_ids for s in batcher.run(ids, SamplingParams(max_tokens=16))])
+        assert (batcher.runner.graphs is not None) == on
+        if on:
+            assert batcher.metrics()["decode_graph_replays"] > 0
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+def test_graph_recaptured_when_builds_change(bundled_pack):
+    """A new build signature captures a new graph; the old one is replayed again when the
+    signature comes back; both give the eager logits."""
+    engine = Engine(Pack(bundled_pack), "cuda", torch.float16)
+    builds = ["a"]
+    cfg = BatchConfig(max_seqs=4, max_batch_tokens=32, block_size=4)
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, cfg)
+    graphs = DecodeGraphs(engine.model, batcher.kv, 4, lambda T: (builds[0],))
+    packed, shapes = batcher.runner.forward, []
+    batcher.runner.graphs = None
+
+    def both(batch):  # the signature flips before every decode step
+        if not graphs.fits(batch):
+            return packed(batch)
+        builds[0] = "b" if builds[0] == "a" else "a"
+        got = graphs.forward(batch).clone()
+        want = packed(batch)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        shapes.append(len(batch.seqs))
+        return want
+
+    batcher.runner.forward = both
+    ids = [engine.tokenizer(PROMPTS[0]).input_ids]
+    batcher.run(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    # two L buckets at most here, each under both signatures: captured once, then replayed
+    assert len(shapes) == graphs.replays == 11
+    assert 2 <= graphs.captures == len(graphs._graphs) <= 4
