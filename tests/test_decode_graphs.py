@@ -32,7 +32,7 @@ def checked_run(engine: Engine, policy: str, graphs_factory, rtol: float, atol: 
     """Serve PROMPTS; every step the graphs fit runs both ways (the fixed-shape step first,
     then the packed rows, which rewrite the same cache rows with the same keys and values):
     the logits and the tap's signals must agree. Returns the shapes the graphs ran."""
-    cfg = BatchConfig(max_seqs=4, max_batch_tokens=32, block_size=4)
+    cfg = BatchConfig(max_seqs=4, max_batch_tokens=256, block_size=4)  # one prefill step
     batcher = engine.start_batching(parse_policy(policy), None, cfg)
     runner = batcher.runner
     graphs = graphs_factory(engine, batcher)
@@ -85,7 +85,7 @@ def test_fixed_shape_decode_equals_packed_rows(bundled_pack, experts):
 def test_fixed_shape_decode_every_arch(arch, packs):
     engine = Engine(Pack(packs[(arch, "per_expert")]), experts="paged")
     _, shapes = checked_run(engine, "uniform:4", eager_graphs, 1e-4, 1e-5)
-    assert shapes
+    assert {s for s, _ in shapes} == {1, 2, 3}
 
 
 # --- CUDA (skipped without a device) ------------------------------------------------------------
@@ -102,7 +102,8 @@ def test_graph_replay_equals_eager_on_cuda(arch, packs):
         return batcher.runner.graphs
 
     graphs, shapes = checked_run(engine, "uniform:4", own, 2e-2, 2e-2)
-    assert graphs.disabled is None and graphs.captures >= 3 and graphs.replays == len(shapes)
+    assert graphs.disabled is None and graphs.replays == len(shapes)
+    assert 3 <= graphs.captures == len(graphs._graphs)  # S: 4 (3 padded), 2, 1 at least
     outs = []
     for on in (True, False):
         cfg = BatchConfig(max_seqs=4, block_size=4, cuda_graphs=on)
