@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
-from pwctl.runtime.attention import ATTN_NAME, PagedBatch, SeqSpan, attention_implementation
+from pwctl.runtime.attention import (
+    ATTN_NAME,
+    VARYING_SHAPE_SDPA,
+    PagedBatch,
+    SeqSpan,
+    attention_implementation,
+)
 from pwctl.runtime.decode_graphs import DecodeGraphs
 from pwctl.runtime.kv_cache import KVCache
 from pwctl.runtime.scheduler import ScheduledBatch
@@ -48,7 +55,7 @@ class ModelRunner:
         keep = [s.q_stop - 1 for s, on in zip(paged.spans, batch.sampling, strict=True) if on]
         if not keep:
             keep = [ids.shape[1] - 1]  # prefill chunks only: still run the layers
-        with attention_implementation(self.model, ATTN_NAME):
+        with attention_implementation(self.model, ATTN_NAME), sdpa_kernel(VARYING_SHAPE_SDPA):
             out = self.model(
                 input_ids=ids,
                 position_ids=pos,
