@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -95,13 +95,6 @@ def cache_table(blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) ->
     return torch.where(pos[None, :] < lengths[:, None], rows, rows[:, :1])
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph | None
-    logits: torch.Tensor  # [S, vocab] the replay writes
-    seen: dict = field(default_factory=dict)  # the tap's tensors the replay writes
-
-
 class DecodeGraphs:
     def __init__(
         self,
@@ -119,8 +112,12 @@ class DecodeGraphs:
         self.device = next(model.parameters()).device
         self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
         self._inputs: dict[tuple[int, int], DecodeInputs] = {}
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # what every graph writes, made on the first capture: logits [max_seqs, vocab] (fp32),
+        # and per MoE layer the tap's tensors (x, index, weights; max_seqs rows)
+        self._logits: torch.Tensor | None = None
+        self._seen: dict[int, tuple[torch.Tensor, ...]] = {}
         self.captures = 0  # graphs captured so far (re-captures included)
         self.replays = 0
         self.disabled: str | None = None  # why capture failed, if it did: steps run eagerly
@@ -145,10 +142,10 @@ class DecodeGraphs:
         inputs = self._inputs[(Sb, nb)]
         inputs.fill(kv, batch)
         tap = self._tap()
-        if self.capture:
-            logits, seen = self._replay(inputs, tap)
+        if self.capture and self._replay(inputs, tap):
+            logits, seen = self._logits, self._seen
         else:
-            logits, seen = self._run(inputs), dict(tap.seen) if tap is not None else {}
+            logits, seen = self._run(inputs).float(), dict(tap.seen) if tap is not None else {}
         if tap is not None:  # the policy's signals: the real rows only
             tap.seen = {layer: tuple(t[:S] for t in v) for layer, v in seen.items()}
         return logits[:S]
@@ -169,40 +166,55 @@ class DecodeGraphs:
                 input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep,
                 pwctl_batch=DecodeBatch(self.kv, slots, table, lengths),
             )  # fmt: skip
-        return out.logits[0].float()
+        return out.logits[0]
 
-    def _replay(self, inputs: DecodeInputs, tap: MoETap | None) -> tuple[torch.Tensor, dict]:
+    def _replay(self, inputs: DecodeInputs, tap: MoETap | None) -> bool:
+        """Replay the graph of these inputs' shape and today's builds (captured if new); False
+        when a capture fails (the step then runs eagerly, as every later one does)."""
         builds = self.builds(inputs.S) if self.builds is not None else ()
         key = (inputs.S, inputs.nb, builds, tap is not None)
-        graph = self._graphs.get(key)
-        if graph is None:
+        if key not in self._graphs:
             try:
-                graph = self._capture(inputs, tap)
+                self._graphs[key] = self._capture(inputs, tap)
             except Exception as e:  # an op that syncs or reads the host: step eagerly from now
                 self.disabled = f"{type(e).__name__}: {e}"
                 log.warning("decode steps run eagerly: capturing one failed (%s)", self.disabled)
-                return self._run(inputs), dict(tap.seen) if tap is not None else {}
-            self._graphs[key] = graph
+                return False
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
         self._graphs.move_to_end(key)
-        graph.graph.replay()
+        self._graphs[key].replay()
         self.replays += 1
-        return graph.logits, graph.seen
+        return True
 
-    def _capture(self, inputs: DecodeInputs, tap: MoETap | None) -> _Graph:
-        """A graph of `_run` on `inputs`, after one eager run on a side stream (which makes the
-        kernels' lazily built launches and buffers: a capture records work, it runs none)."""
+    def _capture(self, inputs: DecodeInputs, tap: MoETap | None) -> torch.cuda.CUDAGraph:
+        """A graph of `_run` on `inputs` writing into the shared outputs, after one eager run on
+        a side stream (which makes the kernels' lazily built launches and buffers, and the
+        outputs: a capture records work, it runs none). Graphs share one memory pool and keep
+        nothing of their own there: a step's temporaries are dead when its replay ends."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._run(inputs)  # the step itself: the replay rewrites the same cache rows
+            logits = self._run(inputs)  # the step itself: the replay rewrites the same cache rows
         torch.cuda.current_stream().wait_stream(side)
+        self._make_outputs(logits, tap)
         graph = torch.cuda.CUDAGraph()
+        S = inputs.S
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._run(inputs)
+            self._logits[:S].copy_(self._run(inputs))
+            for layer, values in (tap.seen if tap is not None else {}).items():
+                for out, value in zip(self._seen[layer], values, strict=True):
+                    out[:S].copy_(value)
         self.captures += 1
-        return _Graph(graph, logits, dict(tap.seen) if tap is not None else {})
+        return graph
+
+    def _make_outputs(self, logits: torch.Tensor, tap: MoETap | None) -> None:
+        n = self.max_seqs
+        if self._logits is None:
+            self._logits = torch.empty(n, logits.shape[-1], device=logits.device)
+        for layer, values in (tap.seen if tap is not None else {}).items():
+            if layer not in self._seen:
+                self._seen[layer] = tuple(v.new_empty(n, *v.shape[1:]) for v in values)
 
     def stats(self) -> dict[str, int]:
         return {"decode_graphs": len(self._graphs), "decode_graph_captures": self.captures,
