@@ -8,7 +8,7 @@
 #   (d) the serving-time cap: batch 1 with memory to spare (pagedweight raises every block to
 #       the pack's widest width) with and without --max-bits 4, against uniform:4 / uniform:8
 #   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16, at most
-#       4 bits, each policy and mode in its own process
+#       4 bits, each policy (POLICIES) and mode in its own process
 # Every figure is `pwctl bench --throughput` on the serving engine; one process per policy, so
 # torch.cuda.max_memory_allocated is that policy's alone. pagedweight's BUDGET is uniform:4's
 # plane bytes (equal expert memory at peak pressure).
@@ -76,7 +76,7 @@ g)
   G=(--input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-128}" --batch 1 --batch 4
      --batch 16 --max-bits 4)
   for MODE in cuda-graphs eager; do  # one process a policy: no first-run costs shared
-    for P in uniform:4 pagedweight:0.3; do
+    for P in ${POLICIES:-uniform:4 pagedweight:0.3}; do
       pwctl bench "$PACK" --throughput --device cuda "${G[@]}" --policy "$P" "--$MODE" \
         --json "$OUT/serve_g_${MODE}_${P%%:*}.json"
     done
