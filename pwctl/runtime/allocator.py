@@ -8,6 +8,7 @@ error from its input norm, fitted on the profile's per-sequence damage)."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
@@ -122,20 +123,23 @@ class WidthAllocator:
         return widths[self._block_layer] if self.per_layer else widths
 
     def observe(self, tap: MoETap) -> None:
-        """Signals of the step just run: router counts and the residual of its sequences."""
+        """Signals of the step just run: router counts and the residual of its sequences. Each
+        signal comes to the host in one copy for every layer (a copy a layer was a device sync
+        a layer, every serving step)."""
+        seen = [tap.seen[layer] for layer in self.layers]
         if self.per_layer:
-            norms = [norm_features(tap.seen[layer][0])[0].item() for layer in self.layers]
+            norms = torch.stack([norm_features(x)[0] for x, _, _ in seen]).cpu().numpy()
             slope, intercept = self._norm_fit
-            self.planner.set_residual(np.clip(slope * np.array(norms) + intercept, 0.1, 10.0))
+            self.planner.set_residual(np.clip(slope * norms + intercept, 0.1, 10.0))
             return
         n_exp = self.pack.manifest.spec["num_experts"]
-        counts = np.zeros((len(self.layers), n_exp))
+        index = torch.stack([i.flatten() for _, i, _ in seen]).cpu().numpy()
+        counts = np.stack([np.bincount(row, minlength=n_exp) for row in index]).astype(float)
         factor = np.ones(len(self.layers))
-        for li, layer in enumerate(self.layers):
-            x, index, _ = tap.seen[layer]
-            counts[li] = np.bincount(index.flatten().cpu().numpy(), minlength=n_exp)
-            if self.residual is not None:
-                factor[li] = float(self.residual.factor(layer, norm_features(x).cpu().numpy()))
+        if self.residual is not None:
+            feats = torch.stack([norm_features(x) for x, _, _ in seen]).cpu().numpy()
+            for li, layer in enumerate(self.layers):
+                factor[li] = float(self.residual.factor(layer, feats[li]))
         self.planner.observe(counts)
         self.planner.set_residual(factor[self._block_layer])
         self.planner.tick()
