@@ -91,6 +91,28 @@ def test_fixed_shape_decode_equals_packed_rows(bundled_pack, experts):
     assert max(n for _, n in shapes) > MIN_BLOCKS * block  # crossed into a second L bucket
 
 
+def test_failed_capture_falls_back_to_packed_rows(bundled_pack, monkeypatch, caplog):
+    """A capture that raises (an op that syncs the host, say) costs nothing but speed: that step
+    runs the fixed-shape forward eagerly, every later one the packed rows, with a warning."""
+    engine = Engine(Pack(bundled_pack), experts="paged")
+    cfg = BatchConfig(max_seqs=4, block_size=4)
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, cfg)
+    graphs = DecodeGraphs(engine.model, batcher.kv, 4, capture=False)
+    graphs.capture = True  # as on CUDA, with a capture that fails
+
+    def broken(inputs, tap):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", broken)
+    batcher.runner.graphs = graphs
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    got = [s.output_ids for s in batcher.run(ids, SamplingParams(max_tokens=6))]
+    assert graphs.disabled and "not permitted" in graphs.disabled and graphs.replays == 0
+    assert "run eagerly" in caplog.text
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, cfg)  # no graphs (CPU)
+    assert got == [s.output_ids for s in batcher.run(ids, SamplingParams(max_tokens=6))]
+
+
 @pytest.mark.parametrize("arch", tiny.ARCHS)
 def test_fixed_shape_decode_every_arch(arch, packs):
     engine = Engine(Pack(packs[(arch, "per_expert")]), experts="paged")
