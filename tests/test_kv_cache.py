@@ -114,7 +114,7 @@ def test_batched_decode_attention_equals_one_span_at_a_time(window):
     from types import SimpleNamespace
 
     from pwctl.runtime.attention import DecodeBatch, PagedBatch, SeqSpan, paged_attention
-    from pwctl.runtime.decode_graphs import cache_table
+    from pwctl.runtime.decode_graphs import cache_rows
 
     layout = KVLayout(n_layers=1, kv_heads=2, head_dim=8)
     kv = KVCache(layout, capacity=13, block_size=4)
@@ -148,6 +148,7 @@ def test_batched_decode_attention_equals_one_span_at_a_time(window):
     assert batched.decode_group(window) is not None  # the batched path ran
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     n = torch.tensor(lengths)
-    fixed = DecodeBatch(kv, torch.cat(slots), cache_table(torch.stack(blocks), n, 4), n)
+    table, _ = cache_rows(kv, torch.stack(blocks), n)
+    fixed = DecodeBatch(kv, torch.cat(slots), table, n)
     torch.testing.assert_close(attend(fixed), want, rtol=1e-5, atol=1e-6)
     assert not want.isnan().any()

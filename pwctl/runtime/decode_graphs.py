@@ -12,7 +12,9 @@ and replayed:
   MIN_BLOCKS). Each row's block table is padded with its own first block and its rows past its
   length read its first row, masked out (`DecodeBatch`).
 
-The inputs go through one device buffer per (S, L), filled by one host-to-device copy a step.
+The inputs (token ids, positions, block tables) go through one device buffer per (S, L), filled
+by one host-to-device copy a step; lengths and the new tokens' cache rows follow from them on the
+device.
 The MoE kernels a layer launches depend on the widths the pager left it (`FusedMoE.decode_builds`):
 any build reads any width, so a graph stays correct when widths change, but it is re-captured
 for the builds of the widths in use, keyed by them. Graphs share one memory pool (steps replay
@@ -50,7 +52,8 @@ def bucket(n: int, top: int | None = None) -> int:
 @dataclass
 class DecodeInputs:
     """A fixed-shape step's inputs for S rows over L cache rows (nb = L / block_size blocks),
-    views of one int64 device buffer that one copy from its host twin fills."""
+    views of one int64 device buffer that one copy from its host twin fills. A row's token sits
+    at its position, so the row's length is position + 1."""
 
     host: torch.Tensor
     device: torch.Tensor
@@ -59,40 +62,41 @@ class DecodeInputs:
 
     @classmethod
     def new(cls, S: int, nb: int, device: torch.device) -> DecodeInputs:
-        n, pin = S * (4 + nb), device.type == "cuda"
+        n, pin = S * (2 + nb), device.type == "cuda"
         host = torch.zeros(n, dtype=torch.long, pin_memory=pin)
         return cls(host, torch.zeros(n, dtype=torch.long, device=device), S, nb)
 
     def views(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """ids [1, S], positions [1, S], new cache rows [S], lengths [S], blocks [S, nb]."""
+        """ids [1, S], positions [1, S], blocks [S, nb]."""
         S = self.S
-        ids, pos, slots, lengths = (t[i * S : (i + 1) * S] for i in range(4))
-        return ids.view(1, S), pos.view(1, S), slots, lengths, t[4 * S :].view(S, self.nb)
+        return t[:S].view(1, S), t[S : 2 * S].view(1, S), t[2 * S :].view(S, self.nb)
 
     def fill(self, kv: KVCache, batch: ScheduledBatch) -> None:
         """This step's values, padding rows repeating the last real one; one copy to the device
         (non-blocking: the host buffer is next written after the step's sampling has synced)."""
-        ids, pos, slots, lengths, blocks = (v.numpy() for v in self.views(self.host))
-        bs = kv.block_size
+        ids, pos, blocks = (v.numpy() for v in self.views(self.host))
         for i, seq in enumerate(batch.seqs):
             past = seq.num_computed
             table = kv.tables[seq.seq_id][: self.nb]
-            ids[0, i], pos[0, i], lengths[i] = seq.all_ids[past], past, past + 1
-            slots[i] = table[past // bs] * bs + past % bs
+            ids[0, i], pos[0, i] = seq.all_ids[past], past
             blocks[i, : len(table)] = table
             blocks[i, len(table) :] = table[0]
         n = len(batch.seqs)
-        for v in (ids[0], pos[0], slots, lengths, blocks):
+        for v in (ids[0], pos[0], blocks):
             v[n:] = v[n - 1]
         self.device.copy_(self.host, non_blocking=self.device.is_cuda)
 
 
-def cache_table(blocks: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[S, nb * block_size] cache rows of each row's positions 0.. from its blocks [S, nb]; rows
-    at and past its length repeat its first (written, so finite; masked out)."""
-    pos = torch.arange(blocks.shape[1] * block_size, device=blocks.device)
-    rows = blocks[:, pos // block_size] * block_size + pos % block_size
-    return torch.where(pos[None, :] < lengths[:, None], rows, rows[:, :1])
+def cache_rows(
+    kv: KVCache, blocks: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Of rows with block tables [S, nb] and lengths [S]: the cache rows they attend to [S, nb x
+    block_size] (rows at and past a row's length repeat its first: written, so finite; masked
+    out), and the cache row of each one's new token [S] (at length - 1)."""
+    pos = torch.arange(blocks.shape[1] * kv.block_size, device=blocks.device)
+    rows = kv.block_rows(blocks, pos)
+    new = rows.gather(1, (lengths - 1)[:, None])[:, 0]
+    return torch.where(pos[None, :] < lengths[:, None], rows, rows[:, :1]), new
 
 
 class DecodeGraphs:
@@ -158,8 +162,9 @@ class DecodeGraphs:
 
     def _run(self, inputs: DecodeInputs) -> torch.Tensor:
         """The model forward of a fixed-shape decode step (what a graph captures)."""
-        ids, pos, slots, lengths, blocks = inputs.views(inputs.device)
-        table = cache_table(blocks, lengths, self.kv.block_size)
+        ids, pos, blocks = inputs.views(inputs.device)
+        lengths = pos[0] + 1
+        table, slots = cache_rows(self.kv, blocks, lengths)
         keep = torch.arange(inputs.S, device=ids.device)
         with attention_implementation(self.model, ATTN_NAME), torch.no_grad():
             out = self.model(

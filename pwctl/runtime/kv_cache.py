@@ -260,8 +260,11 @@ class KVCache:
     def slots(self, seq_id: int, start: int, stop: int) -> torch.Tensor:
         """Cache rows of tokens start..stop-1 of `seq_id` (its blocks must cover them)."""
         table = torch.tensor(self.tables[seq_id], dtype=torch.long)
-        pos = torch.arange(start, stop, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.block_rows(table, torch.arange(start, stop, dtype=torch.long))
+
+    def block_rows(self, blocks: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Cache rows [..., P] of positions `pos` [P] in block tables `blocks` [..., blocks]."""
+        return blocks[..., pos // self.block_size] * self.block_size + pos % self.block_size
 
     def locate(self, slots: torch.Tensor) -> KVRows:
         """Rows `slots` (cache rows, e.g. from `slots()`) for every layer: valid while no block
