@@ -133,3 +133,48 @@ def test_a_budget_past_the_widest_planes_gives_the_kv_cache_the_rest(bundled_pac
     assert engine.allocator.budget == widest
     full = cfg.max_seqs * -(-engine.model.config.max_position_embeddings // cfg.block_size)
     assert batcher.kv.pool.capacity == full
+
+
+def test_each_steps_router_ids_reach_the_planner_once_a_step_late(bundled_pack):
+    # the batcher feeds a step's signals while the next step runs (the planner's host work
+    # overlaps the GPU); idle feeds the last one
+    engine = Engine(Pack(bundled_pack))
+    batcher = engine.start_batching(parse_policy("pagedweight:0.4"), None, BatchConfig(max_seqs=2))
+    fed, feed = [], engine.allocator.feed
+    engine.allocator.feed = lambda signals: (fed.append(signals.host()[0].copy()), feed(signals))
+    ids = [engine.tokenizer(p).input_ids for p in PROMPTS[:2]]
+    for i in ids:
+        engine.add_request(i, SamplingParams(max_tokens=3, ignore_eos=True))
+    seen, ticks = [], engine.allocator.planner.step
+    while batcher.has_work:
+        batcher.step()
+        assert len(fed) == len(seen)  # this step's signals wait for the next step
+        layers = engine.allocator.layers
+        seen.append(torch.stack([batcher.tap.seen[li][1].flatten() for li in layers]).numpy())
+    batcher.idle()
+    assert len(fed) == len(seen) >= 3
+    assert all(np.array_equal(f, s) for f, s in zip(fed, seen, strict=True))
+    assert engine.allocator.planner.step == ticks + len(seen) + 1  # one a step, one idle
+
+
+def test_one_token_steps_keep_the_last_residual(bundled_pack):
+    # a usable residual model reads the std of a step's token norms: undefined for one token,
+    # so a one-token step keeps the factor of the last step that had more
+    from pwctl.residual import ResidualModel
+    from pwctl.runtime.moe import MoETap
+
+    engine = Engine(Pack(bundled_pack))
+    engine.set_policy(parse_policy("pagedweight:0.4"))
+    alloc = engine.allocator
+    n = len(alloc.layers)
+    alloc.residual = ResidualModel(
+        alloc.layers, [1.0] * 3, [1.0] * 3, [[0.1, 0.1, 0.1]] * n, [0.0] * n, {"r2_test": 0.5}
+    )
+    factors = []
+    for tokens in (5, 1):
+        with MoETap(engine.model) as tap:
+            engine.logits(torch.randint(1, 100, (1, tokens)))
+        alloc.observe(tap)
+        factors.append(alloc.planner._res_block.copy())
+    assert np.isfinite(factors[0]).all() and not np.allclose(factors[0], 1.0)
+    assert np.array_equal(factors[1], factors[0])

@@ -7,6 +7,8 @@ error from its input norm, fitted on the profile's per-sequence damage)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -123,26 +125,76 @@ class WidthAllocator:
         return widths[self._block_layer] if self.per_layer else widths
 
     def observe(self, tap: MoETap) -> None:
-        """Signals of the step just run: router counts and the residual of its sequences. Each
-        signal comes to the host in one copy for every layer (a copy a layer was a device sync
-        a layer, every serving step)."""
+        """Feed the planner the signals of the forward `tap` just recorded."""
+        self.feed(self.signals(tap))
+
+    def signals(self, tap: MoETap) -> StepSignals:
+        """The planner's signals of the forward `tap` just recorded, on their way to the host:
+        each comes in one copy for every layer (a copy a layer was a device sync a layer), queued
+        behind the forward on CUDA, so nothing waits here."""
         seen = [tap.seen[layer] for layer in self.layers]
+        tokens = seen[0][0].shape[0]
+        feats = index = None
+        # the std of one token's norm is undefined: a one-token step keeps the last residual
+        if self.per_layer or (self.residual is not None and tokens > 1):
+            feats = norm_features(torch.stack([x for x, _, _ in seen]))
+        if not self.per_layer:
+            index = torch.stack([i.flatten() for _, i, _ in seen])
+        return StepSignals.queue(index, feats)
+
+    def feed(self, signals: StepSignals) -> None:
+        """Router counts and the residual of one step's tokens to the planner (waits for their
+        copies, if they are still running)."""
+        index, feats = signals.host()
         if self.per_layer:
-            norms = torch.stack([norm_features(x)[0] for x, _, _ in seen]).cpu().numpy()
             slope, intercept = self._norm_fit
-            self.planner.set_residual(np.clip(slope * norms + intercept, 0.1, 10.0))
+            self.planner.set_residual(np.clip(slope * feats[:, 0] + intercept, 0.1, 10.0))
             return
         n_exp = self.pack.manifest.spec["num_experts"]
-        index = torch.stack([i.flatten() for _, i, _ in seen]).cpu().numpy()
         counts = np.stack([np.bincount(row, minlength=n_exp) for row in index]).astype(float)
-        factor = np.ones(len(self.layers))
-        if self.residual is not None:
-            feats = torch.stack([norm_features(x) for x, _, _ in seen]).cpu().numpy()
-            for li, layer in enumerate(self.layers):
-                factor[li] = float(self.residual.factor(layer, feats[li]))
+        if self.residual is None:
+            self.planner.set_residual(np.ones(len(self._block_layer)))
+        elif feats is not None:
+            factor = [
+                float(self.residual.factor(layer, feats[li]))
+                for li, layer in enumerate(self.layers)
+            ]
+            self.planner.set_residual(np.asarray(factor)[self._block_layer])
         self.planner.observe(counts)
-        self.planner.set_residual(factor[self._block_layer])
         self.planner.tick()
+
+
+@dataclass
+class StepSignals:
+    """One step's signals for the planner (router expert ids [layers, tokens x k], norm features
+    [layers, 3] or None), in host tensors that CUDA copies fill behind the step's kernels; `host`
+    waits for them. The serving loop reads a step's signals during the next step, so the
+    planner's host work runs while the GPU runs that step (runtime/batcher.py)."""
+
+    index: torch.Tensor | None
+    feats: torch.Tensor | None
+    copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def queue(cls, index: torch.Tensor | None, feats: torch.Tensor | None) -> StepSignals:
+        tensors = [t for t in (index, feats) if t is not None]
+        if not any(t.is_cuda for t in tensors):
+            return cls(index, feats)
+        index, feats = (None if t is None else _pinned_copy(t) for t in (index, feats))
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(index, feats, copied)
+
+    def host(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return tuple(None if t is None else t.numpy() for t in (self.index, self.feats))
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor `t`, queued on the current stream."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
 
 
 def _norm_estimator(profile: Profile, block_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,7 @@
-"""The continuous-batching loop of the engine: schedule, run the packed batch, sample, check
-stops, feed the policy its signals, rebalance planes against KV blocks. `Engine.start_batching`
-builds one; `Batcher.step` is one step (the server's engine thread calls it in a loop)."""
+"""The continuous-batching loop of the engine: schedule, launch the packed batch, and while the
+GPU runs it feed the policy the last step's signals and rebalance planes against KV blocks; then
+sample and check stops. `Engine.start_batching` builds one; `Batcher.step` is one step (the
+server's engine thread calls it in a loop)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pwctl.errors import PwctlError
-from pwctl.runtime.allocator import WidthAllocator
+from pwctl.runtime.allocator import StepSignals, WidthAllocator
 from pwctl.runtime.detokenizer import advance, first_stop
 from pwctl.runtime.memory import MemoryBudget
 from pwctl.runtime.moe import MoETap
@@ -67,6 +68,7 @@ class Batcher:
         self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, eos_ids, max_model_len
         self.allocator = allocator
         self.tap = MoETap(runner.model) if allocator is not None else None
+        self._signals: StepSignals | None = None  # the last step's, fed during the next
         self.counters = Counters()
         self._tok_lock = threading.Lock()  # the server tokenizes in another thread
         self._recent: deque[tuple[float, int]] = deque()
@@ -119,19 +121,23 @@ class Batcher:
         self._boundary()
         with self.tap if self.tap is not None else nullcontext():
             logits = self.runner.forward(batch)
+        signals = self.allocator.signals(self.tap) if self.allocator is not None else None
+        # while the GPU runs this step: the last step's signals to the planner, spare KV bytes
+        # to the planes (the widths change at the next boundary either way)
+        self._feed()
+        self.memory.rebalance(self._kv_wanted())
         self.scheduler.update(batch)
         sampled = [s for s, on in zip(batch.seqs, batch.sampling, strict=True) if on]
         for seq, token in zip(sampled, sample(logits, sampled), strict=True):
             self._append(seq, token)
-        if self.allocator is not None:
-            self.allocator.observe(self.tap)
-        self.memory.rebalance(self._kv_wanted())
+        self._signals = signals
         self._count(batch.total - len(sampled), len(sampled))
         return sampled
 
     def idle(self) -> None:
-        """No work: the planner's step clock advances (its cooldown counts engine steps) and
-        the KV cache's spare memory goes back to the planes."""
+        """No work: the last step's signals go to the planner, its step clock advances (its
+        cooldown counts engine steps) and the KV cache's spare memory goes back to the planes."""
+        self._feed()
         if self.allocator is not None:
             self.allocator.planner.tick()
             self.memory.rebalance(self._kv_wanted())
@@ -173,6 +179,12 @@ class Batcher:
 
     def _detokenize(self, seq: Sequence, ids: list[int], final: bool = False) -> None:
         seq.text = self.locked(lambda: advance(self.tokenizer, ids, seq.text, seq.offsets, final))
+
+    def _feed(self) -> None:
+        """The last step's signals to the policy's planner, if a step left some."""
+        if self._signals is not None:
+            self.allocator.feed(self._signals)
+            self._signals = None
 
     def _boundary(self) -> None:
         if self.boundary is not None:
