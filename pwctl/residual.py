@@ -36,8 +36,18 @@ class ResidualModel:
     def log_ratio(self, layer: int, features: np.ndarray) -> np.ndarray:
         """Predicted log(damage / average damage) for features [..., 3] at `layer`."""
         li = self.layers.index(layer)
-        z = (np.asarray(features, dtype=np.float64) - self.mean) / self.scale
-        return z @ np.asarray(self.coef[li]) + self.intercept[li]
+        return self._z(features) @ np.asarray(self.coef[li]) + self.intercept[li]
+
+    def layer_factors(self, layers: list[int], features: np.ndarray) -> np.ndarray:
+        """`factor` of every layer in `layers` at its own row of `features` [len(layers), 3]
+        (one step's features at each MoE layer), in one go."""
+        rows = [self.layers.index(layer) for layer in layers]
+        coef, intercept = np.asarray(self.coef)[rows], np.asarray(self.intercept)[rows]
+        return np.exp(np.einsum("lf,lf->l", self._z(features), coef) + intercept)
+
+    def _z(self, features: np.ndarray) -> np.ndarray:
+        """Standardised features."""
+        return (np.asarray(features, dtype=np.float64) - self.mean) / self.scale
 
     @property
     def usable(self) -> bool:

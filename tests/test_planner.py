@@ -314,7 +314,15 @@ def test_planner_bench_runs():
     r = run_planner_bench(repeats=3)
     assert r["blocks"] == 48 * 128 * 3 and r["widths"] == "2..8"
     assert 0 < r["full_replan_ms"] < 1000 and 0 < r["incremental_ms"] < 1000
-    assert 0 < r["at_top_ms"] < 1000
+    assert 0 < r["at_top_ms"] < 1000 and 0 < r["serving_step_ms"] < 1000
+
+
+def test_router_counts_count_each_layers_ids():
+    from pwctl.runtime.allocator import router_counts
+
+    ids = np.random.default_rng(0).integers(0, 6, size=(3, 20))
+    want = np.stack([np.bincount(row, minlength=6) for row in ids])
+    assert np.array_equal(router_counts(ids, 6), want)
 
 
 @settings(max_examples=25, deadline=None)

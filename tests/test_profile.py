@@ -107,6 +107,9 @@ def test_fit_residual_round_trip(profiled, tmp_path):
     prof = Profile.load(Pack(pack_dir))
     f = model.factor(layer, prof.features[0])
     assert f.shape == (10,) and np.all(np.isfinite(f)) and np.all(f > 0)
+    step = prof.features[:, 0]  # one sequence's features at every layer
+    each = [model.factor(li, step[i]) for i, li in enumerate(model.layers)]
+    np.testing.assert_allclose(model.layer_factors(model.layers, step), each, rtol=1e-12)
 
 
 def test_errors(packs, profiled, tmp_path):

@@ -11,6 +11,8 @@ import time
 import numpy as np
 
 from pwctl.convert import rows_per_table
+from pwctl.residual import ResidualModel
+from pwctl.runtime.allocator import router_counts
 from pwctl.runtime.page_table import PageTable
 from pwctl.runtime.planner import Planner, PlannerConfig
 
@@ -67,7 +69,10 @@ def run_planner_bench(repeats: int = 200, seed: int = 0) -> dict:
     - incremental: one step's router counts, then free or promote the 8 MB the KV cache took
       or gave back;
     - at the top: one step's router counts, then the serving engine's promotion into spare
-      memory with every block already at its widest (no pressure, or a --max-bits cap)."""
+      memory with every block already at its widest (no pressure, or a --max-bits cap);
+    - serving step: the whole of a serving step's planner work (`WidthAllocator.feed` of a
+      decode step of 16 sequences: router counts and a usable residual's per-layer factor;
+      then the KV cache takes or gives back 8 MB)."""
     table = synthetic_table()
     damage = synthetic_damage(table, seed)
     planner = Planner.from_table(table, damage, PlannerConfig())
@@ -105,11 +110,24 @@ def run_planner_bench(repeats: int = 200, seed: int = 0) -> dict:
         planner.observe(step_counts[planner.step % len(step_counts)])
         planner.fit(2 * widest)
 
+    residual = ResidualModel(
+        list(range(48)), [0.0] * 3, [1.0] * 3, rng.normal(0, 0.1, (48, 3)).tolist(), [0.0] * 48, {}
+    )
+    ids = rng.integers(0, 128, size=(2, 48, 16 * 8))  # a decode step of 16 sequences, top-8
+    feats = rng.lognormal(0.0, 0.2, size=(2, 48, 3))
+
+    def serving_step() -> None:
+        i[0] ^= 1
+        planner.set_residual(residual.layer_factors(list(range(48)), feats[i[0]])[table.layer])
+        planner.observe(router_counts(ids[i[0]], 128))
+        planner.tick()
+        planner.fit(budget - (8 << 20) * i[0])
+
     out = {"blocks": n, "widths": f"{table.min_bits}..{table.max_bits}"}
     cases = (("full_replan", full), ("cold_replan", cold), ("incremental", incremental),
-             ("at_top", at_top))  # fmt: skip
+             ("at_top", at_top), ("serving_step", serving_step))  # fmt: skip
     for name, fn in cases:
-        if name == "incremental":
+        if name in ("incremental", "serving_step"):
             planner.set_residual(layer_factor[0][table.layer])
             planner.plan(budget)
         if name == "at_top":

@@ -150,17 +150,12 @@ class WidthAllocator:
             slope, intercept = self._norm_fit
             self.planner.set_residual(np.clip(slope * feats[:, 0] + intercept, 0.1, 10.0))
             return
-        n_exp = self.pack.manifest.spec["num_experts"]
-        counts = np.stack([np.bincount(row, minlength=n_exp) for row in index]).astype(float)
         if self.residual is None:
             self.planner.set_residual(np.ones(len(self._block_layer)))
         elif feats is not None:
-            factor = [
-                float(self.residual.factor(layer, feats[li]))
-                for li, layer in enumerate(self.layers)
-            ]
-            self.planner.set_residual(np.asarray(factor)[self._block_layer])
-        self.planner.observe(counts)
+            factor = self.residual.layer_factors(self.layers, feats)
+            self.planner.set_residual(factor[self._block_layer])
+        self.planner.observe(router_counts(index, self.pack.manifest.spec["num_experts"]))
         self.planner.tick()
 
 
@@ -189,6 +184,13 @@ class StepSignals:
         if self.copied is not None:
             self.copied.synchronize()
         return tuple(None if t is None else t.numpy() for t in (self.index, self.feats))
+
+
+def router_counts(index: np.ndarray, n_experts: int) -> np.ndarray:
+    """Tokens routed to each expert [layers, n_experts] of expert ids [layers, tokens x k]."""
+    layers = index.shape[0]
+    flat = (index + n_experts * np.arange(layers)[:, None]).ravel()
+    return np.bincount(flat, minlength=layers * n_experts).reshape(layers, -1).astype(float)
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
