@@ -1,8 +1,12 @@
 """Where one decode step of the serving engine goes: wall time a step (one sequence, GPU synced
 after each step), the GPU's busy time in the same steps (torch.profiler, kernel time summed), and
 cProfile's top functions. Wall time past the GPU's is host time (decode steps replay CUDA graphs
-unless --eager). Usage (GPU machine; any pack, e.g. `pwctl convert tiny-mixtral PACK`):
+unless --eager). `--graph-sdpa BACKEND` captures the graphs with one SDPA backend instead of
+torch's choice (cuDNN on the H200, whose plan per new shape is most of a capture: an experiment,
+see `decode_graph_capture_s` in the printed stats). Usage (GPU machine; any pack, e.g. `pwctl
+convert tiny-mixtral PACK`):
   python3 recipes/profile_engine_step.py PACK POLICY [STEPS] [--max-bits B] [--device D] [--eager]
+      [--graph-sdpa cudnn|efficient|math]
 """
 
 from __future__ import annotations
@@ -13,13 +17,29 @@ import pstats
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pwctl.bench.throughput import prompt_windows
 from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.policy import parse_policy
 from pwctl.runtime.batcher import BatchConfig
+from pwctl.runtime.decode_graphs import DecodeGraphs
 from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
 from pwctl.runtime.scheduler import SamplingParams
+
+GRAPH_SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "math": SDPBackend.MATH}  # fmt: skip
+
+
+def capture_with(backend: SDPBackend) -> None:
+    """Decode graphs captured (their eager first run included) with `backend` alone for SDPA."""
+    capture = DecodeGraphs._capture
+
+    def wrapped(self, *args):
+        with sdpa_kernel([backend]):
+            return capture(self, *args)
+
+    DecodeGraphs._capture = wrapped
 
 
 def synced(device: str) -> float:
@@ -52,7 +72,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--graph-sdpa", choices=sorted(GRAPH_SDPA))
     a = ap.parse_args()
+    if a.graph_sdpa:
+        capture_with(GRAPH_SDPA[a.graph_sdpa])
     engine = decoding_engine(
         a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8, not a.eager
     )

@@ -136,6 +136,7 @@ def test_graph_replay_equals_eager_on_cuda(arch, packs):
     graphs, shapes = checked_run(engine, "uniform:4", own, 1e-2)
     assert graphs.disabled is None and graphs.replays == len(shapes)
     assert 3 <= graphs.captures == len(graphs._graphs)  # S: 4 (3 padded), 2, 1 at least
+    assert graphs.stats()["decode_graph_capture_s"] > 0
     outs = []
     for on in (True, False):
         cfg = BatchConfig(max_seqs=4, block_size=4, cuda_graphs=on)

@@ -29,7 +29,8 @@ DEFAULT_POLICIES = ["fp16", "uniform:4"]
 # engine counters reported as their change over the measured run (warm-up excluded)
 DELTAS = ("width_demotions", "width_promotions", "width_demoted_bytes", "width_promoted_bytes",
           "preemptions", "steps", "aborted")  # fmt: skip
-GRAPH_COUNTS = ("decode_graph_captures", "decode_graph_replays")  # absent when eager
+# absent when eager; in ThroughputResult's order
+GRAPH_COUNTS = ("decode_graph_captures", "decode_graph_capture_s", "decode_graph_replays")
 ACCOUNTED = "engine accounting, fixed + planes + KV blocks in use"
 WARMUP_PROMPT = 16  # warm-up request: prompt tokens (at most) ...
 WARMUP_OUTPUT = 4  # ... and output tokens
@@ -114,6 +115,7 @@ class ThroughputResult:
     steps: int
     aborted: int
     graph_captures: int = 0  # decode step graphs captured during the run (CUDA)
+    graph_capture_s: float = 0.0  # host seconds those captures took (inside the run's time)
     graph_replays: int = 0
 
     def as_dict(self) -> dict[str, Any]:

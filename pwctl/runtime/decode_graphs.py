@@ -27,6 +27,7 @@ tests compare with the packed-row path (runner.py) and what a graph replays.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,6 +124,7 @@ class DecodeGraphs:
         self._logits: torch.Tensor | None = None
         self._seen: dict[int, tuple[torch.Tensor, ...]] = {}
         self.captures = 0  # graphs captured so far (re-captures included)
+        self.capture_s = 0.0  # host seconds those captures took (a fresh shape's first step)
         self.replays = 0
         self.disabled: str | None = None  # why capture failed, if it did: steps run eagerly
 
@@ -179,12 +181,14 @@ class DecodeGraphs:
         builds = self.builds(inputs.S) if self.builds is not None else ()
         key = (inputs.S, inputs.nb, builds, tap is not None)
         if key not in self._graphs:
+            start = time.perf_counter()
             try:
                 self._graphs[key] = self._capture(inputs, tap)
             except Exception as e:  # an op that syncs or reads the host: step eagerly from now
                 self.disabled = f"{type(e).__name__}: {e}"
                 log.warning("decode steps run eagerly: capturing one failed (%s)", self.disabled)
                 return False
+            self.capture_s += time.perf_counter() - start
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
         self._graphs.move_to_end(key)
@@ -221,6 +225,7 @@ class DecodeGraphs:
             if layer not in self._seen:
                 self._seen[layer] = tuple(v.new_empty(n, *v.shape[1:]) for v in values)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         return {"decode_graphs": len(self._graphs), "decode_graph_captures": self.captures,
+                "decode_graph_capture_s": round(self.capture_s, 3),
                 "decode_graph_replays": self.replays}  # fmt: skip
