@@ -9,6 +9,11 @@
 #       the pack's widest width) with and without --max-bits 4, against uniform:4 / uniform:8
 #   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16, at most
 #       4 bits, each policy (POLICIES) and mode in its own process
+#   (o) batch-1 decode step (recipes/profile_engine_step.py, at most 4 bits): each policy
+#       (POLICIES), then with BASELINE=DIR (an older tree's pwctl, e.g. `git archive` of a
+#       commit before the planner's work overlapped the step) the same from that tree; then the
+#       graphs captured with each SDPA backend (capture seconds, step time); then
+#       recipes/perf_sdpa_shapes.py
 # Every figure is `pwctl bench --throughput` on the serving engine; one process per policy, so
 # torch.cuda.max_memory_allocated is that policy's alone. pagedweight's BUDGET is uniform:4's
 # plane bytes (equal expert memory at peak pressure).
@@ -82,8 +87,28 @@ g)
     done
   done
   ;;
+o)
+  step() {  # name, policy, extra arguments
+    local name=$1 policy=$2
+    shift 2
+    timeout 120 python3 recipes/profile_engine_step.py "$PACK" "$policy" 32 --max-bits 4 "$@" \
+      >"$OUT/step_$name.log" 2>&1
+    echo "$name $policy $*: rc $?"
+    grep -E "decode graphs|decode step wall|profiled" "$OUT/step_$name.log"
+  }
+  for P in ${POLICIES:-uniform:4 pagedweight:0.3}; do
+    step "${P%%:*}" "$P"
+    if [ -n "${BASELINE:-}" ]; then
+      PYTHONPATH=$BASELINE step "baseline_${P%%:*}" "$P"
+    fi
+  done
+  for B in cudnn efficient math; do
+    step "sdpa_$B" uniform:4 --graph-sdpa "$B"
+  done
+  timeout 120 python3 recipes/perf_sdpa_shapes.py
+  ;;
 *)
-  echo "usage: bash recipes/perf_serving_gpu.sh prep|a|b|c|d|g" >&2
+  echo "usage: bash recipes/perf_serving_gpu.sh prep|a|b|c|d|g|o" >&2
   exit 2
   ;;
 esac
