@@ -312,14 +312,17 @@ def _peak_memory(tl: _Timeline) -> tuple[int, str]:
 
 def table(results: list[ThroughputResult]) -> tuple[str, tuple[str, ...], list[tuple]]:
     """(title, columns, rows) for print_table; load B1 = batch of 1, C2 = concurrency 2; TTFT
-    mean/p50/p90, TPOT mean/p90; dem/pro = blocks demoted / promoted during the run."""
+    mean/p50/p90, TPOT mean/p90; dem/pro = blocks demoted / promoted during the run; captures =
+    decode graphs captured during the run / their seconds (inside the timed run: a fresh
+    shape's first step pays one)."""
     columns = ("policy", "load", "req", "out tok/s", "all tok/s", "TTFT ms", "TPOT ms",
-               "peak MB", "dem/pro", "preempt")  # fmt: skip
+               "peak MB", "dem/pro", "preempt", "captures")  # fmt: skip
     rows = [
         (r.policy, f"{r.mode[0].upper()}{r.load}", r.requests, f"{r.output_tok_s:.1f}",
          f"{r.total_tok_s:.1f}", "/".join(_ms(t) for t in (r.ttft_mean_s, r.ttft_p50_s,
          r.ttft_p90_s)), f"{_ms(r.tpot_mean_s)}/{_ms(r.tpot_p90_s)}",
-         f"{r.peak_memory_bytes / 1e6:.1f}", f"{r.demotions}/{r.promotions}", r.preemptions)
+         f"{r.peak_memory_bytes / 1e6:.1f}", f"{r.demotions}/{r.promotions}", r.preemptions,
+         f"{r.graph_captures}/{r.graph_capture_s:.2f}s" if r.graph_captures else "-")
         for r in results
     ]  # fmt: skip
     if not results:
