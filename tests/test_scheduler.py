@@ -112,13 +112,13 @@ def test_sampling_params_are_checked():
 def test_sampler_greedy_top_p_and_seed():
     import torch
 
-    from pwctl.runtime.sampler import sample, sample_one
+    from pwctl.runtime.sampler import sample
 
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
     greedy = Sequence([1], SamplingParams(temperature=0))
-    assert sample_one(logits, greedy) == 1
     narrow = Sequence([1], SamplingParams(temperature=1.0, top_p=0.01, seed=0))
-    assert all(sample_one(logits, narrow) == 1 for _ in range(20))  # only the top token left
+    rows = logits.repeat(2, 1)
+    assert all(sample(rows, [greedy, narrow]) == [1, 1] for _ in range(20))  # top token only
     draws = [
         sample(logits[None], [Sequence([1], SamplingParams(temperature=2.0, seed=s))])[0]
         for s in range(40)
@@ -129,3 +129,55 @@ def test_sampler_greedy_top_p_and_seed():
         for s in range(40)
     ]
     assert draws == again  # a seed fixes the draw
+
+
+def test_sampler_frequencies_follow_temperature_and_top_p():
+    import torch
+
+    from pwctl.runtime.sampler import sample
+
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20000
+    for temperature, top_p, want in (
+        (1.0, 1.0, probs),
+        (0.5, 1.0, probs**2 / (probs**2).sum()),  # logits / 0.5: probabilities squared
+        (1.0, 0.7, torch.tensor([0.625, 0.375, 0, 0])),  # the nucleus: 0.5 + 0.3 reach 0.7
+    ):
+        seqs = [Sequence([1], SamplingParams(temperature=temperature, top_p=top_p))] * n
+        got = torch.bincount(torch.tensor(sample(probs.log().repeat(n, 1), seqs)), minlength=4)
+        assert torch.allclose(got / n, want, atol=0.015), (temperature, top_p, got / n)
+
+
+def test_nucleus_equals_a_sort_of_every_row():
+    # the nucleus found among the top NUCLEUS_K tokens, or past them by a full sort, is the
+    # one a sort of the whole row gives, row by row
+    import torch
+
+    from pwctl.runtime.sampler import NUCLEUS_K, nucleus
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab, spread in ((4 * NUCLEUS_K, 4.0), (4 * NUCLEUS_K, 0.1), (50, 1.0)):
+        probs = torch.softmax(torch.randn(6, vocab, generator=gen) * spread, -1)
+        top_p = torch.tensor([0.1, 0.5, 0.9, 0.99, 1.0, 0.95])
+        want = torch.zeros_like(probs, dtype=torch.bool)
+        for i, row in enumerate(probs):
+            sorted_p, order = row.sort(descending=True)
+            keep = (sorted_p.cumsum(-1) - sorted_p < top_p[i]) | (top_p[i] >= 1)
+            want[i, order[keep]] = True
+        assert torch.equal(nucleus(probs, top_p), want), (vocab, spread)
+
+
+def test_a_seeded_row_draws_the_same_in_any_batch():
+    import torch
+
+    from pwctl.runtime.sampler import sample
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    alone, batched = Sequence([1], params), Sequence([1], params)
+    others = [Sequence([1], SamplingParams(temperature=t)) for t in (0.0, 1.5, 0.7)]
+    for _ in range(10):
+        a = sample(logits[:1], [alone])[0]
+        b = sample(logits, [batched, *others])[0]
+        assert a == b

@@ -70,13 +70,11 @@ class Sequence:
     offsets: TextOffsets = field(default_factory=TextOffsets)  # where `text` stands in output_ids
     preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded sequence's, made by its first draw
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise PwctlError("empty prompt")
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def all_ids(self) -> list[int]:
