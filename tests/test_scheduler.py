@@ -181,3 +181,25 @@ def test_a_seeded_row_draws_the_same_in_any_batch():
         a = sample(logits[:1], [alone])[0]
         b = sample(logits, [batched, *others])[0]
         assert a == b
+
+
+@pytest.mark.gpu
+def test_sampler_on_cuda_follows_the_cpus():
+    # the same draws on the device: frequencies, top-p, a seeded row alone and in a batch
+    import torch
+
+    from pwctl.runtime.sampler import sample
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device="cuda")
+    n = 20000
+    seqs = [Sequence([1], SamplingParams(temperature=1.0, top_p=0.7))] * n
+    got = torch.bincount(torch.tensor(sample(probs.log().repeat(n, 1), seqs)), minlength=4)
+    assert torch.allclose(got / n, torch.tensor([0.625, 0.375, 0, 0]), atol=0.015)
+    logits = torch.randn(3, 152064, device="cuda") * 4
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+    alone, batched = Sequence([1], params), Sequence([1], params)
+    greedy = Sequence([1], SamplingParams(temperature=0))
+    for _ in range(5):
+        a = sample(logits[:1], [alone])[0]
+        b, g, _ = sample(logits, [batched, greedy, Sequence([1], SamplingParams(temperature=1))])
+        assert a == b and g == int(logits[1].argmax())
