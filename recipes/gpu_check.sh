@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # First device call of a session: every GPU-marked test (kernels, grouping, pager, paged engine,
-# shared KV/plane arena, decode graphs, the sampler), then a short kernel bench (its rows in $OUT/kernels.json) and the
-# one-token profile. ~7 min on an H200, of which the NVRTC compile ~1.7 (give the call 600 s).
+# shared KV/plane arena, decode graphs, the sampler), then a short kernel bench (its rows in
+# $OUT/kernels.json) and the one-token profile. ~7 min on an H200, of which the NVRTC compile ~1.7
+# (give the call 600 s).
 # The test files are named: collecting the others needs openai/fastapi, absent on the GPU machine.
 # Usage (device tool): bash recipes/gpu_check.sh
 set -uo pipefail
