@@ -54,7 +54,8 @@ def attention_implementation(model: nn.Module, name: str):
 @dataclass
 class SeqSpan:
     """One sequence of the packed batch: its queries q_start..q_stop-1 (packed rows), at
-    positions past..past+n-1, attend to cache rows `kv_slots` (positions 0..past+n-1)."""
+    positions past..past+n-1, attend to cache rows `kv_slots` (positions 0..past+n-1; a host
+    tensor: located on the device once a step, with the rest of the step's)."""
 
     q_start: int
     q_stop: int
@@ -111,9 +112,9 @@ def _decode_group(
     lengths = torch.tensor([s.kv_slots.numel() for s in ones])
     # padding repeats each row's first cache row: written, so finite (a free block's slab may
     # hold plane bytes, and a NaN key or value there would leak through the mask into the sum)
-    slots = torch.stack([s.kv_slots[:1].cpu() for s in ones]).repeat(1, int(lengths.max()))
+    slots = torch.stack([s.kv_slots[:1] for s in ones]).repeat(1, int(lengths.max()))
     for i, s in enumerate(ones):
-        slots[i, : s.kv_slots.numel()] = s.kv_slots.cpu()
+        slots[i, : s.kv_slots.numel()] = s.kv_slots
     rows = torch.tensor([s.q_start for s in ones]).to(device)
     cached = kv.locate(slots.to(device).reshape(-1))
     return DecodeGroup(rows, cached, length_mask(lengths.to(device), slots.shape[1], window))

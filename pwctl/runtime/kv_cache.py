@@ -270,7 +270,7 @@ class KVCache:
         """Rows `slots` (cache rows, e.g. from `slots()`) for every layer: valid while no block
         of theirs changes hands (within one step)."""
         if self.slabs is None:
-            return KVRows(slots)
+            return KVRows(slots.to(self.k[0].device))
         slots = slots.to(self.block_slabs.device)
         block, s = slots // self.block_size, slots % self.block_size
         layers = torch.arange(2 * self.layout.n_layers, device=slots.device)

@@ -39,8 +39,7 @@ class ModelRunner:
             ids.extend(seq.all_ids[past : past + n])
             pos.extend(range(past, past + n))
             slots.append(self.kv.slots(seq.seq_id, past, past + n))
-            kv_slots = self.kv.slots(seq.seq_id, 0, past + n).to(self.device)
-            spans.append(SeqSpan(start, start + n, past, kv_slots))
+            spans.append(SeqSpan(start, start + n, past, self.kv.slots(seq.seq_id, 0, past + n)))
             start += n
         dev = self.device
         paged = PagedBatch(self.kv, torch.cat(slots).to(dev), spans)
