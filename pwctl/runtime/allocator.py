@@ -130,8 +130,8 @@ class WidthAllocator:
 
     def signals(self, tap: MoETap) -> StepSignals:
         """The planner's signals of the forward `tap` just recorded, on their way to the host:
-        each comes in one copy for every layer (a copy a layer was a device sync a layer), queued
-        behind the forward on CUDA, so nothing waits here."""
+        each in one copy for every layer (not a copy a layer: on CUDA each would be a sync),
+        queued behind the forward, so nothing waits here."""
         seen = [tap.seen[layer] for layer in self.layers]
         tokens = seen[0][0].shape[0]
         feats = index = None

@@ -38,8 +38,9 @@ class ModelRunner:
             past = seq.num_computed
             ids.extend(seq.all_ids[past : past + n])
             pos.extend(range(past, past + n))
-            slots.append(self.kv.slots(seq.seq_id, past, past + n))
-            spans.append(SeqSpan(start, start + n, past, self.kv.slots(seq.seq_id, 0, past + n)))
+            kv_slots = self.kv.slots(seq.seq_id, 0, past + n)  # host: located once a step
+            slots.append(kv_slots[past:])
+            spans.append(SeqSpan(start, start + n, past, kv_slots))
             start += n
         dev = self.device
         paged = PagedBatch(self.kv, torch.cat(slots).to(dev), spans)
