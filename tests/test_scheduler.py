@@ -102,7 +102,7 @@ def test_abort_and_finish_free_blocks():
 
 
 def test_sampling_params_are_checked():
-    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}):
+    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"seed": 2**64}):
         with pytest.raises(PwctlError):
             SamplingParams(**bad)
     with pytest.raises(PwctlError, match="empty"):

@@ -206,6 +206,7 @@ def test_bad_requests_get_400_and_server_keeps_serving(served):
         (json.dumps({"prompt": "hi", "max_tokens": True}), "max_tokens"),
         (json.dumps({"prompt": 42}), "prompt"),
         (json.dumps({"prompt": "hi", "temperature": "hot"}), "temperature"),
+        (json.dumps({"prompt": "hi", "seed": 2**64}), "seed"),  # no generator takes it
         (json.dumps({"prompt": "the earth " * 400}), "prompt"),
         (json.dumps({"prompt": [10**9]}), "prompt"),
         (json.dumps([1, 2]), None),

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pwctl.runtime.scheduler import SamplingParams
+from pwctl.runtime.scheduler import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -103,6 +103,8 @@ def _common(body: dict, prompt: str | list[int], max_name: str, default_max: int
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), {})
     seed = _get(body, "seed", (int,), None)
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise RequestError("'seed' must fit in 64 bits", "seed", "invalid_value")
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # resolved against the prompt's length by the server
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),

@@ -35,6 +35,9 @@ class Status(Enum):
     FINISHED = "finished"
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -52,6 +55,9 @@ class SamplingParams:
             raise PwctlError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise PwctlError("top_p must be in (0, 1]")
+        # a generator takes it at the sequence's first draw, inside a step: check it here
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise PwctlError("seed must fit in 64 bits")
 
 
 _ids = itertools.count()
