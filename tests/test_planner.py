@@ -166,6 +166,24 @@ def test_floors_shortfall_and_hot_experts():
     assert (plan.widths >= planner.floors() + 2).all()
 
 
+def test_hot_experts_cool_below_a_lower_share():
+    # hysteresis: an expert turns hot at 2x its layer's mean and cools only below 1.5x, so one
+    # whose share wavers around 2x keeps its floor instead of moving it every step
+    layer, expert = np.zeros(12, int), np.repeat(np.arange(4), 3)
+    cost, damage = instance(5, 12, 7)
+    planner = Planner(cost, damage, 2, layer, expert, config=PlannerConfig(ema=1.0))
+
+    def floor_after(share: float) -> int:  # expert 0 at `share` x the mean, the rest equal
+        planner.observe(np.array([[3 * share / (4 - share), 1, 1, 1]]))
+        return int(planner.floors()[0])
+
+    assert floor_after(1.9) == 0
+    assert [floor_after(s) for s in (2.2, 1.8, 2.2, 1.6, 1.9)] == [1] * 5
+    assert floor_after(1.4) == 0 and floor_after(1.9) == 0
+    with pytest.raises(ValueError, match="hot_leave"):
+        Planner(cost, damage, 2, layer, expert, config=PlannerConfig(hot_leave=2.5))
+
+
 def test_signals_and_ablations():
     cost = np.tile(np.cumsum(np.full(7, 1000)), (2, 1))
     damage = np.tile(4.0 ** -np.arange(7), (2, 1))

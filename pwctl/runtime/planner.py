@@ -41,6 +41,8 @@ class PlannerConfig:
     global_sensitivity: bool = True  # False: the same damage curve per byte for every block
     ema: float = 0.1  # weight of the newest router counts
     hot_share: float = 2.0  # routed >= hot_share x its layer's mean: hot
+    hot_leave: float = 1.5  # ... and hot until routed < hot_leave x the mean (an expert near
+    # hot_share would otherwise move its floor, and the hulls, back and forth every step)
     hot_cap: float = 8.0  # the hot factor is clipped to [1 / hot_cap, hot_cap]
     floor_bits: int | None = None  # lowest width of any block (None: min_bits)
     hot_floor: int = 1  # hot experts: at least floor + hot_floor bits
@@ -130,6 +132,9 @@ class Planner:
         )
         self.ema = np.ones((self.layers.size, self.n_experts))
         self.prior = np.ones((self.layers.size, self.n_experts))  # the profile's routing share
+        self.hot = np.zeros((self.layers.size, self.n_experts), bool)  # per (layer, expert)
+        if cfg.hot_leave > cfg.hot_share:
+            raise ValueError("hot_leave above hot_share")
         self._observed = False  # has observe() seen live counts yet
         self._res_block: np.ndarray | None = None  # residual per block [n]
         self._res_width: np.ndarray | None = None  # residual per block and width [K, n]
@@ -186,7 +191,13 @@ class Planner:
         live = mean[:, 0] > 0  # layers that saw no token keep their history
         a = self.cfg.ema
         self.ema[live] = (1 - a) * self.ema[live] + a * counts[live] / mean[live]
+        self._update_hot()
         self._dirty = True
+
+    def _update_hot(self) -> None:
+        """Experts turn hot at hot_share x their layer's mean share, and cool below hot_leave."""
+        s = self.ema / self.ema.mean(axis=1, keepdims=True)
+        self.hot = (s >= self.cfg.hot_share) | (self.hot & (s >= self.cfg.hot_leave))
 
     def set_prior(self, share: np.ndarray) -> None:
         """Routing share per (layer, expert) on the calibration text the sensitivity was
@@ -196,6 +207,7 @@ class Planner:
         self.prior = np.maximum(share / share.mean(axis=1, keepdims=True), 1e-3)
         if not self._observed:  # no live counts yet: assume the calibration load (factor 1)
             self.ema = self.prior.copy()
+            self._update_hot()
         self._dirty = True
 
     def set_residual(self, residual: np.ndarray | None) -> None:
@@ -253,7 +265,8 @@ class Planner:
         f = self._base_floor.copy()
         scale = np.ones(self.n, np.float32)
         if cfg.use_router_stats:
-            np.maximum(f, (self._share >= cfg.hot_share) * self._hot_floor, out=f)
+            hot = np.append(self.hot.ravel(), False)[self._slot]
+            np.maximum(f, hot * self._hot_floor, out=f)
             live = np.append((s / self.prior).ravel(), 1.0)[self._slot]
             scale[:] = np.clip(live, 1.0 / cfg.hot_cap, cfg.hot_cap)
         if cfg.use_residual and self._res_block is not None:
