@@ -333,6 +333,7 @@ def test_planner_bench_runs():
     assert r["blocks"] == 48 * 128 * 3 and r["widths"] == "2..8"
     assert 0 < r["full_replan_ms"] < 1000 and 0 < r["incremental_ms"] < 1000
     assert 0 < r["at_top_ms"] < 1000 and 0 < r["serving_step_ms"] < 1000
+    assert r["serving_step_floor_changes"] >= 0
 
 
 def test_router_counts_count_each_layers_ids():

@@ -71,8 +71,9 @@ def run_planner_bench(repeats: int = 200, seed: int = 0) -> dict:
     - at the top: one step's router counts, then the serving engine's promotion into spare
       memory with every block already at its widest (no pressure, or a --max-bits cap);
     - serving step: the whole of a serving step's planner work (`WidthAllocator.feed` of a
-      decode step of 16 sequences: router counts and a usable residual's per-layer factor;
-      then the KV cache takes or gives back 8 MB)."""
+      decode step of 16 sequences routed with a skew, `skewed_routing`: router counts and a
+      usable residual's per-layer factor; then the KV cache takes or gives back 8 MB), and
+      how many blocks' floors a step moves (`serving_step_floor_changes`)."""
     table = synthetic_table()
     damage = synthetic_damage(table, seed)
     planner = Planner.from_table(table, damage, PlannerConfig())
@@ -113,15 +114,19 @@ def run_planner_bench(repeats: int = 200, seed: int = 0) -> dict:
     residual = ResidualModel(
         list(range(48)), [0.0] * 3, [1.0] * 3, rng.normal(0, 0.1, (48, 3)).tolist(), [0.0] * 48, {}
     )
-    ids = rng.integers(0, 128, size=(2, 48, 16 * 8))  # a decode step of 16 sequences, top-8
+    ids = skewed_routing(rng, repeats + 2)
     feats = rng.lognormal(0.0, 0.2, size=(2, 48, 3))
+    floor_changes = [0, 0]  # summed over serving steps, steps
 
     def serving_step() -> None:
         i[0] ^= 1
+        before = planner.floors().copy()
         planner.set_residual(residual.layer_factors(list(range(48)), feats[i[0]])[table.layer])
-        planner.observe(router_counts(ids[i[0]], 128))
+        planner.observe(router_counts(ids[floor_changes[1] % len(ids)], 128))
         planner.tick()
         planner.fit(budget - (8 << 20) * i[0])
+        floor_changes[0] += int((planner.floors() != before).sum())
+        floor_changes[1] += 1
 
     out = {"blocks": n, "widths": f"{table.min_bits}..{table.max_bits}"}
     cases = (("full_replan", full), ("cold_replan", cold), ("incremental", incremental),
@@ -135,8 +140,19 @@ def run_planner_bench(repeats: int = 200, seed: int = 0) -> dict:
         fn()
         med, p90 = _median_ms(fn, repeats)
         out[f"{name}_ms"], out[f"{name}_p90_ms"] = round(med, 3), round(p90, 3)
+    out["serving_step_floor_changes"] = round(floor_changes[0] / floor_changes[1], 1)
     out["repeats"] = repeats
     return out
+
+
+def skewed_routing(rng: np.random.Generator, steps: int, tokens: int = 16 * 8) -> np.ndarray:
+    """Expert ids [steps, 48, tokens] of decode steps (16 sequences, top-8): each layer's 128
+    experts drawn with Zipf(0.8) weights in an order of its own, so some are steadily hot and
+    some waver near the hot threshold."""
+    weights = 1.0 / np.arange(1, 129) ** 0.8
+    order = np.stack([rng.permutation(128) for _ in range(48)])
+    draws = rng.choice(128, size=(steps, 48, tokens), p=weights / weights.sum())
+    return np.take_along_axis(order[None], draws, axis=2)
 
 
 if __name__ == "__main__":
