@@ -59,3 +59,19 @@ def test_kl_at_8_bits_on_eval_text(name, tmp_path):
     out = torch.log_softmax(engine.logits(ids), -1)
     kl = float((ref.exp() * (ref - out)).sum(-1).mean())
     assert kl < 1e-3
+
+
+def test_results_run_the_budgets_each_pack_can_hold(bundled_qwen_pack, tmp_path):
+    # tiny-qwen-moe's downs have 32 columns, stored in 128-column rows: at 2 bits its blocks
+    # take more than 0.2 of the fp16 bytes, so `bench --results` runs its budgets from 0.3
+    from pwctl.bench.results import BUDGETS, feasible_budgets
+    from pwctl.errors import PwctlError
+
+    for name in ("tiny-mixtral", "tiny-qwen-moe"):  # widths 2..8
+        convert(name, tmp_path / name, ConvertOptions(force=True))
+    for name, skipped in (("tiny-mixtral", ()), ("tiny-qwen-moe", (0.2,))):
+        budgets, floor = feasible_budgets(Pack(tmp_path / name))
+        assert budgets == [b for b in BUDGETS if b not in skipped]
+        assert all(b < floor for b in skipped) and floor <= budgets[0]
+    with pytest.raises(PwctlError, match="past the 0.3"):  # widths 3..6: 0.36 at 3 bits
+        feasible_budgets(Pack(bundled_qwen_pack))

@@ -12,7 +12,7 @@ from pwctl.bench.ppl import PplResult, run_ppl
 from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE
 from pwctl.convert import ConvertOptions, convert
 from pwctl.errors import PwctlError
-from pwctl.pack import write_atomic
+from pwctl.pack import Pack, write_atomic
 from pwctl.policy import parse_policy
 from pwctl.profile import run_profile
 from pwctl.residual import fit
@@ -55,8 +55,9 @@ def run_model(engine: Engine, max_tokens: int, kv_peak: float) -> dict[str, Any]
     from pwctl.bench.synthetic_tasks import run_synthetic
 
     ids = token_windows(engine.tokenizer, EVAL_SAMPLE, 512, max_tokens)
+    budgets, floor = feasible_budgets(engine.pack)
     fixed = ["fp16"] + [f"uniform:{b}" for b in range(2, 7)]
-    fixed += [f"{f}:{b}" for f in FAMILIES for b in BUDGETS]
+    fixed += [f"{f}:{b}" for f in FAMILIES for b in budgets]
     sweep = run_ppl(engine, ids, [parse_policy(p) for p in fixed])
     trace = run_ppl(
         engine,
@@ -64,14 +65,29 @@ def run_model(engine: Engine, max_tokens: int, kv_peak: float) -> dict[str, Any]
         [parse_policy(p) for p in ["fp16", "static:0.3", *[f"{a}:0.3" for a in ABLATIONS]]],
         kv_peak,
     )
+    low = budgets[0]
     retrieval = run_synthetic(
         engine,
-        [parse_policy(p) for p in ("fp16", "uniform:2", "static:0.2", "pagedweight:0.2")],
+        [parse_policy(p) for p in ("fp16", "uniform:2", f"static:{low}", f"pagedweight:{low}")],
         tasks=("passkey", "kv"),
         lengths=(1024,),
         n=10,
     )
-    return {"sweep": sweep, "trace": trace, "retrieval": retrieval}
+    return {"sweep": sweep, "trace": trace, "retrieval": retrieval, "budgets": budgets,
+            "floor": floor}  # fmt: skip
+
+
+def feasible_budgets(pack: Pack) -> tuple[list[float], float]:
+    """The BUDGETS a pack can run (every block at its narrowest width fits), and that floor as
+    a fraction of the fp16 expert bytes. Planes hold whole 16-byte units a row, so a block of
+    few columns (tiny-qwen-moe's downs: 32) carries 4x its bits at any width."""
+    fp16 = sum(b.fp16_bytes for b in pack.blocks)
+    floor = sum(b.bytes_at(pack.manifest.min_bits) for b in pack.blocks) / fp16
+    budgets = [b for b in BUDGETS if b >= floor]
+    if not budgets or budgets[0] > 0.3:
+        raise PwctlError(f"{pack.path}: every block at its narrowest width takes {floor:.2f} of "
+                         "the fp16 bytes, past the 0.3 the ablations run at")  # fmt: skip
+    return budgets, floor
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -117,17 +133,23 @@ def _table(rows: list[PplResult]) -> list[str]:
 def _findings(res: dict[str, Any]) -> list[str]:
     sweep = {r.policy: r for r in res["sweep"]}
     fp16 = sweep["fp16"].ppl
-    lines = []
+    budgets, lines = res["budgets"], []
+    if len(budgets) < len(BUDGETS):
+        lines.append(
+            f"- Every block at its narrowest width takes {res['floor']:.3f} of the fp16 expert "
+            f"bytes (planes hold whole 16-byte units a row): budgets below it "
+            f"({', '.join(str(b) for b in BUDGETS if b not in budgets)}) are not run."
+        )
     for family in FAMILIES:
-        ok = [b for b in BUDGETS if sweep[f"{family}:{b}"].ppl <= 1.01 * fp16]
+        ok = [b for b in budgets if sweep[f"{family}:{b}"].ppl <= 1.01 * fp16]
         lines.append(
             f"- {family}: perplexity within 1% of fp16 from budget "
-            f"{min(ok) if ok else 'none of ' + str(BUDGETS)}."
+            f"{min(ok) if ok else 'none of ' + str(budgets)}."
         )
-    wins = sum(sweep[f"pagedweight:{b}"].kl < sweep[f"static:{b}"].kl for b in BUDGETS)
-    apart = sum(sweep[f"pagedweight:{b}"].kl_ci[1] < sweep[f"static:{b}"].kl_ci[0] for b in BUDGETS)
+    wins = sum(sweep[f"pagedweight:{b}"].kl < sweep[f"static:{b}"].kl for b in budgets)
+    apart = sum(sweep[f"pagedweight:{b}"].kl_ci[1] < sweep[f"static:{b}"].kl_ci[0] for b in budgets)
     lines.append(
-        f"- pagedweight has lower KL than static at {wins} of {len(BUDGETS)} budgets "
+        f"- pagedweight has lower KL than static at {wins} of {len(budgets)} budgets "
         f"({apart} with non-overlapping intervals)."
     )
     trace = sorted(res["trace"][1:], key=lambda r: r.kl)
@@ -182,7 +204,7 @@ def write_markdown(results: dict[str, dict[str, Any]], meta: dict[str, Any], pat
             "",
             *_table(res["trace"]),
             "",
-            "### Retrieval at 1024 tokens (10 examples)",
+            f"### Retrieval at 1024 tokens (10 examples, budget {res['budgets'][0]})",
             "",
             "| policy | task @ tokens | accuracy |",
             "| --- | --- | --- |",
