@@ -32,6 +32,13 @@ def test_missing_source(tmp_path):
         convert(tmp_path / "nope", tmp_path / "out", ConvertOptions())
 
 
+def test_error_lines_keep_their_brackets(tmp_path):
+    # rich would read "[plot]" as markup and drop it (the CLI printed "pip install 'pwctl'")
+    missing = tmp_path / "run[plot]" / "pack"
+    r = runner.invoke(app, ["generate", str(missing), "--prompt", "hi"])
+    assert r.exit_code == 2 and "run[plot]" in r.output
+
+
 def test_unsupported_architecture(checkpoints, tmp_path):
     src = copy(checkpoints[("mixtral", "fused")], tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())

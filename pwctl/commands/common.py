@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pwctl.errors import PwctlError
@@ -35,7 +36,8 @@ def handles_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except PwctlError as e:
-            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            # escaped: a message's brackets ("pip install 'pwctl[plot]'", paths) are not markup
+            err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
