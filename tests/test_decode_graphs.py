@@ -113,6 +113,18 @@ def test_failed_capture_falls_back_to_packed_rows(bundled_pack, monkeypatch, cap
     assert got == [s.output_ids for s in batcher.run(ids, SamplingParams(max_tokens=6))]
 
 
+def test_decode_builds_kept_per_token_count_until_widths_change(bundled_pack):
+    # the graphs' key: steps alternating between S buckets read their builds from the cache,
+    # and a width upload makes them afresh
+    engine = Engine(Pack(bundled_pack), experts="paged")
+    fused = engine.paged.fused
+    one, four = fused.decode_builds(1), fused.decode_builds(4)
+    assert fused.decode_builds(1) is one and fused.decode_builds(4) is four
+    assert len(one) == len(fused.block_ids)
+    engine.set_policy(parse_policy("uniform:3"))  # a width upload
+    assert fused.decode_builds(1) is not one
+
+
 @pytest.mark.parametrize("arch", tiny.ARCHS)
 def test_fixed_shape_decode_every_arch(arch, packs):
     engine = Engine(Pack(packs[(arch, "per_expert")]), experts="paged")

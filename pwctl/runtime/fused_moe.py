@@ -622,7 +622,9 @@ class FusedMoE:
         self._piece_buffers: dict[tuple, torch.Tensor] = {}
         self._x_pieces_made: dict[tuple[int, int], XPieces] = {}  # by (gate rows' words, T)
         # layer -> (width_version, WidthSpan): `_widths`
-        self._builds: dict[tuple[int, int], tuple] = {}  # `decode_builds`, the latest only
+        # `decode_builds` by T, for the width upload `_builds_version` (cleared at the next)
+        self._builds: dict[int, tuple] = {}
+        self._builds_version = -1
         self._width_spans: dict[int, tuple[int, WidthSpan]] = {}
         reads = {layer: self._weights_a_token(layer) for layer in self.block_ids}
         self._popc_pays = {layer: n >= POPC_MIN_WEIGHTS for layer, n in reads.items()}
@@ -885,15 +887,16 @@ class FusedMoE:
         `_past_mma`): what a CUDA graph of a decode step fixes when it is captured
         (runtime/decode_graphs.py). Any build reads any width, so a graph captured for other
         builds stays right, only slower. Kept until the next width upload."""
-        key = (T, self.dt.width_version)
-        if key not in self._builds:
+        if self._builds_version != self.dt.width_version:  # a step's S bucket may alternate
             self._builds.clear()
+            self._builds_version = self.dt.width_version
+        if T not in self._builds:
             dev, out = self.dt.device, []
             for layer in self.block_ids:
                 kind = self._kind(layer, T, self._x_pieces(layer, T, dev))
                 out.append((kind, self._past_mma(layer, kind)))
-            self._builds[key] = tuple(out)
-        return self._builds[key]
+            self._builds[T] = tuple(out)
+        return self._builds[T]
 
     def _past_mma(self, layer: int, kind: str) -> bool:
         """Whether some block of `layer` is wider than the binary mma of a one-token gate_up
