@@ -150,9 +150,7 @@ class WidthAllocator:
             slope, intercept = self._norm_fit
             self.planner.set_residual(np.clip(slope * feats[:, 0] + intercept, 0.1, 10.0))
             return
-        if self.residual is None:
-            self.planner.set_residual(np.ones(len(self._block_layer)))
-        elif feats is not None:
+        if self.residual is not None and feats is not None:  # none: the planner's factor is 1
             factor = self.residual.layer_factors(self.layers, feats)
             self.planner.set_residual(factor[self._block_layer])
         self.planner.observe(router_counts(index, self.pack.manifest.spec["num_experts"]))
