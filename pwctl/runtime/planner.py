@@ -196,8 +196,12 @@ class Planner:
 
     def _update_hot(self) -> None:
         """Experts turn hot at hot_share x their layer's mean share, and cool below hot_leave."""
-        s = self.ema / self.ema.mean(axis=1, keepdims=True)
+        s = self._layer_share()
         self.hot = (s >= self.cfg.hot_share) | (self.hot & (s >= self.cfg.hot_leave))
+
+    def _layer_share(self) -> np.ndarray:
+        """[layers, experts] each expert's EMA routing share over its layer's mean."""
+        return self.ema / self.ema.mean(axis=1, keepdims=True)
 
     def set_prior(self, share: np.ndarray) -> None:
         """Routing share per (layer, expert) on the calibration text the sensitivity was
@@ -260,7 +264,7 @@ class Planner:
         if not self._dirty:
             return
         cfg = self.cfg
-        s = self.ema / self.ema.mean(axis=1, keepdims=True)
+        s = self._layer_share()
         self._share = np.append(s.ravel(), 1.0)[self._slot]
         f = self._base_floor.copy()
         scale = np.ones(self.n, np.float32)
