@@ -56,7 +56,7 @@ def decoding_engine(
     token window of the bundled eval text that will decode `tokens` tokens."""
     policy = parse_policy(policy_text)
     experts = experts_for(policy, device)
-    engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
+    engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
     engine.start_batching(policy, None, BatchConfig(max_seqs=1, cuda_graphs=cuda_graphs))
     (ids,) = prompt_windows(engine.tokenizer, EVAL_SAMPLE, 1, prompt_len)
     engine.add_request(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))

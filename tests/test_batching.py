@@ -36,9 +36,9 @@ def test_greedy_and_logits_equal_reference_every_arch(arch, packs):
     engine = Engine(Pack(packs[(arch, "per_expert")]))
     # small blocks, a small token budget (chunked prefill) and few blocks (preemption): room
     # for the longest sequence and one block more
-    cfg = BatchConfig(max_seqs=4, max_batch_tokens=7, block_size=4, max_model_len=64)
-    probe = engine.start_batching(parse_policy("uniform:4"), None, cfg)
     longest = max(len(engine.tokenizer(p).input_ids) for p in PROMPTS) + 10
+    cfg = BatchConfig(max_seqs=4, max_batch_tokens=7, block_size=4, max_model_len=longest)
+    probe = engine.start_batching(parse_policy("uniform:4"), None, cfg)
     blocks = probe.kv.blocks_for(longest) + 1
     budget = probe.memory.fixed + probe.memory.planes + blocks * probe.kv.block_bytes
     batcher = engine.start_batching(parse_policy("uniform:4"), f"{budget}b", cfg)
@@ -82,7 +82,7 @@ def test_bundled_model_policies_on_one_engine(policy, bundled_pack):
 
 def test_memory_budget_demotes_under_kv_pressure_and_promotes_after(bundled_pack):
     engine = Engine(Pack(bundled_pack))
-    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4, max_model_len=96)
     probe = engine.start_batching(parse_policy("pagedweight:0.4"), None, cfg)
     fixed, widest = probe.memory.fixed, engine.widest_plane_bytes()
     budget = fixed + widest + 12 * probe.kv.block_bytes  # full planes leave 12 KV blocks
@@ -115,7 +115,7 @@ def test_fixed_policy_keeps_widths_and_checks_the_budget(bundled_pack):
     widths = engine.store.widths.copy()
     engine.generate_batch([engine.tokenizer("The earth").input_ids], SamplingParams(8))
     assert np.array_equal(widths, engine.store.widths) and batcher.memory.moves.demotions == 0
-    with pytest.raises(PwctlError, match="leaves no KV block"):
+    with pytest.raises(PwctlError, match="smallest budget that starts"):
         engine.start_batching(parse_policy("fp16"), "1MB")
     with pytest.raises(PwctlError, match="exceeds the context"):
         engine.start_batching(parse_policy("fp16"), None, BatchConfig(max_model_len=8))

@@ -130,7 +130,7 @@ def pressure_run(
 
 def test_paged_pressure_demotes_and_promotes_through_pager(bundled_pack):
     store, paged = engines(bundled_pack)
-    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4, max_model_len=96)
     probe = store.start_batching(parse_policy("pagedweight:0.4"), None, cfg)
     budget = probe.memory.fixed + store.widest_plane_bytes() + 12 * probe.kv.block_bytes
     want, want_trace = pressure_run(store, budget, cfg)
@@ -156,7 +156,7 @@ def arena_run(engine: Engine, deferred: bool = False) -> None:
     `deferred`: then copies land only when the test says, as on a GPU."""
     cuda = engine.device.startswith("cuda")
     synchronous = not cuda and not deferred
-    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4, max_model_len=96)
     probe = engine.start_batching(parse_policy("pagedweight:0.4"), None, cfg)
     budget = probe.memory.fixed + engine.widest_plane_bytes() + 12 * probe.kv.block_bytes
     batcher = engine.start_batching(parse_policy("pagedweight:0.4"), f"{budget}b", cfg)
@@ -350,7 +350,7 @@ def test_max_bits_paged_pressure_equals_store(bundled_pack):
     pack = Pack(bundled_pack)
     store, paged = Engine(pack, max_bits=5), Engine(pack, experts="paged", max_bits=5)
     assert paged.paged.table.n_slabs * paged.paged.slab_bytes == paged.widest_plane_bytes()
-    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4, max_model_len=96)
     probe = store.start_batching(parse_policy("pagedweight:0.25"), None, cfg)
     budget = probe.memory.fixed + store.widest_plane_bytes() + 12 * probe.kv.block_bytes
     want, want_trace = pressure_run(store, budget, cfg, "pagedweight:0.25")
@@ -367,7 +367,7 @@ def test_max_bits_on_cuda(bundled_pack):
     """The cap on the CUDA backend: under KV pressure (demotions, then promotions as the KV
     drains) no plan and no width the kernels read passes it, and every request completes."""
     paged = Engine(Pack(bundled_pack), "cuda", experts="paged", max_bits=5)
-    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4)
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4, max_model_len=96)
     probe = paged.start_batching(parse_policy("pagedweight:0.25"), None, cfg)
     budget = probe.memory.fixed + paged.widest_plane_bytes() + 12 * probe.kv.block_bytes
     outs, trace = pressure_run(paged, budget, cfg, "pagedweight:0.25")

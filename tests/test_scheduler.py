@@ -75,7 +75,7 @@ def test_make_room_is_asked_before_preempting():
     kv = KVCache(LAYOUT, 4, 4)
     kv.pool.set_limit(2)
 
-    def make_room(n):
+    def make_room(n, urgent=False):
         asked.append(n)
         kv.pool.set_limit(kv.pool.limit + n)
         return True

@@ -7,11 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pwctl.bench.serving_budget import serving_budget
+from pwctl.bench.serving_budget import BudgetCalculator
 from pwctl.cli import app
 from pwctl.pack import Pack
 from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine
 
 runner = CliRunner()
 SIZES = ["--input-len", "32", "--output-len", "8"]
@@ -28,6 +27,7 @@ def check_consistent(result: dict) -> None:
     assert result["output_tokens"] == result["requests"] * 8
     assert result["prompt_tokens"] == result["requests"] * 32
     assert result["aborted"] == 0 and result["output_tok_s"] > 0
+    assert result["cut_short"] == 0 and result["requested_tokens"] == result["output_tokens"]
     assert result["total_tok_s"] > result["output_tok_s"]
     assert 0 < result["ttft_p50_s"] <= result["ttft_p90_s"] <= result["seconds"]
     assert 0 < result["ttft_mean_s"] <= result["seconds"]
@@ -58,8 +58,8 @@ def test_fixed_policies_batch_and_concurrency(bundled_pack, tmp_path):
 
 def test_pagedweight_demotes_under_a_small_budget(bundled_pack, tmp_path):
     # the widest planes (6 bits in this pack) leave room for the KV of one request only
-    engine = Engine(Pack(bundled_pack))
-    budget = serving_budget(engine, BatchConfig(max_seqs=2), "uniform:6", 1, 40)
+    calc = BudgetCalculator(Pack(bundled_pack), "cpu")
+    budget = calc.budget("uniform:6", BatchConfig(max_seqs=2, max_model_len=40), 1, 40)
     report = bench(
         bundled_pack, tmp_path, "--batch", "2", "--concurrency", "2", "--requests", "3",
         "--max-seqs", "2", "--policy", "pagedweight:0.4", "--memory-budget", f"{budget}b",
@@ -89,7 +89,7 @@ def test_max_bits_caps_the_planes_and_labels_the_rows(bundled_pack, tmp_path):
         (["--input-len", "0"], "--input-len 0: must be at least 1"),
         (["--requests", "4"], "--requests N (N >= 1) goes with --concurrency C"),
         (["--input-len", "4000", "--output-len", "200"], "exceeds the model's context"),
-        (["--memory-budget", "1MB"], "leaves no KV block"),
+        (["--memory-budget", "1MB"], "smallest budget that starts"),
     ],
 )
 def test_bad_input_exits_2(bundled_pack, args, message):

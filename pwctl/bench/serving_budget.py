@@ -1,58 +1,107 @@
-"""Memory budgets for serving benchmarks, in the engine's own accounting: the fixed part (non-expert
-weights + workspace estimate of a BatchConfig) + the planes of a fixed policy + the KV cache of a
-number of full sequences. Issue 7's settings are stated this way ("fp16 weights + the KV of 4
-sequences of 2304 tokens"); this prints them as sizes `--memory-budget` and `pagedweight:` accept:
+"""Memory budgets for serving, in the engine's own accounting (runtime/accounting.py): the fixed
+part (non-expert weights + the workspace of the largest step) + the experts of a fixed policy +
+the KV cache of a number of full sequences. Settings such as "fp16 weights + the KV of 4
+sequences of 2304 tokens" are stated this way; this prints them as sizes `--memory-budget` and
+`pagedweight:` accept:
 
     python -m pwctl.bench.serving_budget PACK --planes fp16 --seqs 4 --tokens 2304 --max-seqs 32
 
-Only the non-expert weights load (on the CPU), so it is quick even for a large pack."""
+`--device cuda` counts as the engine does there: bit-plane policies on the paged backend (planes
+and KV blocks in whole slabs of its arena, plus its staging buffer), fp16 on the 16-bit experts
+(bf16, KV blocks of their own). Only the non-expert weights load (on the CPU), so it is quick
+even for a large pack, and no GPU is needed to compute a GPU budget. The sequences' length is
+also the engine's `--max-model-len` (as bench --throughput sets it: input + output)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from pwctl.pack import Pack
 from pwctl.policy import parse_policy
+from pwctl.runtime.accounting import StepShape, fixed_part
 from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine, open_pack
+from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
 from pwctl.runtime.kv_cache import KVCache, KVLayout
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def plane_bytes(engine: Engine, policy: str) -> int:
-    """Expert bytes (planes + tables) of a fixed policy: fp16 or uniform:B."""
-    engine.store.apply(parse_policy(policy))
-    return engine.store.expert_bytes()
+from pwctl.runtime.page_table import PageTable
+from pwctl.runtime.pager import STAGING_BYTES
 
 
-def kv_bytes(engine: Engine, cfg: BatchConfig, seqs: int, tokens: int) -> int:
-    """KV blocks of `seqs` sequences of `tokens` tokens each."""
-    layout = KVLayout.from_config(engine.model.config, engine.dtype)
-    per_seq = -(-tokens // cfg.block_size)
-    return seqs * per_seq * KVCache.block_bytes_of(layout, cfg.block_size)
+class BudgetCalculator:
+    """The engine's accounting of a pack on `device`, without its experts on any device."""
 
+    def __init__(self, pack: Pack, device: str = "cuda", dtype: torch.dtype | None = None):
+        self.pack, self.device = pack, device
+        self.dtype = dtype
+        self._engine: Engine | None = None
+        self._table: PageTable | None = None
 
-def serving_budget(engine: Engine, cfg: BatchConfig, planes: str, seqs: int, tokens: int) -> int:
-    """fixed + planes of `planes` + KV of `seqs` x `tokens`: a `--memory-budget` in bytes."""
-    return (
-        engine.fixed_bytes(cfg) + plane_bytes(engine, planes) + kv_bytes(engine, cfg, seqs, tokens)
-    )
+    def experts(self, planes: str) -> str:
+        return experts_for(parse_policy(planes), self.device)
+
+    def engine(self) -> Engine:
+        """The model around the experts, on the CPU (only its shapes and weights count)."""
+        if self._engine is None:  # fp16 and bf16 weights take the same bytes
+            self._engine = Engine(self.pack, "cpu", self.dtype or serving_dtype(self.device))
+        return self._engine
+
+    def table(self) -> PageTable:
+        if self._table is None:
+            self._table = PageTable.from_pack(self.pack, 0)
+        return self._table
+
+    def plane_bytes(self, planes: str) -> int:
+        """Device bytes of a fixed policy's experts (fp16 or uniform:B) as its backend counts."""
+        policy = parse_policy(planes)
+        store = self.engine().store
+        store.apply(policy)
+        if self.experts(planes) != "paged":
+            return store.expert_bytes()
+        t = self.table()
+        widths = np.minimum(store.widths, t.max_bits)
+        return int(t.cost_at[np.arange(t.n_blocks), widths].sum())
+
+    def block_bytes(self, planes: str, cfg: BatchConfig) -> int:
+        engine = self.engine()
+        dtype = self.serving_dtype(planes)
+        layout = KVLayout.from_config(engine.model.config, dtype)
+        slab = self.table().slab_bytes if self.experts(planes) == "paged" else None
+        return KVCache.block_bytes_of(layout, cfg.block_size, slab)
+
+    def serving_dtype(self, planes: str) -> torch.dtype:
+        return self.dtype or serving_dtype(self.device, self.experts(planes))
+
+    def fixed_bytes(self, planes: str, cfg: BatchConfig) -> int:
+        engine = self.engine()
+        step = StepShape(cfg.max_seqs, cfg.max_batch_tokens, engine.max_len(cfg), cfg.block_size)
+        staging = 0
+        if self.experts(planes) == "paged" and self.device.startswith("cuda"):
+            slab = self.table().slab_bytes
+            staging = max(1, STAGING_BYTES // slab) * slab
+        dtype = self.serving_dtype(planes)
+        return fixed_part(engine.model, self.pack.manifest.spec, dtype, step, staging).total
+
+    def budget(self, planes: str, cfg: BatchConfig, seqs: int, tokens: int) -> int:
+        """fixed + planes of `planes` + the KV of `seqs` x `tokens`: a `--memory-budget`."""
+        kv = seqs * -(-tokens // cfg.block_size) * self.block_bytes(planes, cfg)
+        slab = self.table().slab_bytes if self.experts(planes) == "paged" else 0
+        return self.fixed_bytes(planes, cfg) + self.plane_bytes(planes) + kv + slab
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("pack", type=Path)
     ap.add_argument(
-        "--planes", default="fp16", help="fixed policy whose planes count (fp16, uniform:B)"
+        "--planes", default="fp16", help="fixed policy whose experts count (fp16, uniform:B)"
     )
     ap.add_argument("--seqs", type=int, default=4, help="sequences whose KV counts")
     ap.add_argument("--tokens", type=int, default=2304, help="tokens per sequence")
     ap.add_argument("--max-seqs", type=int, default=16, help="as bench --max-seqs (workspace)")
     ap.add_argument("--max-batch-tokens", type=int, default=256, help="as bench (workspace)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="the bench's dtype")
+    ap.add_argument("--device", default="cuda", help="the device whose engine counts (cuda, cpu)")
     ap.add_argument(
         "--what",
         choices=("budget", "planes"),
@@ -60,12 +109,14 @@ def main() -> None:
         help="budget: the whole --memory-budget; planes: a pagedweight BUDGET",
     )
     a = ap.parse_args()
-    engine = Engine(open_pack(a.pack), "cpu", DTYPES[a.dtype])
-    cfg = BatchConfig(max_seqs=a.max_seqs, max_batch_tokens=a.max_batch_tokens)
+    calc = BudgetCalculator(open_pack(a.pack), a.device)
+    cfg = BatchConfig(
+        max_seqs=a.max_seqs, max_batch_tokens=a.max_batch_tokens, max_model_len=a.tokens
+    )
     if a.what == "planes":
-        print(f"{plane_bytes(engine, a.planes)}b")
+        print(f"{calc.plane_bytes(a.planes)}b")
     else:
-        print(f"{serving_budget(engine, cfg, a.planes, a.seqs, a.tokens)}b")
+        print(f"{calc.budget(a.planes, cfg, a.seqs, a.tokens)}b")
 
 
 if __name__ == "__main__":

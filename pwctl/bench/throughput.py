@@ -20,6 +20,7 @@ import torch
 
 from pwctl.errors import PwctlError
 from pwctl.policy import Policy
+from pwctl.runtime.accounting import SLACK, DevicePeak, over_budget
 from pwctl.runtime.batcher import BatchConfig, Batcher
 from pwctl.runtime.engine import Engine
 from pwctl.runtime.scheduler import SamplingParams, Sequence
@@ -101,8 +102,8 @@ class ThroughputResult:
     tpot_mean_s: float | None  # None when output_len is 1 (no decode step)
     tpot_p90_s: float | None
     decode_tok_s: float | None  # 1 / tpot_mean: one sequence's decode speed
-    peak_memory_bytes: int
-    peak_memory_source: str  # "cuda max_memory_allocated" or "accounted"
+    peak_memory_bytes: int  # CUDA: DevicePeak.total (reserved + CuPy pool); CPU: accounted
+    peak_memory_source: str  # "cuda reserved + cupy pool" or "accounted"
     peak_accounted_bytes: int  # fixed + planes + KV blocks in use, at the step it peaked
     peak_plane_bytes: int
     peak_kv_bytes: int
@@ -114,6 +115,10 @@ class ThroughputResult:
     preemptions: int
     steps: int
     aborted: int
+    requested_tokens: int = 0  # output tokens the requests asked for
+    cut_short: int = 0  # requests that ended before their max_tokens (aborted included)
+    peak_nvml_bytes: int | None = None  # NVML's figure for the process (context included)
+    over_budget: bool = False  # peak past the memory budget + accounting.SLACK (CUDA)
     graph_captures: int = 0  # decode step graphs captured during the run (CUDA)
     graph_capture_s: float = 0.0  # host seconds those captures took (inside the run's time)
     graph_replays: int = 0
@@ -215,8 +220,6 @@ def _run_one(
         _warm_up(batcher, prompts[0])
     params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True)
     before = batcher.metrics()
-    if engine.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
     timeline = _Timeline(batcher, engine.device)
     seqs = _closed_loop(batcher, timeline, prompts, params, load)
     top = engine.store.max_bits  # a cap below the pack's widest width names the row
@@ -233,8 +236,7 @@ def _fresh_batcher(engine: Engine, policy: Policy, budget: str | None, cfg: Batc
     engine.batcher = None
     engine.reset_policies()
     gc.collect()
-    if engine.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    DevicePeak.reset(engine.device)  # the peak covers start-up, warm-up and the run
     return engine.start_batching(policy, budget, cfg)
 
 
@@ -279,17 +281,20 @@ def _result(
     )
     tpot = np.array([(tl.last[s.seq_id] - tl.first[s.seq_id]) / (len(s.output_ids) - 1)
                      for s in seqs if len(s.output_ids) > 1])  # fmt: skip
-    peak, source = _peak_memory(tl)
+    peak, source, nvml = _peak_memory(tl)
+    budget = after["memory_budget_bytes"]
     delta = {k: after[k] - before[k] for k in DELTAS}
     return ThroughputResult(
         policy, mode, load, len(seqs), spec.input_len, spec.output_len, prompt_tokens, out_tokens,
         seconds, out_tokens / seconds, (prompt_tokens + out_tokens) / seconds,
         _stat(ttft, "mean"), _stat(ttft, 50), _stat(ttft, 90), _stat(tpot, "mean"),
         _stat(tpot, 90), 1 / tpot.mean() if tpot.size and tpot.mean() > 0 else None,
-        peak, source, tl.peak, tl.peak_planes, tl.peak_kv, after["memory_budget_bytes"],
+        peak, source, tl.peak, tl.peak_planes, tl.peak_kv, budget,
         delta["width_demotions"], delta["width_promotions"], delta["width_demoted_bytes"],
         delta["width_promoted_bytes"], delta["preemptions"], delta["steps"],
         sum(s.finish_reason == "abort" for s in seqs),
+        len(seqs) * spec.output_len, sum(len(s.output_ids) < spec.output_len for s in seqs),
+        nvml, source != "accounted" and over_budget(peak, budget),
         *(after.get(k, 0) - before.get(k, 0) for k in GRAPH_COUNTS),
     )  # fmt: skip
 
@@ -301,13 +306,31 @@ def _stat(values: np.ndarray, which: str | int) -> float | None:
     return float(values.mean() if which == "mean" else np.percentile(values, which))
 
 
-def _peak_memory(tl: _Timeline) -> tuple[int, str]:
-    """CUDA: what the allocator really held; CPU: the engine's own accounting (fixed weights
-    and workspace estimate + planes + KV blocks in use), since process RSS includes caches the
-    GPU path would not hold."""
+def _peak_memory(tl: _Timeline) -> tuple[int, str, int | None]:
+    """CUDA: what the process really held (runtime/accounting.py's DevicePeak: the caching
+    allocator's reserved high-water mark + CuPy's pool; NVML's figure beside it); CPU: the
+    engine's own accounting (fixed weights and workspace + planes + KV blocks in use), since
+    process RSS includes caches the GPU path would not hold."""
     if tl.device.startswith("cuda"):
-        return int(torch.cuda.max_memory_allocated()), "cuda max_memory_allocated"
-    return tl.peak, "accounted"
+        peak = DevicePeak.read(tl.device)
+        return peak.total, "cuda reserved + cupy pool", peak.nvml
+    return tl.peak, "accounted", None
+
+
+def failures(results: list[ThroughputResult]) -> list[str]:
+    """What makes a run fail: a request cut short, a peak past its budget (+ SLACK)."""
+    out = []
+    for r in results:
+        load = f"{r.policy} {r.mode} {r.load}"
+        if r.cut_short:
+            got = r.output_tokens
+            out.append(f"{load}: {r.cut_short} requests cut short ({got}/{r.requested_tokens})")
+        if r.over_budget:
+            out.append(
+                f"{load}: peak {r.peak_memory_bytes / 1e6:.1f} MB is over the memory budget "
+                f"{r.memory_budget_bytes / 1e6:.1f} MB + {SLACK:.0%}"
+            )
+    return out
 
 
 def table(results: list[ThroughputResult]) -> tuple[str, tuple[str, ...], list[tuple]]:
@@ -316,12 +339,14 @@ def table(results: list[ThroughputResult]) -> tuple[str, tuple[str, ...], list[t
     decode graphs captured during the run / their seconds (inside the timed run: a fresh
     shape's first step pays one)."""
     columns = ("policy", "load", "req", "out tok/s", "all tok/s", "TTFT ms", "TPOT ms",
-               "peak MB", "dem/pro", "preempt", "captures")  # fmt: skip
+               "peak / budget MB", "done", "dem/pro", "preempt", "captures")  # fmt: skip
     rows = [
         (r.policy, f"{r.mode[0].upper()}{r.load}", r.requests, f"{r.output_tok_s:.1f}",
          f"{r.total_tok_s:.1f}", "/".join(_ms(t) for t in (r.ttft_mean_s, r.ttft_p50_s,
          r.ttft_p90_s)), f"{_ms(r.tpot_mean_s)}/{_ms(r.tpot_p90_s)}",
-         f"{r.peak_memory_bytes / 1e6:.1f}", f"{r.demotions}/{r.promotions}", r.preemptions,
+         f"{r.peak_memory_bytes / 1e6:.1f} / {r.memory_budget_bytes / 1e6:.1f}"
+         + (" OVER" if r.over_budget else ""),
+         f"{r.output_tokens}/{r.requested_tokens}", f"{r.demotions}/{r.promotions}", r.preemptions,
          f"{r.graph_captures}/{r.graph_capture_s:.2f}s" if r.graph_captures else "-")
         for r in results
     ]  # fmt: skip

@@ -3,6 +3,7 @@ memory per policy (more modes land with later issues)."""
 
 from __future__ import annotations
 
+import gc
 import tempfile
 from pathlib import Path
 from typing import Annotated
@@ -194,17 +195,21 @@ def run(
         if pack is None:
             raise PwctlError("bench --throughput needs a PACK")
         policies = [parse_policy(p) for p in (policy or tp.DEFAULT_POLICIES)]
-        engines: dict[str, Engine] = {}  # paged (kernels) on CUDA; fp16 stays on the store
+        engine: Engine | None = None  # on CUDA: paged planes, or fp16 on the 16-bit experts
         results = []
         for p in policies:
             kind = experts_for(p, device)
-            if kind not in engines:
-                engines[kind] = Engine(
-                    open_pack(pack), device, serving_dtype(device), kind, max_bits
-                )
-            results += tp.run_throughput(engines[kind], [p], spec, data or EVAL_SAMPLE)
+            if engine is None or engine.experts != kind:
+                engine = None  # one engine at a time: each run's peak is its own
+                gc.collect()
+                dtype = serving_dtype(device, kind)
+                engine = Engine(open_pack(pack), device, dtype, kind, max_bits)
+            results += tp.run_throughput(engine, [p], spec, data or EVAL_SAMPLE)
         print_table(*tp.table(results))
         write_json(json, tp.report(pack, device, spec, results))
+        failed = tp.failures(results)
+        if failed:
+            raise PwctlError("; ".join(failed))
         return
     if not ppl:
         raise PwctlError("choose a mode: --ppl, --longbench, --synthetic or --predictions FILE")

@@ -34,7 +34,7 @@ def run(
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
     pol = parse_policy(policy)
     experts = experts_for(pol, device)
-    engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
+    engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
     engine.start_batching(pol, memory_budget, BatchConfig(cuda_graphs=cuda_graphs))
     ids = engine.tokenizer(prompt).input_ids
     (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))

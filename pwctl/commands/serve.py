@@ -49,7 +49,7 @@ def run(
     experts = experts_for(pol, device)
     if experts == "paged":
         console.print("loading; a first run on this machine compiles the CUDA kernels (~2 min)")
-    engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
+    engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
     cfg = BatchConfig(
         max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len, cuda_graphs=cuda_graphs
     )

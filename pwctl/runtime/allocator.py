@@ -62,6 +62,7 @@ class WidthAllocator:
         # planes never take more than every block at the widest width: BUDGET past that (a
         # fraction near 1, or a cap) would hold memory back from the KV cache for nothing
         self.budget = min(self.budget, int(cost[:, -1].sum()))
+        self.narrowest = int(cost[:, 0].sum())  # every block at the narrowest width
         block_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
         self._block_layer = block_layer
         self.per_layer = policy.name == "dynamic-layer"
@@ -107,17 +108,48 @@ class WidthAllocator:
         self.last = self.planner.plan(int(self.budget * (1 + extra)))
         return self._widths()
 
+    @property
+    def relaxed(self) -> bool:
+        return self.planner.relaxed
+
+    @property
+    def floor_bytes(self) -> int:
+        """The fewest plane bytes a plan may take now: BUDGET, or the narrowest widths while
+        relaxed."""
+        return self.narrowest if self.relaxed else self.budget
+
     def fit(self, plane_bytes: int) -> np.ndarray:
         """Widths for the serving engine's memory budget: free the excess over `plane_bytes`
-        (never below BUDGET, nor below the planner's floors), or promote into the spare bytes
-        with the planner's hysteresis; static policies keep their first plan."""
-        self.last = self.planner.fit(max(int(plane_bytes), self.budget))
+        (never below the floor bytes, nor below the planner's floors), or promote into the
+        spare bytes with the planner's hysteresis; static policies keep their first plan."""
+        self.last = self.planner.fit(max(int(plane_bytes), self.floor_bytes))
         return self._widths()
 
+    def squeeze(self, plane_bytes: int) -> np.ndarray:
+        """`fit` with BUDGET and the hot and shared floors given way (down to the narrowest
+        widths): what the engine does before it would preempt or cut a request short."""
+        self.planner.relax(True)
+        return self.fit(plane_bytes)
+
+    def unsqueeze(self, spare_bytes: int) -> None:
+        """Floors and BUDGET back once `spare_bytes` of plane memory would hold BUDGET."""
+        if self.relaxed and spare_bytes >= self.budget:
+            self.planner.relax(False)
+
     def replan(self, plane_bytes: int) -> np.ndarray:
-        """A full re-plan at `plane_bytes` (never below BUDGET): the serving engine's start."""
-        self.last = self.planner.plan(max(int(plane_bytes), self.budget))
+        """A full re-plan at `plane_bytes` (the serving engine's start); below BUDGET the
+        floors give way (`squeeze`), never below the narrowest widths."""
+        self.planner.relax(int(plane_bytes) < self.budget)
+        self.last = self.planner.plan(max(int(plane_bytes), self.floor_bytes))
         return self._widths()
+
+    def adopt(self, widths: np.ndarray) -> None:
+        """The planner takes `widths` (per block) as its current ones (a plan not taken)."""
+        widths = np.asarray(widths)
+        if self.per_layer:  # one width a layer: its blocks share it
+            first = np.unique(self._block_layer, return_index=True)[1]
+            widths = widths[first]
+        self.planner.adopt(widths)
 
     def _widths(self) -> np.ndarray:
         """The last plan's widths per block (a per-layer plan is spread to its blocks)."""

@@ -23,11 +23,13 @@ import torch
 
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
-from pwctl.policy import Policy, parse_budget
+from pwctl.policy import Policy
 from pwctl.runtime import kernels
+from pwctl.runtime.accounting import BudgetArg, FixedPart, StepShape, fixed_part
 from pwctl.runtime.allocator import WidthAllocator
 from pwctl.runtime.batcher import BatchConfig, Batcher
 from pwctl.runtime.decode_graphs import DecodeGraphs
+from pwctl.runtime.dense_experts import DenseExperts, dense_dtype
 from pwctl.runtime.kv_cache import KVCache, KVLayout
 from pwctl.runtime.loader import load_model
 from pwctl.runtime.memory import MemoryBudget
@@ -44,19 +46,24 @@ def open_pack(name_or_path: str | Path) -> Pack:
     return Pack(path)
 
 
-EXPERTS = ("store", "paged")
+EXPERTS = ("store", "paged", "dense")
 
 
-def serving_dtype(device: str) -> torch.dtype:
-    """Half precision where serving runs it (CUDA); float32 on the CPU reference path."""
+def serving_dtype(device: str, experts: str = "paged") -> torch.dtype:
+    """Half precision where serving runs it (CUDA: fp16 for the fused kernels, bf16 for the
+    16-bit experts' grouped GEMMs); float32 on the CPU reference path."""
+    if experts == "dense":
+        return dense_dtype(device)
     return torch.float16 if device.startswith("cuda") else torch.float32
 
 
 def experts_for(policy: Policy, device: str) -> str:
-    """The expert backend a front end serving one `policy` wants: paged on CUDA, except fp16
-    (reference weights are not planes), which stays on the store."""
-    cuda = device.startswith("cuda")
-    return "paged" if cuda and policy.name != "fp16" else "store"
+    """The expert backend a front end serving one `policy` wants on `device`: on CUDA the
+    paged planes, or for fp16 the 16-bit grouped GEMMs (reference weights are not planes); on
+    the CPU the store (the reference path)."""
+    if not device.startswith("cuda"):
+        return "store"
+    return "dense" if policy.name == "fp16" else "paged"
 
 
 class Engine:
@@ -82,6 +89,7 @@ class Engine:
         if max_bits is not None:
             self.store.limit(max_bits)
         self.paged = self._install_paged() if experts == "paged" else None
+        self.dense = self._install_dense() if experts == "dense" else None
         self.batcher: Batcher | None = None
         self._tokenizer = None
         self._allocators: dict[str, WidthAllocator] = {}
@@ -89,7 +97,18 @@ class Engine:
 
     @property
     def experts(self) -> str:
+        if self.dense is not None:
+            return "dense"
         return "store" if self.paged is None else "paged"
+
+    def _install_dense(self) -> DenseExperts:
+        """The 16-bit experts on the device, handed to every MoE block (fp16 policy only)."""
+        dense = DenseExperts(self.pack, self.device, self.dtype)
+        for m in self.model.modules():
+            if isinstance(m, MoEBlock):
+                m.dense = dense
+        self.store.apply(Policy("fp16"))
+        return dense
 
     def _install_paged(self) -> PagedExperts:
         """Build the paged backend (pool for the widest widths), load the store's widths and
@@ -108,6 +127,11 @@ class Engine:
         return paged
 
     def _check_paged(self, policy: Policy) -> None:
+        if self.dense is not None and policy.name != "fp16":
+            raise PwctlError(
+                f"policy {policy}: the 16-bit experts run only fp16; use Engine(..., "
+                "experts='paged') for bit-plane policies"
+            )
         if self.paged is not None and (policy.name == "fp16" or self.store.has_variant(policy)):
             raise PwctlError(
                 f"policy {policy}: not expressible in bit planes, so the paged experts cannot "
@@ -197,7 +221,7 @@ class Engine:
     def start_batching(
         self,
         policy: Policy,
-        memory_budget: str | None = None,
+        memory_budget: str | int | None = None,
         config: BatchConfig | None = None,
         on_widths: Callable[[np.ndarray], None] | None = None,
     ) -> Batcher:
@@ -210,7 +234,7 @@ class Engine:
         self._apply_policy(policy)
         dynamic = self.allocator is not None and self.allocator.dynamic
         layout = KVLayout.from_config(self.model.config, self.dtype)
-        max_len = cfg.max_model_len or self.model.config.max_position_embeddings
+        max_len = self.max_len(cfg)
         total, fixed, capacity = self._split_budget(memory_budget, cfg, layout, max_len, dynamic)
         if self.paged is not None:  # one arena for planes and KV blocks: total - fixed
             self.paged.rebuild(total - fixed)
@@ -228,13 +252,20 @@ class Engine:
         )  # fmt: skip
         return self.batcher
 
+    def max_len(self, cfg: BatchConfig) -> int:
+        """The longest sequence (prompt + output) the batching path serves."""
+        return cfg.max_model_len or self.model.config.max_position_embeddings
+
     def _decode_graphs(self, cfg: BatchConfig, kv: KVCache) -> DecodeGraphs | None:
         """CUDA graphs of decode steps: the paged experts on CUDA only (the store's experts
         read routing on the host), steps of at most the decode kernels' tokens."""
-        if not (cfg.cuda_graphs and self.paged is not None and self.device.startswith("cuda")):
+        on_device = self.paged is not None or self.dense is not None
+        if not (cfg.cuda_graphs and on_device and self.device.startswith("cuda")):
             return None
-        paged = self.paged
         seqs = min(cfg.max_seqs, kernels.DECODE_MAX_TOKENS)
+        if self.paged is None:  # the 16-bit experts: nothing chosen on the host
+            return DecodeGraphs(self.model, kv, seqs)
+        paged = self.paged
         return DecodeGraphs(self.model, kv, seqs, lambda T: paged.fused.decode_builds(T))
 
     def _on_widths(
@@ -253,29 +284,54 @@ class Engine:
         return on_widths
 
     def _split_budget(
-        self, text: str | None, cfg: BatchConfig, layout: KVLayout, max_len: int, dynamic: bool
+        self,
+        text: str | int | None,
+        cfg: BatchConfig,
+        layout: KVLayout,
+        max_len: int,
+        dynamic: bool,
     ) -> tuple[int, int, int]:
         """(total, fixed, KV capacity in blocks) for the memory budget `text`. On the paged
-        backend planes and KV blocks count in whole slabs of its arena."""
+        backend planes and KV blocks count in whole slabs of its arena. A dynamic policy's
+        planes may go down to the narrowest widths under pressure (BUDGET gives way before a
+        request is cut short), so its KV cache may grow to what those leave."""
         slab = None if self.paged is None else self.paged.slab_bytes
         block_bytes = KVCache.block_bytes_of(layout, cfg.block_size, slab)
         fixed = self.fixed_bytes(cfg)
-        planes = (
-            self.store.expert_bytes()
-            if self.paged is None
-            else self.paged.plane_cost(self.store.widths)
-        )
-        floor = self.allocator.budget if dynamic else planes
+        floor = self.narrowest_plane_bytes() if dynamic else self.plane_bytes()
         widest = self.widest_plane_bytes() if dynamic else floor
         most_kv = cfg.max_seqs * -(-max_len // cfg.block_size)
-        total = self._resolve_budget(text, fixed + widest + most_kv * block_bytes)
+        arg = BudgetArg.parse(text)
+        total = fixed + widest + most_kv * block_bytes
+        if arg is not None:
+            total = arg.resolve(self.device, total)
+        one_seq = -(-max_len // cfg.block_size)
         capacity = min(most_kv, MemoryBudget.kv_capacity(total, fixed, floor, block_bytes))
-        if capacity < 1:
+        if capacity < one_seq:
+            need = self._smallest(fixed, floor, one_seq * block_bytes)
             raise PwctlError(
-                f"--memory-budget {text}: {total / 1e6:.2f} MB leaves no KV block once "
-                f"the experts ({floor / 1e6:.2f} MB) and the rest ({fixed / 1e6:.2f} MB) are in"
+                f"--memory-budget {text}: {total / 1e6:.2f} MB cannot hold the rest of the model "
+                f"and its workspace ({fixed / 1e6:.2f} MB), the experts at their narrowest "
+                f"({floor / 1e6:.2f} MB) and one sequence of {max_len} tokens; the smallest "
+                f"budget that starts is {need}b ({need / 1e6:.2f} MB), or lower --max-model-len"
             )
         return total, fixed, capacity
+
+    def smallest_budget(self, policy: Policy, cfg: BatchConfig) -> int:
+        """The smallest `--memory-budget` (bytes) that starts `policy` with `cfg`: the fixed
+        part, the planes at their floor and one full-length sequence."""
+        self._apply_policy(policy)
+        dynamic = self.allocator is not None and self.allocator.dynamic
+        layout = KVLayout.from_config(self.model.config, self.dtype)
+        slab = None if self.paged is None else self.paged.slab_bytes
+        block_bytes = KVCache.block_bytes_of(layout, cfg.block_size, slab)
+        floor = self.narrowest_plane_bytes() if dynamic else self.plane_bytes()
+        one_seq = -(-self.max_len(cfg) // cfg.block_size)
+        return self._smallest(self.fixed_bytes(cfg), floor, one_seq * block_bytes)
+
+    def _smallest(self, fixed: int, floor: int, kv: int) -> int:
+        """fixed + floor + kv, with a slab to spare for the arena's rounding."""
+        return fixed + floor + kv + (0 if self.paged is None else self.paged.slab_bytes)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         return self._batching().add(prompt_ids, params)
@@ -297,33 +353,37 @@ class Engine:
         return ids | ({tok_eos} if tok_eos is not None else set())
 
     def fixed_bytes(self, cfg: BatchConfig) -> int:
-        """Device bytes outside planes and KV: non-expert weights + an activation workspace
-        estimate (packed hidden states and attention/MLP temporaries, logits)."""
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        c, elem = self.model.config, torch.empty(0, dtype=self.dtype).element_size()
-        work = cfg.max_batch_tokens * c.hidden_size * 16 * elem + cfg.max_seqs * c.vocab_size * 4
+        """Device bytes outside planes and KV blocks (runtime/accounting.py owns the formula)."""
+        return self.fixed_part(cfg).total
+
+    def fixed_part(self, cfg: BatchConfig) -> FixedPart:
+        step = StepShape(cfg.max_seqs, cfg.max_batch_tokens, self.max_len(cfg), cfg.block_size)
+        staging = 0
         if self.paged is not None:  # the CUDA backend's staging buffer (outside the slab pool)
-            work += getattr(self.paged.backend, "workspace_bytes", 0)
-        return weights + work
+            staging = getattr(self.paged.backend, "workspace_bytes", 0)
+        spec = self.pack.manifest.spec
+        return fixed_part(self.model, spec, self.dtype, step, staging)
+
+    def plane_bytes(self) -> int:
+        """Device bytes of the planes at the store's widths (whole slabs on the paged backend)."""
+        if self.paged is None:
+            return self.store.expert_bytes()
+        return self.paged.plane_cost(self.store.widths)
 
     def widest_plane_bytes(self) -> int:
         """Every block at the widest width served (whole slabs on the paged backend)."""
-        top = self.store.max_bits
+        return self._uniform_plane_bytes(self.store.max_bits)
+
+    def narrowest_plane_bytes(self) -> int:
+        """Every block at the pack's narrowest width: what planes may shrink to under pressure."""
+        return self._uniform_plane_bytes(self.store.min_bits)
+
+    def _uniform_plane_bytes(self, bits: int) -> int:
         if self.paged is not None:
-            return self.paged.widest_bytes(self.paged.table, top)
-        return sum(b.bytes_at(top) for b in self.pack.blocks)
+            return self.paged.widest_bytes(self.paged.table, bits)
+        return sum(b.bytes_at(bits) for b in self.pack.blocks)
 
     def _batching(self) -> Batcher:
         if self.batcher is None:
             raise PwctlError("call Engine.start_batching first")
         return self.batcher
-
-    def _resolve_budget(self, text: str | None, full_need: int) -> int:
-        if text is None:
-            return full_need
-        budget = parse_budget(text)
-        if budget.fraction is None:
-            return budget.resolve(0)
-        if self.device.startswith("cuda"):
-            return int(budget.fraction * torch.cuda.mem_get_info()[0])
-        return int(budget.fraction * full_need)

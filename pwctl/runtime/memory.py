@@ -70,7 +70,6 @@ class MemoryBudget:
         self.on_widths = on_widths
         self.moves = WidthMoves()
         self.planes = self._plane_bytes()
-        self.floor = self.allocator.budget if self.allocator is not None else self.planes
         if self.allocator is not None:
             self._set(self.allocator.replan(self.space))
         self._update_limit()
@@ -84,12 +83,18 @@ class MemoryBudget:
     def kv_bytes(self) -> int:
         return self.kv.pool.limit * self.kv.block_bytes
 
-    def make_room(self, n_blocks: int) -> bool:
-        """Raise the KV limit by `n_blocks` by demoting planes; whether it now fits."""
+    def make_room(self, n_blocks: int, urgent: bool = False) -> bool:
+        """Raise the KV limit by `n_blocks` by demoting planes; whether it now fits. Within
+        BUDGET and the planner's floors; when `urgent` (else a running sequence would be
+        preempted, or a request could never start) and those cannot free enough, they give
+        way, down to the narrowest widths. A new request that is not urgent waits instead."""
         if self.allocator is None or n_blocks <= 0:
             return n_blocks <= 0
         want = self.kv.pool.limit + n_blocks
-        self._set(self.allocator.fit(self.space - want * self.kv.block_bytes))
+        target = self.space - want * self.kv.block_bytes
+        self._set(self.allocator.fit(target))
+        if urgent and self.planes > target and not self.allocator.relaxed:
+            self._set(self.allocator.squeeze(target))
         if self.paged is not None:
             self.paged.reclaim()  # the demoted planes' slabs are free now
         self._update_limit()
@@ -97,12 +102,19 @@ class MemoryBudget:
 
     def rebalance(self, kv_wanted: int) -> None:
         """After a step: planes may take what `kv_wanted` blocks (those in use plus what the
-        queue and the next decodes need) leave free; promotes only (demotion is on demand)."""
+        queue and the next decodes need) leave free; promotes only (demotion is on demand).
+        A plan that would not fit the spare bytes (floors coming back after a squeeze) is not
+        taken: the planner keeps the widths in use."""
         if self.allocator is None:
             return
         spare = self.space - kv_wanted * self.kv.block_bytes
+        self.allocator.unsqueeze(spare)
         if spare > self.planes:
-            self._set(self.allocator.fit(spare))
+            new = self.allocator.fit(spare)
+            if self._cost(new) > spare:
+                self.allocator.adopt(self.widths)
+                return
+            self._set(new)
             self._update_limit()
 
     def widths_per_layer(self) -> dict[int, float]:
@@ -138,6 +150,13 @@ class MemoryBudget:
         if self.paged is None:
             return self.store.expert_bytes()
         return self.paged.plane_cost(self.widths)
+
+    def _cost(self, widths: np.ndarray) -> int:
+        """Bytes of the planes at `widths` (as `_plane_bytes` counts them)."""
+        if self.paged is not None:
+            return self.paged.plane_cost(np.asarray(widths))
+        blocks = self.store.pack.blocks
+        return sum(b.bytes_at(int(w)) for b, w in zip(blocks, widths, strict=True))
 
     def _update_limit(self) -> None:
         planes = self.planes

@@ -18,6 +18,7 @@ from pwctl.runtime.fused_moe import can_route
 from pwctl.runtime.router import route
 
 if TYPE_CHECKING:
+    from pwctl.runtime.dense_experts import DenseExperts
     from pwctl.runtime.paged_experts import PagedExperts
 
 
@@ -33,6 +34,7 @@ class MoEBlock(nn.Module):
         # profile's tap: called as observer(layer, x [T, H], index [T, k], weights [T, k])
         self.observer = None
         self.paged: PagedExperts | None = None  # set by the engine: the paged backend
+        self.dense: DenseExperts | None = None  # or the 16-bit experts (fp16 policy)
 
     def shared_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's gate per token [T, 1] (None: ungated or no shared expert)."""
@@ -55,6 +57,9 @@ class MoEBlock(nn.Module):
             self.observer(self.layer, x, index, weights)
         if self.paged is not None:
             out = self.paged.fused(self.layer, x, weights, index, self.shared_scale(x))
+            return out.to(x.dtype).view_as(hidden)
+        if self.dense is not None:
+            out = self.dense(self.layer, x, weights, index, self.shared_scale(x))
             return out.to(x.dtype).view_as(hidden)
         return self._store_forward(x, weights, index).view_as(hidden)
 

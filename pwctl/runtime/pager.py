@@ -149,6 +149,9 @@ class CpuBackend:
         self.finish()
 
 
+STAGING_BYTES = 64 << 20  # the CUDA backend's staging buffer (outside the slab pool)
+
+
 class CudaBackend:
     """Pinned host planes (read once from the pack), one preallocated device arena split into
     slabs and a staging buffer, its own copy stream; CUDA events are the fences. A submit copies
@@ -164,7 +167,7 @@ class CudaBackend:
         n_slabs: int,
         slab_bytes: int,
         device: str = "cuda",
-        staging_bytes: int = 64 << 20,
+        staging_bytes: int = STAGING_BYTES,
     ):
         import torch
 

@@ -162,6 +162,7 @@ class Planner:
         self._cache: dict[str, np.ndarray] = {}  # the hulls over floor..widest, and walks
         self._walked: set[str] = set()
         self.use_cache = True  # False: every decision builds its hulls afresh (tests)
+        self.relaxed = False  # True: every floor is the narrowest width (see `relax`)
 
     @classmethod
     def from_table(
@@ -202,6 +203,13 @@ class Planner:
     def _layer_share(self) -> np.ndarray:
         """[layers, experts] each expert's EMA routing share over its layer's mean."""
         return self.ema / self.ema.mean(axis=1, keepdims=True)
+
+    def relax(self, on: bool) -> None:
+        """Floors off (`on`): every block may go to the narrowest width. The serving engine's
+        last resort before a request would be cut short; back on once pressure falls."""
+        if on != self.relaxed:
+            self.relaxed = on
+            self._dirty = True
 
     def set_prior(self, share: np.ndarray) -> None:
         """Routing share per (layer, expert) on the calibration text the sensitivity was
@@ -275,6 +283,8 @@ class Planner:
             scale[:] = np.clip(live, 1.0 / cfg.hot_cap, cfg.hot_cap)
         if cfg.use_residual and self._res_block is not None:
             scale *= self._res_block
+        if self.relaxed:
+            f = np.zeros_like(f)
         self._floors, self._scale = f, scale
         self._dirty = False
 

@@ -124,7 +124,7 @@ class Scheduler:
         max_batch_tokens: int = 256,
         max_seqs: int = 16,
         max_queue: int = 64,
-        make_room: Callable[[int], bool] | None = None,
+        make_room: Callable[[int, bool], bool] | None = None,
     ):
         if max_batch_tokens < 1 or max_seqs < 1 or max_queue < 0:
             raise PwctlError("max_batch_tokens and max_seqs must be >= 1, max_queue >= 0")
@@ -192,18 +192,20 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for `n` more tokens of a running `seq`, preempting the newest running
         sequences until they fit; False when `seq` itself had to go."""
-        while not self._grow(seq, seq.num_computed + n):
+        while not self._grow(seq, seq.num_computed + n, urgent=True):
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
         return True
 
-    def _grow(self, seq: Sequence, n_tokens: int) -> bool:
+    def _grow(self, seq: Sequence, n_tokens: int, urgent: bool = False) -> bool:
+        """Blocks for `seq` up to `n_tokens`, asking `make_room` for them if none are free
+        (`urgent`: else a running sequence is preempted, or nothing could ever run)."""
         if self.kv.grow(seq.seq_id, n_tokens):
             return True
         need = self.kv.need(seq.seq_id, n_tokens) - self.kv.available
-        if self.make_room is not None and self.make_room(need):
+        if self.make_room is not None and self.make_room(need, urgent):
             return self.kv.grow(seq.seq_id, n_tokens)
         return False
 
@@ -220,7 +222,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             n = min(seq.remaining, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            if not self._grow(seq, seq.num_computed + n, urgent=not self.running):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -1,0 +1,236 @@
+"""The one owner of device-memory accounting: what `--memory-budget` means, what the fixed part
+of a serving engine takes, and how the process's real peak is read.
+
+    --memory-budget = fixed + planes + KV blocks          (the CUDA context is outside it)
+    fixed           = non-expert weights + the workspace of the largest step the scheduler forms
+
+The workspace is sized from shapes, before anything runs, so the slab arena (planes and KV
+blocks) can take the rest at start-up:
+
+- a decode step of S rows (the largest graph bucket) over L cache rows (the longest sequence
+  the KV cache can hold, rounded up to the decode graphs' power-of-two bucket) gathers each
+  layer's keys and values for every row (`attention._attend_decode`): 2 x S x L rows, plus the
+  copies SDPA makes of them and the mask; the logits of S rows;
+- a prefill chunk of `max_batch_tokens` tokens: its hidden-state temporaries (norms, q/k/v,
+  the MoE's gathered pairs and intermediate) and, per layer, the keys and values it attends to;
+- the sampler's probabilities (S x vocab, fp32, a few copies) and the kernels' staging buffers.
+
+The decode gather dominates at long contexts (Qwen1.5-MoE-shaped, 32 rows x 4096 rows: 2.1 GB):
+that is the price of attending through a gather rather than a paged-attention kernel, and the
+budget says so rather than hiding it. `DevicePeak.read` is what every check compares with the
+budget: `torch.cuda.max_memory_reserved()` (the caching allocator's high-water mark, the
+arena and graph pools included) plus CuPy's pool, with NVML's per-process figure beside it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from pwctl.errors import PwctlError
+from pwctl.policy import UNITS
+
+SLACK = 0.02  # a run's peak may pass its budget by this fraction (allocator rounding)
+DECODE_COPIES = 4  # decode attention: gathered K and V, and SDPA's copies of them
+PREFILL_HIDDEN = 24  # hidden-sized temporaries a prefill token holds at once in a layer
+SAMPLER_COPIES = 4  # logits, probabilities, noise, sorted top: vocab-sized rows at once
+
+
+@dataclass(frozen=True)
+class BudgetArg:
+    """A parsed `--memory-budget`: a size in bytes, or a fraction (of free GPU memory on CUDA;
+    on the CPU of what the engine would need for every sequence at full length)."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | int | None) -> BudgetArg | None:
+        if text is None:
+            return None
+        if isinstance(text, int):
+            return cls(nbytes=text)
+        t = str(text).strip().lower()
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
+        if not m:
+            raise PwctlError(
+                f"--memory-budget {text!r}: use a size such as 12GiB or 800MB, or a fraction "
+                "in (0, 1] of free GPU memory"
+            )
+        value, unit = float(m.group(1)), m.group(2)
+        if not unit:
+            if not 0 < value <= 1:
+                raise PwctlError(f"--memory-budget {text!r}: a fraction must be in (0, 1]")
+            return cls(fraction=value)
+        if unit not in UNITS:
+            raise PwctlError(f"--memory-budget {text!r}: unknown unit {unit!r}")
+        if value * UNITS[unit] < 1:
+            raise PwctlError(f"--memory-budget {text!r}: must be at least one byte")
+        return cls(nbytes=int(value * UNITS[unit]))
+
+    def resolve(self, device: str, full_need: int) -> int:
+        if self.nbytes is not None:
+            return self.nbytes
+        if device.startswith("cuda"):
+            return int(self.fraction * torch.cuda.mem_get_info(torch.device(device))[0])
+        return int(self.fraction * full_need)
+
+    def __str__(self) -> str:
+        return f"{self.nbytes}b" if self.nbytes is not None else f"{self.fraction:g}"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The largest step the scheduler can form: what the workspace is sized for."""
+
+    max_seqs: int
+    max_batch_tokens: int
+    max_len: int  # the longest sequence the KV cache can hold (tokens)
+    block_size: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int  # one expert's (or the dense MLP's, if wider)
+    top_k: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    elem: int  # bytes of the serving dtype
+
+    @classmethod
+    def of(cls, config: object, spec: dict, dtype: torch.dtype) -> ModelShape:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        dense = getattr(config, "intermediate_size", 0) or 0
+        return cls(
+            hidden=config.hidden_size,
+            intermediate=max(int(spec["intermediate"]), int(dense)),
+            top_k=int(spec["top_k"]),
+            q_heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab=config.vocab_size,
+            elem=torch.empty(0, dtype=dtype).element_size(),
+        )
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def workspace(m: ModelShape, s: StepShape, kernel_staging: int = 0) -> dict[str, int]:
+    """Bytes of each transient a step holds at its peak (see the module docstring)."""
+    kv_row = m.kv_heads * m.head_dim * m.elem  # keys (or values) of one token in one layer
+    rows = s.max_seqs  # a decode graph's bucket never passes max_seqs; eager decode is S rows
+    blocks = max(4, _pow2(-(-s.max_len // s.block_size)))  # decode_graphs.MIN_BLOCKS
+    L = blocks * s.block_size
+    decode = DECODE_COPIES * rows * L * kv_row + rows * L  # gathers and the mask
+    decode += rows * m.q_heads * L * 4  # SDPA's scores, where it materialises them
+    T = s.max_batch_tokens
+    prefill = T * m.hidden * PREFILL_HIDDEN * m.elem
+    prefill += T * m.top_k * m.intermediate * 3 * 4  # the MoE's pairs: gate, up, act (fp32)
+    prefill += DECODE_COPIES * s.max_len * kv_row  # a chunk attends to its sequence's cache
+    prefill += m.q_heads * T * min(s.max_len, T + s.max_len) * 4  # math SDPA's scores
+    logits = rows * m.vocab * 4 * SAMPLER_COPIES
+    return {
+        "step": max(decode, prefill),
+        "logits_and_sampler": logits,
+        "kernel_staging": int(kernel_staging),
+    }
+
+
+@dataclass(frozen=True)
+class FixedPart:
+    """Device bytes outside planes and KV blocks, by part (`total` is their sum)."""
+
+    weights: int
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def workspace(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.workspace
+
+
+def fixed_part(
+    model: torch.nn.Module,
+    spec: dict,
+    dtype: torch.dtype,
+    step: StepShape,
+    kernel_staging: int = 0,
+    dense_expert_bytes: int = 0,
+) -> FixedPart:
+    """Non-expert weights (+ `dense_expert_bytes`: 16-bit experts held outside the arena) and
+    the workspace of `step`."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    m = ModelShape.of(model.config, spec, dtype)
+    parts = workspace(m, step, kernel_staging)
+    if dense_expert_bytes:
+        parts["dense_experts"] = int(dense_expert_bytes)
+    return FixedPart(weights, parts)
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """The process's peak device memory since the last reset (bytes)."""
+
+    reserved: int  # torch.cuda.max_memory_reserved
+    cupy_pool: int  # CuPy's default pool, held now (it only grows unless freed)
+    nvml: int | None  # NVML's figure for this process (context included), a cross-check
+
+    @property
+    def total(self) -> int:
+        return self.reserved + self.cupy_pool
+
+    @classmethod
+    def read(cls, device: str) -> DevicePeak:
+        if not device.startswith("cuda"):
+            return cls(0, 0, None)
+        dev = torch.device(device)
+        return cls(int(torch.cuda.max_memory_reserved(dev)), _cupy_pool_bytes(), _nvml_bytes(dev))
+
+    @staticmethod
+    def reset(device: str) -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # reserved then starts from what is live, not a past run
+            torch.cuda.reset_peak_memory_stats(torch.device(device))
+
+
+def over_budget(peak: int, budget: int) -> bool:
+    return peak > budget * (1 + SLACK)
+
+
+def _cupy_pool_bytes() -> int:
+    try:
+        import cupy
+    except ImportError:
+        return 0
+    return int(cupy.get_default_memory_pool().total_bytes())
+
+
+def _nvml_bytes(dev: torch.device) -> int | None:
+    """This process's device memory as NVML sees it, or None where NVML is not there."""
+    try:
+        import os
+
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid():
+                return int(p.usedGpuMemory or 0) or None
+    except Exception:  # no pynvml, no driver access, a container that hides pids
+        return None
+    return None
