@@ -1,4 +1,4 @@
-"""Issue 7 setting (c), the comparison: transformers' own FP16 generate at batch 1 on a checkpoint
+"""Serving setting (c), the comparison: transformers' own 16-bit generate at batch 1 on a checkpoint
 (the synthetic Qwen1.5-MoE-sized one of recipes/perf_serving_gpu.sh), timed like `pwctl bench
 --throughput`: time to first token (a 1-token generate), then decode tokens/s over the rest.
 
@@ -46,8 +46,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="best of N for each timing")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--dtype", choices=("float16", "bfloat16"), default="bfloat16",
+        help="as pwctl's fp16 policy runs on CUDA (its grouped GEMMs are bf16)",
+    )  # fmt: skip
     a = ap.parse_args()
-    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float16).to("cuda").eval()
+    dtype = getattr(torch, a.dtype)
+    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=dtype).to("cuda").eval()
     ids = prompt_ids(a.ckpt, a.input_len, "cuda")
     timed_generate(model, ids, 4)  # warm-up: kernels, allocator
     ttft = min(timed_generate(model, ids, 1) for _ in range(a.repeats))
@@ -57,6 +62,7 @@ def main() -> None:
         "checkpoint": str(a.ckpt),
         "device": torch.cuda.get_device_name(),
         "transformers_experts": str(getattr(model.config, "_experts_implementation", "default")),
+        "dtype": a.dtype,
         "input_len": a.input_len,
         "output_len": a.output_len,
         "ttft_s": ttft,

@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
-# Device run for docs/PERF.md (issue 7's GPU settings) on a real-shape Qwen1.5-MoE-sized model
-# (hidden 2048, 60 experts of width 1408, top-4; Mixtral naming, synthetic Student-t weights):
-#   (a) no pressure: pagedweight vs uniform:4 at equal memory, input 2048, batch 1 and 4
-#   (b) pressure: --memory-budget = fp16 weights + the KV of 4 sequences of 2304 tokens,
-#       32 concurrent requests of 2048 in / 256 out: fp16 vs uniform:4 vs pagedweight
-#   (c) decode tokens/s at batch 1 vs transformers' own FP16 generate (recipes/perf_hf_generate.py)
-#   (d) the serving-time cap: batch 1 with memory to spare (pagedweight raises every block to
-#       the pack's widest width) with and without --max-bits 4, against uniform:4 / uniform:8
-#   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16, at most
-#       4 bits, each policy (POLICIES) and mode in its own process
-#   (o) batch-1 decode step (recipes/profile_engine_step.py, at most 4 bits): each policy
-#       (POLICIES), then with BASELINE=DIR (an older tree's pwctl, e.g. `git archive` of a
-#       commit before the planner's work overlapped the step) the same from that tree; then the
-#       graphs captured with each SDPA backend (capture seconds, step time); then
-#       recipes/perf_sdpa_shapes.py
-# Every figure is `pwctl bench --throughput` on the serving engine; one process per policy, so
-# torch.cuda.max_memory_allocated is that policy's alone. pagedweight's BUDGET is uniform:4's
-# plane bytes (equal expert memory at peak pressure).
-# Usage (device tool, one stage per call, each well under 10 minutes):
-#   bash recipes/perf_serving_gpu.sh prep; bash recipes/perf_serving_gpu.sh a; ... b; ... c
+# Device run for docs/PERF.md's serving table on a real-shape Qwen1.5-MoE-sized model (hidden
+# 2048, 60 experts of width 1408, top-4, a gated shared expert; synthetic Student-t weights):
+#   (a) no pressure: pagedweight vs uniform:4 at the calculator's budget for 4 x 2304 tokens,
+#       input 2048, batch 1 and 4 (uniform:4 at batch 4 must not preempt)
+#   (b) pressure: --memory-budget = 16-bit weights + the KV of 4 sequences of 2304 tokens,
+#       32 concurrent requests of 2048 in / 256 out: fp16 (the 16-bit engine) vs uniform:4 vs
+#       pagedweight
+#   (c) batch-1 decode: pwctl fp16, uniform:4, pagedweight, and transformers' own generate in
+#       the fp16 policy's dtype (bf16; recipes/perf_hf_generate.py)
+#   (d) the serving-time cap: batch 1 with memory to spare, with and without --max-bits 4
+#   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16
+#   (o) batch-1 decode step profile (recipes/profile_engine_step.py) per policy, SDPA backends
+#   all: prep, a, b, c in one call (~8-9 min on an H100/H200), then every JSON merged into
+#       $OUT/serving.json (the device tool returns at most 8 files)
+# Every figure is `pwctl bench --throughput` on the serving engine, one process per policy, so
+# each row's peak (torch's reserved high-water mark + CuPy's pool) is that policy's alone; bench
+# exits non-zero when a row's peak passes its budget by 2% or a request is cut short (the rc is
+# printed). pagedweight's BUDGET is uniform:4's plane bytes (equal expert memory at peak).
+# Usage (device tool): bash recipes/perf_serving_gpu.sh all   (or one stage: prep, a, b, ...)
 # SHAPE (default qwen-moe; mixtral, qwen3-moe: pwctl.bench.synthetic.SHAPES).
 # LAYERS (default 8): Qwen1.5-MoE has 24; 24 layers need ~62 GB of disk (bf16 checkpoint + 8-bit
 # planes + fp16 reference), too close to the 1-GPU machine's 64 GB.
@@ -32,16 +31,26 @@ PACK=${PACK:-/tmp/qwen-moe-pack}
 IO=(--input-len 2048 --output-len 256)
 mkdir -p "$OUT"
 
-budget() { python3 -m pwctl.bench.serving_budget "$PACK" --dtype float16 "$@"; }
+JSON=${JSON:-/tmp/serving-json}
+mkdir -p "$JSON"
+
+budget() { python3 -m pwctl.bench.serving_budget "$PACK" --device cuda "$@"; }
+tp() {  # name, then bench arguments: one bench process, its rc printed
+  local name=$1
+  shift
+  timeout "${TP_TIMEOUT:-300}" pwctl bench "$PACK" --throughput --device cuda "${IO[@]}" "$@" \
+    --json "$JSON/$name.json"
+  echo "[$name] rc $?"
+}
 
 case "${1:-}" in
 prep)
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   python3 -m pwctl.bench.synthetic "$CK" --shape "$SHAPE" --layers "$LAYERS"
-  pwctl convert "$CK" "$PACK" --device cuda --force --json "$OUT/convert_qwen_moe.json" | tail -5
+  pwctl convert "$CK" "$PACK" --device cuda --force --json "$JSON/convert.json" | tail -3
   # budgeted policies need a profile; proxy = no KL sweep (the weights are synthetic anyway)
-  pwctl profile "$PACK" --method proxy --samples 4 --seq-len 256 --device cuda | tail -3
+  pwctl profile "$PACK" --method proxy --samples 4 --seq-len 256 --device cuda | tail -2
   df -h /tmp | tail -1
   ;;
 a)
@@ -49,26 +58,47 @@ a)
   MEM_A=$(budget --planes uniform:4 --seqs 4 --tokens 2304 --max-seqs 4)
   echo "(a) memory budget $MEM_A, pagedweight BUDGET $PLANES4"
   for P in uniform:4 "pagedweight:$PLANES4"; do
-    pwctl bench "$PACK" --throughput --device cuda "${IO[@]}" --batch 1 --batch 4 --max-seqs 4 \
-      --memory-budget "$MEM_A" --policy "$P" --json "$OUT/serve_a_${P%%:*}.json"
+    tp "a_${P%%:*}" --batch 1 --batch 4 --max-seqs 4 --memory-budget "$MEM_A" --policy "$P"
   done
   ;;
 b)
   PLANES4=$(budget --what planes --planes uniform:4)
   MEM_B=$(budget --planes fp16 --seqs 4 --tokens 2304 --max-seqs 32)
-  echo "(b) memory budget $MEM_B (fp16 + KV of 4 x 2304 tokens), pagedweight BUDGET $PLANES4"
+  echo "(b) memory budget $MEM_B (16-bit weights + KV of 4 x 2304 tokens), BUDGET $PLANES4"
   for P in fp16 uniform:4 "pagedweight:$PLANES4"; do
-    pwctl bench "$PACK" --throughput --device cuda "${IO[@]}" --concurrency 32 --requests 64 \
-      --max-seqs 32 --memory-budget "$MEM_B" --policy "$P" --json "$OUT/serve_b_${P%%:*}.json"
+    tp "b_${P%%:*}" --concurrency 32 --requests 64 --max-seqs 32 --memory-budget "$MEM_B" \
+      --policy "$P"
   done
   ;;
 c)
   PLANES4=$(budget --what planes --planes uniform:4)
   for P in fp16 uniform:4 "pagedweight:$PLANES4"; do
-    pwctl bench "$PACK" --throughput --device cuda "${IO[@]}" --batch 1 --policy "$P" \
-      --json "$OUT/serve_c_${P%%:*}.json"
+    tp "c_${P%%:*}" --batch 1 --policy "$P"
   done
-  python3 recipes/perf_hf_generate.py "$CK" "${IO[@]}" --json "$OUT/serve_c_hf_generate.json"
+  timeout 200 python3 recipes/perf_hf_generate.py "$CK" "${IO[@]}" --dtype bfloat16 \
+    --json "$JSON/c_hf_generate.json" | tail -4
+  ;;
+all)
+  for S in prep a b c; do
+    start=$(date +%s)
+    bash "$0" "$S"
+    echo "== stage $S: $(($(date +%s) - start)) s"
+  done
+  python3 - "$JSON" "$OUT/serving.json" <<'PY'
+import json, sys, pathlib
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+merged = {p.stem: json.loads(p.read_text()) for p in sorted(src.glob("*.json"))}
+dst.write_text(json.dumps(merged, indent=1))
+for name, doc in merged.items():
+    for r in doc.get("results", []):
+        print(f"{name:16s} {r['policy'][:28]:28s} {r['mode'][0]}{r['load']:<3d} "
+              f"out {r['output_tok_s']:8.1f} tok/s  TPOT {1e3 * (r['tpot_mean_s'] or 0):6.2f} ms  "
+              f"peak {r['peak_memory_bytes'] / 1e9:6.3f} / {r['memory_budget_bytes'] / 1e9:6.3f} GB  "
+              f"done {r['output_tokens']}/{r['requested_tokens']}  preempt {r['preemptions']}  "
+              f"moves {r['demotions']}/{r['promotions']}")
+    if "tpot_s" in doc:
+        print(f"{name:16s} transformers generate {doc['dtype']}: TPOT {1e3 * doc['tpot_s']:.2f} ms")
+PY
   ;;
 d)
   D=(--input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-128}" --batch 1)
@@ -108,7 +138,7 @@ o)
   timeout 120 python3 recipes/perf_sdpa_shapes.py
   ;;
 *)
-  echo "usage: bash recipes/perf_serving_gpu.sh prep|a|b|c|d|g|o" >&2
+  echo "usage: bash recipes/perf_serving_gpu.sh all|prep|a|b|c|d|g|o" >&2
   exit 2
   ;;
 esac
