@@ -82,7 +82,9 @@ class BudgetCalculator:
             slab = self.table().slab_bytes
             staging = max(1, STAGING_BYTES // slab) * slab
         dtype = self.serving_dtype(planes)
-        return fixed_part(engine.model, self.pack.manifest.spec, dtype, step, staging).total
+        graphs = cfg.cuda_graphs and self.device.startswith("cuda")
+        spec = self.pack.manifest.spec
+        return fixed_part(engine.model, spec, dtype, step, staging, graphs).total
 
     def budget(self, planes: str, cfg: BatchConfig, seqs: int, tokens: int) -> int:
         """fixed + planes of `planes` + the KV of `seqs` x `tokens`: a `--memory-budget`."""

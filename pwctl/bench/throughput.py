@@ -35,6 +35,8 @@ GRAPH_COUNTS = ("decode_graph_captures", "decode_graph_capture_s", "decode_graph
 ACCOUNTED = "engine accounting, fixed + planes + KV blocks in use"
 WARMUP_PROMPT = 16  # warm-up request: prompt tokens (at most) ...
 WARMUP_OUTPUT = 4  # ... and output tokens
+GROWTH_MB = 64  # a rise of the reserved high-water mark the timeline records ...
+MAX_GROWTH = 40  # ... at most this many times a run
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ class ThroughputResult:
     cut_short: int = 0  # requests that ended before their max_tokens (aborted included)
     peak_nvml_bytes: int | None = None  # NVML's figure for the process (context included)
     over_budget: bool = False  # peak past the memory budget + accounting.SLACK (CUDA)
+    peak_growth: list | None = None  # CUDA: steps where the reserved high-water mark rose
     graph_captures: int = 0  # decode step graphs captured during the run (CUDA)
     graph_capture_s: float = 0.0  # host seconds those captures took (inside the run's time)
     graph_replays: int = 0
@@ -136,6 +139,10 @@ class _Timeline:
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
         self.peak = self.peak_planes = self.peak_kv = 0
+        # CUDA: the steps at which the allocator's reserved high-water mark rose (where a peak
+        # past the budget comes from): step, running, prefill tokens so far, captures, MB
+        self.growth: list[dict[str, float]] = []
+        self._high = torch.cuda.max_memory_reserved() if device.startswith("cuda") else 0
         self.start = self.now()
 
     def now(self) -> float:
@@ -152,7 +159,23 @@ class _Timeline:
             self.first.setdefault(seq.seq_id, t)
             self.last[seq.seq_id] = t
         self._account(got)
+        self._track_growth()
         return t
+
+    def _track_growth(self) -> None:
+        if not self.device.startswith("cuda"):
+            return
+        high = torch.cuda.max_memory_reserved()
+        if high > self._high + GROWTH_MB * 1e6 and len(self.growth) < MAX_GROWTH:
+            b, graphs = self.batcher, self.batcher.runner.graphs
+            self.growth.append({
+                "step": b.counters.steps, "running": len(b.scheduler.running),
+                "prompt_tokens": b.counters.prompt_tokens,
+                "captures": graphs.captures if graphs is not None else 0,
+                "reserved_mb": round(high / 1e6, 1),
+                "grew_mb": round((high - self._high) / 1e6, 1),
+            })  # fmt: skip
+        self._high = max(self._high, high)
 
     def _account(self, got: list[Sequence]) -> None:
         """Sequences that finished this step already gave their blocks back: count them."""
@@ -294,7 +317,7 @@ def _result(
         delta["width_promoted_bytes"], delta["preemptions"], delta["steps"],
         sum(s.finish_reason == "abort" for s in seqs),
         len(seqs) * spec.output_len, sum(len(s.output_ids) < spec.output_len for s in seqs),
-        nvml, source != "accounted" and over_budget(peak, budget),
+        nvml, source != "accounted" and over_budget(peak, budget), tl.growth or None,
         *(after.get(k, 0) - before.get(k, 0) for k in GRAPH_COUNTS),
     )  # fmt: skip
 

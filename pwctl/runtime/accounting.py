@@ -123,8 +123,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def workspace(m: ModelShape, s: StepShape, kernel_staging: int = 0) -> dict[str, int]:
-    """Bytes of each transient a step holds at its peak (see the module docstring)."""
+def workspace(
+    m: ModelShape, s: StepShape, kernel_staging: int = 0, graphs: bool = False
+) -> dict[str, int]:
+    """Bytes of each transient a step holds at its peak (see the module docstring). With
+    decode graphs, the largest decode step's temporaries live in the graphs' private pool,
+    apart from the eager steps' (prefill chunks, and the decodes that run beside them)."""
     kv_row = m.kv_heads * m.head_dim * m.elem  # keys (or values) of one token in one layer
     rows = s.max_seqs  # a decode graph's bucket never passes max_seqs; eager decode is S rows
     blocks = max(4, _pow2(-(-s.max_len // s.block_size)))  # decode_graphs.MIN_BLOCKS
@@ -137,8 +141,10 @@ def workspace(m: ModelShape, s: StepShape, kernel_staging: int = 0) -> dict[str,
     prefill += DECODE_COPIES * s.max_len * kv_row  # a chunk attends to its sequence's cache
     prefill += m.q_heads * T * min(s.max_len, T + s.max_len) * 4  # math SDPA's scores
     logits = rows * m.vocab * 4 * SAMPLER_COPIES
-    return {
-        "step": max(decode, prefill),
+    parts = {"step": max(decode, prefill)}
+    if graphs:
+        parts["decode_graph_pool"] = decode
+    return parts | {
         "logits_and_sampler": logits,
         "kernel_staging": int(kernel_staging),
     }
@@ -166,17 +172,14 @@ def fixed_part(
     dtype: torch.dtype,
     step: StepShape,
     kernel_staging: int = 0,
-    dense_expert_bytes: int = 0,
+    graphs: bool = False,
 ) -> FixedPart:
-    """Non-expert weights (+ `dense_expert_bytes`: 16-bit experts held outside the arena) and
-    the workspace of `step`."""
+    """Non-expert weights and the workspace of `step` (`graphs`: decode steps replay CUDA
+    graphs, whose pool is apart from the eager steps')."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
     m = ModelShape.of(model.config, spec, dtype)
-    parts = workspace(m, step, kernel_staging)
-    if dense_expert_bytes:
-        parts["dense_experts"] = int(dense_expert_bytes)
-    return FixedPart(weights, parts)
+    return FixedPart(weights, workspace(m, step, kernel_staging, graphs))
 
 
 @dataclass(frozen=True)

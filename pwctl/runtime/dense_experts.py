@@ -4,7 +4,8 @@ baseline (`--policy fp16`): the same scheduler, KV cache, attention, sampler and
 as the paged policies, with experts a serious 16-bit engine would run (vLLM's fused MoE sorts
 pairs by expert the same way).
 
-Every step of a call stays on the device (argsort, bincount, cumsum for the group offsets), so
+Every step of a call stays on the device (argsort, a scatter-add count, cumsum for the group
+offsets; torch.bincount would read the largest id on the host), so
 no call syncs the host and a decode step replays from a CUDA graph. `torch._grouped_mm` runs
 its fused kernel for bf16 on Hopper (torch 2.11); for fp16 it falls back to a loop that reads
 the offsets on the host, so on CUDA this backend runs in bf16 (the same bytes as fp16) and the
@@ -92,8 +93,9 @@ class DenseExperts:
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // k
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.spec.num_experts), 0)
-        offs = offs.to(torch.int32)
+        counts = torch.zeros(self.spec.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync the host
+        offs = torch.cumsum(counts, 0).to(torch.int32)
         gu = torch._grouped_mm(xd[tok], d.gate_up.transpose(1, 2), offs=offs)
         h = self.act(gu[:, : d.inter]) * gu[:, d.inter :]
         y = torch._grouped_mm(h, d.down.transpose(1, 2), offs=offs)

@@ -111,16 +111,23 @@ class Engine:
         return dense
 
     def _install_paged(self) -> PagedExperts:
-        """Build the paged backend (pool for the widest widths), load the store's widths and
-        hand it to every MoE block."""
+        """Build the paged backend and hand it to every MoE block. On CUDA its arena starts
+        empty: serving sizes it from the memory budget (`start_batching`), and only the
+        reference path (`set_policy`, `logits`) makes one for the widest widths, so a server
+        never holds device memory past its budget, not even while it starts. On the CPU the
+        arena is host memory: made for the widest widths at once."""
+        cuda = self.device.startswith("cuda")
         try:
-            paged = PagedExperts(self.pack, self.device, max_bits=self.store.max_bits)
+            paged = PagedExperts(
+                self.pack, self.device, 0 if cuda else None, max_bits=self.store.max_bits
+            )
         except ValueError as e:  # e.g. an activation the fused MoE does not implement
             raise PwctlError(
                 f"{self.pack.path}: the paged experts cannot run this pack ({e})"
             ) from None
-        paged.request(self.store.widths)
-        paged.settle()
+        if not cuda:
+            paged.request(self.store.widths)
+            paged.settle()
         for m in self.model.modules():
             if isinstance(m, MoEBlock):
                 m.paged = paged
@@ -175,10 +182,20 @@ class Engine:
 
     def _settle_paged(self) -> None:
         """The store's widths are the plan: the paged backend runs them from the next forward
-        (callers between forwards only: settling waits for the copies)."""
-        if self.paged is not None:
-            self.paged.request(self.store.widths)
-            self.paged.settle()
+        (callers between forwards only: settling waits for the copies). Outside serving, an
+        arena too small for them (CUDA's empty one) is made for the widest widths first."""
+        if self.paged is None:
+            return
+        if self.batcher is None and self.paged.arena_bytes < self.plane_bytes():
+            self.paged.rebuild(self.widest_plane_bytes())
+        self.paged.request(self.store.widths)
+        self.paged.settle()
+
+    def _reference_ready(self) -> None:
+        """The reference path runs on the paged experts only once their planes are resident
+        (CUDA's arena starts empty)."""
+        if self.paged is not None and self.batcher is None and self.paged.arena_bytes == 0:
+            self._settle_paged()
 
     def reset_policies(self) -> None:
         """Forget every budgeted policy's live state (a new run starts from the profile)."""
@@ -192,6 +209,7 @@ class Engine:
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        self._reference_ready()
         return self.model(ids.to(self.device)).logits.float()
 
     @torch.no_grad()
@@ -201,6 +219,7 @@ class Engine:
             raise PwctlError("--max-tokens must be at least 1")
         if not ids:
             raise PwctlError("empty prompt")
+        self._reference_ready()
         prompt = torch.tensor([ids], device=self.device)
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         out = self.model.generate(
@@ -259,8 +278,7 @@ class Engine:
     def _decode_graphs(self, cfg: BatchConfig, kv: KVCache) -> DecodeGraphs | None:
         """CUDA graphs of decode steps: the paged experts on CUDA only (the store's experts
         read routing on the host), steps of at most the decode kernels' tokens."""
-        on_device = self.paged is not None or self.dense is not None
-        if not (cfg.cuda_graphs and on_device and self.device.startswith("cuda")):
+        if not self._graphs_on(cfg):
             return None
         seqs = min(cfg.max_seqs, kernels.DECODE_MAX_TOKENS)
         if self.paged is None:  # the 16-bit experts: nothing chosen on the host
@@ -361,8 +379,13 @@ class Engine:
         staging = 0
         if self.paged is not None:  # the CUDA backend's staging buffer (outside the slab pool)
             staging = getattr(self.paged.backend, "workspace_bytes", 0)
-        spec = self.pack.manifest.spec
-        return fixed_part(self.model, spec, self.dtype, step, staging)
+        graphs = self._graphs_on(cfg)
+        return fixed_part(self.model, self.pack.manifest.spec, self.dtype, step, staging, graphs)
+
+    def _graphs_on(self, cfg: BatchConfig) -> bool:
+        """Whether decode steps replay CUDA graphs (the paged or 16-bit experts on CUDA)."""
+        on_device = self.paged is not None or self.dense is not None
+        return cfg.cuda_graphs and on_device and self.device.startswith("cuda")
 
     def plane_bytes(self) -> int:
         """Device bytes of the planes at the store's widths (whole slabs on the paged backend)."""

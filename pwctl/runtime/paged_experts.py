@@ -103,6 +103,10 @@ class PagedExperts:
         """Wait for kernels and copies and reclaim what they held (nothing commits)."""
         self.pager.drain()
 
+    @property
+    def arena_bytes(self) -> int:
+        return self.table.n_slabs * self.slab_bytes
+
     def plane_cost(self, widths: np.ndarray) -> int:
         """Device bytes of planes at `widths`: whole slabs (PageTable.cost_at)."""
         t = self.table
