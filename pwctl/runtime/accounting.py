@@ -209,6 +209,21 @@ class DevicePeak:
             torch.cuda.reset_peak_memory_stats(torch.device(device))
 
 
+def configure_allocator() -> None:
+    """Expandable segments for torch's CUDA caching allocator, unless the user set its options
+    (PYTORCH_CUDA_ALLOC_CONF). Serving asks for temporaries whose size grows step by step (a
+    prefill chunk's attention over a longer past, a decode group of one more sequence); with
+    fixed segments each new size took a new segment and kept the old ones cached, and on an
+    H100 the reserved high-water mark grew to 49.8 GB under a 9.8 GB budget (32 concurrent
+    2048/256 requests) while 10 GB were live. An expandable segment maps more pages into one
+    range instead, so freed memory serves the next, larger request."""
+    import os
+
+    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 def over_budget(peak: int, budget: int) -> bool:
     return peak > budget * (1 + SLACK)
 

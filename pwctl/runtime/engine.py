@@ -25,7 +25,13 @@ from pwctl.errors import PwctlError
 from pwctl.pack import Pack
 from pwctl.policy import Policy
 from pwctl.runtime import kernels
-from pwctl.runtime.accounting import BudgetArg, FixedPart, StepShape, fixed_part
+from pwctl.runtime.accounting import (
+    BudgetArg,
+    FixedPart,
+    StepShape,
+    configure_allocator,
+    fixed_part,
+)
 from pwctl.runtime.allocator import WidthAllocator
 from pwctl.runtime.batcher import BatchConfig, Batcher
 from pwctl.runtime.decode_graphs import DecodeGraphs
@@ -79,6 +85,8 @@ class Engine:
         the widest width served, below the pack's (None: the pack's); no plan goes past it."""
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise PwctlError("--device cuda: no CUDA device visible")
+        if device.startswith("cuda"):
+            configure_allocator()  # before the first weight lands on the device
         experts = experts or ("paged" if device.startswith("cuda") else "store")
         if experts not in EXPERTS:
             raise PwctlError(f"experts {experts!r}: choose from {EXPERTS}")
