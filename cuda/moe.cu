@@ -78,7 +78,7 @@ __device__ __forceinline__ void start_next() {
 #endif
 }
 
-// Timing probe, never built by pwctl (`recipes/stamp_phases.py` builds it with -DPWCTL_STAMPS):
+// Timing probe, never built by pwctl (`tools/kernel-dev/stamp_phases.py` builds it with -DPWCTL_STAMPS):
 // thread 0 of every CTA writes the global timer and its SM's clock at each phase of its kernel
 // (kind: 0 gate_up, 1 down, 2 the prep launch, 3 popc_planes; the sm_90a prefill kernels take
 // kinds 0 and 1 too, with phases of their own), and its SM.

@@ -1553,8 +1553,8 @@ def test_modules_build_every_part_on_the_callers_device(monkeypatch, tmp_path):
 
 
 def test_reload_forgets_the_module_and_its_handles(monkeypatch):
-    """An A/B of kernel variants in one process (recipes/perf_kernel_ab.py) must launch the newly
-    loaded module's functions, not handles cached from the one before."""
+    """An A/B of kernel variants in one process (tools/kernel-dev/perf_kernel_ab.py) must launch
+    the newly loaded module's functions, not handles cached from the one before."""
     loads = []
 
     @functools.cache

@@ -155,10 +155,10 @@ def router_weights(spec: MoESpec, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 def routed_call(call):
     """The same layer and token count as a `decode_calls` call, with a random fp16 router in the
     first launch instead of given routing (`FusedMoE.routed`)."""
-    return _routed(call.func, call.args[1])
+    return routed_on(call.func, call.args[1])
 
 
-def _routed(moe: FusedMoE, x: torch.Tensor, seed: int = 0):
+def routed_on(moe: FusedMoE, x: torch.Tensor, seed: int = 0):
     """`moe.routed` on layer 0's tokens x with `router_weights(seed)`."""
     return functools.partial(moe.routed, 0, x.half(), *router_weights(moe.spec, seed))
 
@@ -180,12 +180,12 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _graph_time(fn, iters: int = 50) -> float:
+def graph_time(fn, iters: int = 50) -> float:
     """Seconds per call of `fn` replayed as a CUDA graph (launch overhead excluded)."""
-    return _event_time(capture_graph(fn).replay, iters)
+    return event_time(capture_graph(fn).replay, iters)
 
 
-def _event_time(fn, iters: int = 50) -> float:
+def event_time(fn, iters: int = 50) -> float:
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -226,7 +226,7 @@ def cold_time(fn, iters: int = 30) -> float:
 def _median_time(fn, iters: int, repeats: int = 5) -> float:
     """The median of `repeats` event-timed runs of `iters` calls: one run of a few multi-ms calls
     moved by up to 10% between runs (Mixtral prefill, docs/PERF.md session 15)."""
-    return statistics.median(_event_time(fn, iters) for _ in range(repeats))
+    return statistics.median(event_time(fn, iters) for _ in range(repeats))
 
 
 def host_time(fn, iters: int = 200) -> float:
@@ -246,7 +246,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     4.28 TB/s quoted for the H200), the DRAM traffic rate a reading kernel is compared with."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    return 2 * nbytes / _event_time(lambda: b.copy_(a), 20)
+    return 2 * nbytes / event_time(lambda: b.copy_(a), 20)
 
 
 class GroupedFp16:
@@ -453,7 +453,7 @@ def grouped_time(grouped: GroupedFp16, decode: bool | None = None) -> float:
 def graph_times(call) -> tuple[float, float]:
     """(cold, warm) seconds of one graph replay of `call`."""
     replay = capture_graph(call).replay
-    return cold_time(replay), _event_time(replay)
+    return cold_time(replay), event_time(replay)
 
 
 def _row(name, width, T, path, t, warm, planes, fp16, tg, copy_bw) -> KernelRow:
@@ -468,7 +468,7 @@ def _routed_row(layer: SyntheticLayer, name, width, x, copy_bw, seed) -> KernelR
     """The engine's call, the whole layer: a random fp16 router in the first launch
     (`FusedMoE.routed`, the launcher's choice of kernels), graph-replayed. Its bytes, FP16 floor
     and FP16 baseline are those of the experts it routes to."""
-    call = _routed(layer.moe, x, seed)
+    call = routed_on(layer.moe, x, seed)
     _, routing = call()
     planes, fp16 = active_bytes(layer, routing.index)
     tg = grouped_time(GroupedFp16(layer, x, routing.weights, routing.index, routing.scale))

@@ -478,11 +478,12 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 # bits). So one token takes them from P1_MIN_WEIGHTS a token, a few tokens from POPC_MIN_WEIGHTS
 # (docs/PERF.md), while their blocks are narrow enough (`FusedMoE._popc_kind`).
 POPC_MIN_WEIGHTS = 128 << 20
-# FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
+# FusedMoE.popc_decode's default (None: by the rule above; tools/kernel-dev/perf_kernel_ab.py's
+# `popc=`)
 POPC_DECODE: bool | None = None
 # One-token calls on a large layer (`_popc_pays`) may take the 5-bit build (`p1b5`: 5-bit blocks
 # on the binary mma too, not the lookup) where its rule says (below); off, they do not
-# (recipes/perf_kernel_ab.py's `b5=0`).
+# (tools/kernel-dev/perf_kernel_ab.py's `b5=0`).
 POPC_B5 = True
 # One token takes the popc kernels on a layer reading at least P1_MIN_WEIGHTS a token, and the
 # lookup kernels below it: on Qwen3-MoE (37.7M) and an OLMoE layer (50.3M: 64 experts, top 8,
@@ -550,7 +551,7 @@ def _popc(build: str) -> bool:
 # (`_past_mma`: on Mixtral one CTA a tile was 3-13% faster than the wave in 16 of 16 cells of
 # 5-8-bit blocks, with the wave's shares weighed by each tile's cost, since removed; at 4 bits
 # the wave is 4% faster; docs/PERF.md sessions 42-43); a count, that many CTAs in equal shares
-# (0: one a tile; recipes/perf_kernel_ab.py sets it for A/B runs)
+# (0: one a tile; tools/kernel-dev/perf_kernel_ab.py sets it for A/B runs)
 GATE_UP_RUNS: int | None = None
 # FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
 DOWN_SPLIT: int | None = None
@@ -638,6 +639,9 @@ class FusedMoE:
         # tokens from POPC_MIN_WEIGHTS (`_popc_pays`), blocks past 4 bits by `_popc_kind`'s rule
         # and `_kind`'s n1p1
         self.popc_decode: bool | None = POPC_DECODE
+        # a decode kind every call takes (A/B sweeps over builds, e.g. "n1p1"; it must suit the
+        # call's token count and popc_decode), or None: `_kind`'s rule
+        self.decode_kind: str | None = None
 
     def __call__(
         self,
@@ -912,6 +916,8 @@ class FusedMoE:
         layer of at least P1_MIN_WEIGHTS (`POPC_DOWN`): the lookup gate_up with the popc down
         ("n1p1"), even where no block is narrow enough for that down's binary mma (its lookup
         of wide blocks beats down_n1's; docs/PERF.md, session 45)."""
+        if self.decode_kind is not None:
+            return self.decode_kind
         popc_kind = self._popc_kind(layer, T) if px is not None else None
         if popc_kind:
             return popc_kind

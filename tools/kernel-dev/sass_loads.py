@@ -3,7 +3,7 @@ the next load reuses was issued after the first one returned (the compiler had t
 apart: a load behind a branch, a loop-carried sum). Session 24 found 8 such loads in a row in
 `popc_planes` (3 us of its 4.3) and a chain in `popc_fold` this way. Needs `cuobjdump` (the
 `nvidia-cuda-cuobjdump` wheel, docs/KERNELS.md).
-Usage: python3 recipes/sass_loads.py x.cubin [KERNEL]   (KERNEL: list its pairs)"""
+Usage: python3 tools/kernel-dev/sass_loads.py x.cubin [KERNEL]   (KERNEL: list its pairs)"""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute profile of the fused MoE kernels on one synthetic layer: time, pipes, occupancy,
 # DRAM and the warp-stall breakdown (per issued instruction) that docs/PERF.md quotes.
-# Usage (GPU machine): bash recipes/perf_kernel_ncu.sh SHAPE WIDTH TOKENS [variant.cu ...]
-#   KRE=prefill bash recipes/perf_kernel_ncu.sh mixtral 3 512     (kernel-name regex; default decode)
+# Usage (GPU machine): bash tools/kernel-dev/perf_kernel_ncu.sh SHAPE WIDTH TOKENS [variant.cu ...]
+#   KRE=prefill bash tools/kernel-dev/perf_kernel_ncu.sh mixtral 3 512     (kernel-name regex; default decode)
 # Each variant .cu is copied over cuda/moe.cu for its run; the checkout's file is restored after.
 set -uo pipefail
 shape=$1 width=$2 tokens=$3
@@ -27,7 +27,7 @@ for v in "${variants[@]}"; do
     [ "$v" != cuda/moe.cu ] && cp "$v" cuda/moe.cu
     echo "== $v $shape width $width tokens $tokens"
     /usr/local/cuda/bin/ncu --metrics "$metrics" -k regex:"$kre" -s 2 -c 2 \
-        python3 recipes/perf_kernel_ncu.py "$shape" "$width" "$tokens" 2>&1 |
+        python3 tools/kernel-dev/perf_kernel_ncu.py "$shape" "$width" "$tokens" 2>&1 |
         grep -E "^\s+[a-z_]+ \(|^\s+[a-z]" |
         sed -E 's/ +/ /g; s/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//'
 done

@@ -5,7 +5,8 @@ cuobjdump; this compares each kernel's `.text.<name>` section of the two ELF fil
 Either build may be several cubins, e.g. the runtime's parts (`kernels.PARTS`, each built with
 `kernels.part_options`), whose kernels are then taken together: the first build's joined by
 commas, the second's as the arguments after it.
-Usage: python3 recipes/cubin_diff.py a.cubin[,a2.cubin ...] b.cubin [b2.cubin ...] [--all]"""
+Usage:
+  python3 tools/kernel-dev/cubin_diff.py a.cubin[,a2.cubin ...] b.cubin [b2.cubin ...] [--all]"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ compiles them (`kernels.modules`), with CuPy's disk cache pointed at an empty fo
 nothing is found there. `parts`: the runtime's parts (`kernels.PARTS`); `kernels`: every kernel a
 program of its own, to choose the parts by. Programs build side by side, a thread a core.
 
-Usage (device tool): python3 recipes/compile_parts.py [parts|kernels] [threads]
+Usage (device tool): python3 tools/kernel-dev/compile_parts.py [parts|kernels] [threads]
 Prints each program's seconds (its own compile, from submission when threads >= programs) and the
 wall time of the whole."""
 

@@ -1,7 +1,7 @@
 """Both prefill kernels (sm_90a wgmma and mma.sync) against the FP16 baseline as `bench --kernels`
 times it (`grouped_time`), on one synthetic layer per shape, in one process (so the ratios share
 the GPU's state). Usage (GPU machine):
-  python3 recipes/perf_prefill_kernels.py mixtral,qwen-moe,qwen3-moe 4 256,512,2048"""
+  python3 tools/kernel-dev/perf_prefill_kernels.py mixtral,qwen-moe,qwen3-moe 4 256,512,2048"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from pwctl.bench.kernels import (
     SHAPES,
     GroupedFp16,
-    _event_time,
+    event_time,
     grouped_time,
     random_routing,
     synthetic_layer,
@@ -38,7 +38,7 @@ def main() -> None:
                 for kind in kinds:
                     layer.moe.prefill_kernel = kind
                     call = functools.partial(layer.moe, 0, x, w, idx, sc, path="prefill")
-                    t = _event_time(call, 10)
+                    t = event_time(call, 10)
                     line += f"  {kind} {t * 1e6:7.0f} us ({grouped / t:.2f}x grouped)"
                 print(line, flush=True)
         layer = None

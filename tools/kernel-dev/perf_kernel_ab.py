@@ -13,7 +13,7 @@ one-token layers with blocks wider than 4 bits off the 5-bit popc build (fused_m
 `@sk=1` / `@sk=0` puts the sm_90a prefill's down on its stream-K wave or one CTA a unit
 (fused_moe.DOWN_STREAM_K).
 Usage (GPU machine):
-  python3 recipes/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
+  python3 tools/kernel-dev/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
 from __future__ import annotations
 

@@ -5,8 +5,10 @@ a projection wide each call reads it, so a cell shows its whole cost; the shared
 4 bits. Also `p1` on one wave of persistent gate_up CTAs in equal shares (`p1
 wave`), where by default a layer with a wide block takes one CTA a tile. Graph replays, L2 cold,
 us, averaged over `seeds` routings.
-Usage (GPU machine; cases: none and the keys of PROJECTIONS, default all):
-  python3 recipes/perf_wide_projection.py mixtral,qwen-moe 5,8 [seeds] [cases] [shares]"""
+Usage (GPU machine; cases: none and the keys of PROJECTIONS, default all; it imports
+recipes/perf_wide_blocks.py):
+  PYTHONPATH=recipes python3 tools/kernel-dev/perf_wide_projection.py mixtral,qwen-moe 5,8 \
+      [seeds] [cases] [shares]"""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 from perf_wide_blocks import ONE_TOKEN, mean_times, use_build, wide_widths
 
-from pwctl.bench.kernels import SHAPES, _routed, random_routing, synthetic_layer
+from pwctl.bench.kernels import SHAPES, random_routing, routed_on, synthetic_layer
 from pwctl.runtime import fused_moe, kernels
 
 PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0, 1, 2]}
@@ -34,7 +36,7 @@ def main() -> None:
     shares = [float(f) for f in sys.argv[5].split(",")] if len(sys.argv) > 5 else [1.0]
     for name in shapes:
         layer = synthetic_layer(SHAPES[name], seed=0)
-        routed = layer.moe._layer_blocks[0].reshape(-1, 3)[: layer.spec.num_experts]
+        routed = layer.moe.block_ids[0].cpu().numpy()[: layer.spec.num_experts]
         for wide, share, (label, cols) in itertools.product(wides, shares, cases.items()):
             widths_of = functools.partial(
                 wide_widths, layer.table.n_blocks, wide, share, among=routed[:, cols]
@@ -71,7 +73,7 @@ def kernel_times(layer, build: str, calls: int = 5) -> dict[str, float]:
     """Each kernel's mean device time, us, in eager one-token routed calls on `build` (routing
     seed 0; torch's profiler)."""
     use_build(layer, ONE_TOKEN[build])
-    call = _routed(layer.moe, random_routing(layer.spec, 1, seed=0)[0])
+    call = routed_on(layer.moe, random_routing(layer.spec, 1, seed=0)[0])
     call()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

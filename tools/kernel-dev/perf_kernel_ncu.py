@@ -1,7 +1,7 @@
 """Run one MoE layer (synthetic planes, real shape) a few times, for Nsight Compute to profile
 the fused kernels. Usage (GPU machine):
   ncu --metrics sm__inst_executed.sum,gpu__time_duration.sum,... -k regex:"gate_up|down" -s 2 -c 2 \
-      python3 recipes/perf_kernel_ncu.py mixtral 4 1"""
+      python3 tools/kernel-dev/perf_kernel_ncu.py mixtral 4 1"""
 
 from __future__ import annotations
 

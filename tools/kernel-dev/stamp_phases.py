@@ -12,8 +12,10 @@ one a tile; FusedMoE.gate_up_runs); `shares`: a persistent gate_up's CTA ends by
 their shares and by their SMs' halves (is the last CTA's lateness its share, its SM's load, or
 neither). Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
-  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py mixtral 1 [routed] [cold] [waves]
-  PWCTL_CUBIN=$PWD/stamps.cubin python3 recipes/stamp_phases.py qwen3-moe,mixtral 512 prefill
+  PWCTL_CUBIN=$PWD/stamps.cubin python3 tools/kernel-dev/stamp_phases.py mixtral 1 \
+      [routed] [cold] [waves]
+  PWCTL_CUBIN=$PWD/stamps.cubin python3 tools/kernel-dev/stamp_phases.py qwen3-moe,mixtral 512 \
+      prefill
   (a -DPWCTL_STAMPS_CHAIN build, `chain`: the popc gate_up's staging chain, stamp by stamp)"""
 
 from __future__ import annotations
@@ -157,12 +159,11 @@ def main() -> None:
             print(f"{name} T={T} {'prefill, ' if prefill else ''}{how}, replay {rep}:")
             kinds = PREFILL_KINDS if prefill else {**KINDS, **CHAIN} if chain else KINDS
             print("\n".join(summary(buf.get(), smid.get(), kinds, waves)), flush=True)
-            if shares:
-                moe = call.func
-                (layer, slots, _, _), plan = next(iter(moe._launches.items()))
-                tiles = 32 * moe.proj[(layer, False, "down")].wpad // kernels.ROWS
-                if plan.runs == plan.gate_up_grid[0]:  # routed CTAs only (no shared expert)
-                    print("\n".join(share_ends(buf.get(), smid.get(), 2 * slots * tiles)))
+            moe = call.func
+            if shares and not moe.spec.has_shared:  # routed CTAs only (no shared expert's)
+                slots = min(moe.spec.num_experts, T * moe.spec.top_k)  # the launch's slot bound
+                tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS
+                print("\n".join(share_ends(buf.get(), smid.get(), 2 * slots * tiles)))
 
 
 if __name__ == "__main__":

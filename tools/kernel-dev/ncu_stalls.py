@@ -1,6 +1,6 @@
 """Summarize `ncu -i REPORT --page source --csv --print-source sass`: stall reasons over all
 warp-state samples, then the most-sampled instructions with their three largest reasons.
-Usage: python3 recipes/ncu_stalls.py source.csv [top]"""
+Usage: python3 tools/kernel-dev/ncu_stalls.py source.csv [top]"""
 
 from __future__ import annotations
 
