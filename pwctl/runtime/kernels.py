@@ -19,7 +19,20 @@ import torch
 
 from pwctl.errors import PwctlError
 
-CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
+
+def cuda_dir() -> Path:
+    """The folder of the kernels' CUDA sources: an installed wheel carries the top-level cuda/ as
+    the package data pwctl/cuda (setup.py); a source checkout, or an editable install, has it
+    beside pwctl/."""
+    package = Path(__file__).resolve().parents[1]
+    for folder in (package / "cuda", package.parent / "cuda"):
+        if any(folder.glob("*.cu")):
+            return folder
+    return package.parent / "cuda"  # missing: `modules` says so
+
+
+CUDA_DIR = cuda_dir()
+CUDA_SRC = CUDA_DIR / "moe.cu"
 # cuda/moe.cu's parts, each a program of its own: the kernels each holds (each kernel has its own
 # guard there, so any grouping builds). Apart, they compile side by side (`modules`), grouped by
 # each kernel's own NVRTC time so that no part takes much longer than the slowest kernel,
@@ -85,7 +98,7 @@ def modules() -> tuple:
             raise PwctlError(f"PWCTL_CUBIN={prebuilt}: no such file")
         return (cupy.RawModule(path=prebuilt),) * len(PARTS)
     if not CUDA_SRC.exists():
-        raise PwctlError(f"{CUDA_SRC}: kernel source missing (pwctl must run from its checkout)")
+        raise PwctlError(f"{CUDA_SRC}: kernel source missing (neither installed nor checked out)")
     arch, code, device = device_arch(), CUDA_SRC.read_text(), cupy.cuda.runtime.getDevice()
 
     def build(part: int):  # CuPy compiles with the GIL let go, then loads on `device`
