@@ -1,10 +1,10 @@
-"""The wheel carries the kernels' CUDA sources: built as `python -m build` builds it (the sdist,
+"""The wheel carries the kernels' CUDA sources. Built as `python -m build` builds it (the sdist,
 then the wheel from it; without build isolation: nothing is downloaded, and no build/ is left in
-the checkout), installed with --no-deps in a fresh venv, its
-pwctl finds them in the installed package (pwctl/cuda, mapped from the top-level cuda/ by
-setup.py), not in this checkout, and its `pwctl bench --kernels --help` runs. The fresh venv
-borrows this venv's packages (torch, typer, ...) through a .pth line, which adds their folder but
-not this venv's editable finder of the checkout's pwctl."""
+the checkout) and installed with --no-deps in a fresh venv, its pwctl finds them in the installed
+package (pwctl/cuda, mapped from the top-level cuda/ by setup.py), not in this checkout, and its
+`pwctl bench --kernels --help` runs. The fresh venv borrows this venv's packages (torch, typer,
+...) through a .pth line, which adds their folder but not this venv's editable finder of the
+checkout's pwctl."""
 
 from __future__ import annotations
 
