@@ -5,7 +5,7 @@ the 5-bit one (`p1b5`), the lookup kernels (`n1`) and the lookup gate_up with th
 (`n1p1`); a few tokens: the popc kernels (`pn`) and the lookup ones (`n`). Graph replays, L2
 cold, us, the best of `rounds`, averaged over `seeds` draws of the routing and of which blocks
 are wide (which of them a call reads moves its time). What the rule for layers with wide blocks
-rests on (docs/PERF.md, sessions 39-42).
+rests on (docs/decisions/034-wide-block-rule.md).
 Usage (GPU machine):
   python3 recipes/perf_wide_blocks.py mixtral,qwen3-moe 5,8 0,0.25,0.5,1 [rounds] [tokens] [seeds]
 (tokens: a comma-separated list, as the shapes, widths and shares are)"""

@@ -2,7 +2,7 @@
 leaves them at a budget), on each build the launcher can choose and on its rule's (`auto`,
 FusedMoE.decode_builds; the builds it chose printed last), against every block at 4 bits. Graph
 replays, L2 cold, us, averaged over `seeds` draws of the routing and of which block takes which
-width. What a pagedweight budget costs decode (docs/PERF.md, session 41).
+width. What a pagedweight budget costs decode (docs/PERF.md).
 Usage (GPU machine):
   python3 recipes/perf_width_mix.py mixtral,qwen3-moe 3:0.2,4:0.3,5:0.5 [tokens] [seeds]
   python3 recipes/perf_width_mix.py qwen-moe gate=4:0.5,5:0.5+up=4:1+down=6:0.5,7:0.5

@@ -45,6 +45,9 @@ def packs(checkpoints, tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the longest tests (`early`: the NVRTC parts) first, so that pytest-xdist's workers start on
+    # them and the short ones fill in around them (stable: the rest keep their order)
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -1,6 +1,6 @@
 """A/B-time variants of cuda/moe.cu with the `bench --kernels` harness, in one process, several
 rounds interleaved (the best time of each is printed). Variants are .cu files (NVRTC compiles
-each: ~4 min since session 36, by the dev machine's ratio; e.g. `git show main:cuda/moe.cu >
+each: minutes, docs/decisions/032-nvrtc-parts.md; e.g. `git show main:cuda/moe.cu >
 /tmp/a.cu`) or cubins built elsewhere (`nvcc -arch=sm_90a -std=c++17 -cubin`: no compile on the
 GPU machine; compare cubins with cubins).
 A variant `x.cubin@runs=N@down=K@slab=S` runs x with FusedMoE.gate_up_runs = N (the CTAs of a

@@ -31,7 +31,7 @@ from pwctl.runtime import fused_moe, kernels
 
 CTAS = 16384  # STAMP_CTAS
 KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc gate_up streams
-    # gate and up side by side (session 27) and stamps only 3 (thread 0's warp, gate, streamed)
+    # gate and up side by side (decisions/026) and stamps only 3 (thread 0's warp, gate, streamed)
     # and 6 (both summed), which print as 'gate streamed' and 'up summed'
     0: ("gate_up", ((0, "entry"), (1, "waited"), (2, "staged"), (3, "gate streamed"),
                     (4, "gate summed"), (5, "up streamed"), (6, "up summed"), (7, "stored"))),
