@@ -3,13 +3,13 @@ CuPy, for sm_80: the Ampere build the issue asks to compile, which neither this 
 H200 one ever builds (the H200 builds sm_90a at first use). NVRTC is a library, so no GPU is
 needed: the dev extra installs NVIDIA's nvidia-cuda-nvrtc wheel.
 
-Each part is a test of its own, marked `early`: conftest runs them before the rest, so that
-pytest-xdist's workers start on the longest items (the first part, `gate_up_n8` alone, takes about
-two minutes on a 2-core machine) and fill in around them with the short ones; alone, `pytest -n 2
-tests/test_nvrtc.py` builds two parts at a time. A part whose sources (every file of
-`kernels.CUDA_DIR`), options and NVRTC version hash to a key that passed before is not compiled
-again (pytest's cache, `.pytest_cache`; `PWCTL_NVRTC_FRESH=1` or `--cache-clear` compiles
-anyway)."""
+Each part is a test of its own, marked `early`: conftest runs them before the rest and has
+pytest-xdist hand out one test at a time, so that its workers start on the longest items (the
+first part, `gate_up_n8` alone, takes two minutes or more on a 2-core machine) and fill in around
+them with the short ones; alone, `pytest -n 2 tests/test_nvrtc.py` builds two parts at a time.
+A part whose sources (every file of `kernels.CUDA_DIR`), options and NVRTC version hash to a key
+that passed before is not compiled again (pytest's cache, `.pytest_cache`; `PWCTL_NVRTC_FRESH=1`
+or `--cache-clear` compiles anyway)."""
 
 from __future__ import annotations
 
