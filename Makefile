@@ -17,11 +17,11 @@ demo: $(STAMP)
 	$(BIN)/pwctl demo
 
 test: $(STAMP)
-	$(BIN)/ruff check pwctl tests recipes
+	$(BIN)/ruff check pwctl tests recipes tools
 	$(BIN)/pytest -q -n 2
 
 lint: $(STAMP)
-	$(BIN)/ruff check pwctl tests recipes
+	$(BIN)/ruff check pwctl tests recipes tools
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

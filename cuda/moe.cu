@@ -1,5 +1,5 @@
 // The fused mixed-precision MoE kernels (docs/KERNELS.md). Compiled by CuPy (NVRTC) at first use.
-//
+// ("decisions/NNN" below: docs/decisions/NNN-*.md, the record with the figure behind a choice.)
 // Every expert block is read at its current width straight from its planes, wherever the pager
 // put them: a block's plane p is a chunk [bits | table] split over fixed-size slabs of one device
 // arena, and the descriptor (per-block width, per-plane first slab-map entry, slab map) lives in
@@ -78,7 +78,7 @@ __device__ __forceinline__ void start_next() {
 #endif
 }
 
-// Timing probe, never built by pwctl (`recipes/stamp_phases.py` builds it with -DPWCTL_STAMPS):
+// Timing probe, never built by pwctl (tools/kernel-dev/stamp_phases.py: -DPWCTL_STAMPS builds):
 // thread 0 of every CTA writes the global timer and its SM's clock at each phase of its kernel
 // (kind: 0 gate_up, 1 down, 2 the prep launch, 3 popc_planes; the sm_90a prefill kernels take
 // kinds 0 and 1 too, with phases of their own), and its SM.
@@ -130,7 +130,7 @@ __device__ __forceinline__ const unsigned char* paged_at(const Paged& g, int fir
 
 // `paged_at` of the plane's first entry (`plane_entry`), kept in its own form: written as that
 // call, ptxas reorders the staging of the prefill kernels and of the one-token gate_up (cubin_diff,
-// session 33), which were measured as they are.
+// decisions/028), which were measured as they are.
 __device__ __forceinline__ const unsigned char* paged(const Paged& g, int block, int plane, i64 off) {
     int entry = __ldg(g.slab_off + block * g.max_bits + plane) + (int)(off >> g.slab_shift);
     i64 slab = __ldg(g.slab_map + entry);
@@ -140,7 +140,7 @@ __device__ __forceinline__ const unsigned char* paged(const Paged& g, int block,
 // A plane is stored tiled (docs/FORMAT.md, pwctl/bitplanes.py `tile`): 16-byte units of 4 words,
 // [rows / 8][words / 4][8 rows][4 words]. So a warp that loads one unit of each of 8 rows from 4
 // adjacent units reads 512 contiguous bytes; row-major, the same load was 8 pieces of 64 bytes,
-// and a Mixtral decode layer took 3-7.5% longer (docs/PERF.md, session 26). Every load of plane
+// and a Mixtral decode layer took 3-7.5% longer (decisions/025). Every load of plane
 // words is of one unit or part of one (w % 4 == 0 for 16 bytes, w even for 8).
 // tiled(w): word w of a row, counted in words from its unit 0.
 __host__ __device__ __forceinline__ constexpr int tiled(int w) { return (w & 3) + ((w >> 2) << 5); }
@@ -250,7 +250,7 @@ __device__ __forceinline__ void lut16(const u32 (&L)[8], u32 s, u32 q, u32& h0, 
 // widths read from there (5-8). A 5-bit table takes 16 words, i.e. 16 of the 32 banks, the same
 // 16 in every row: odd rows keep theirs 16 words on, so that the 8 rows one shared load meets use
 // all 32 banks (Nsight Compute, Mixtral: 4.1 -> 3.0 wavefronts a load). Wider tables cover every
-// bank already. Tried and not kept (docs/PERF.md, session 17): a copy of each row a lane (one
+// bank already. Tried and not kept (decisions/033): a copy of each row a lane (one
 // bank a lane, no conflicts) cost more integer work than it saved; labels as bytes (a PRMT an
 // index, `decode`'s BYTES) were 0-9% faster at 6-8 bits but made the one-token lookup kernels
 // spill, 4% slower on Qwen3-MoE at 4 bits: the prefill kernels take them, and the one-n-tile
@@ -268,7 +268,7 @@ __device__ __forceinline__ void decode(const u32 (&P)[8], const u32 (&L)[8],
                                        const unsigned short* tbl, u32 (&A)[4]) {
 #ifdef PWCTL_LOAD_ONLY
     // Timing probe, never built by pwctl: the kernels' loads and mma with no lookup (wrong results).
-    // nvcc -DPWCTL_LOAD_ONLY ... -cubin, then PWCTL_CUBIN=FILE pwctl bench --kernels (docs/PERF.md).
+    // nvcc -DPWCTL_LOAD_ONLY ... -cubin, then PWCTL_CUBIN=FILE pwctl bench --kernels (decisions/006).
     if constexpr (B <= 4) {
         const u32 v = (P[0] ^ P[1]) ^ (P[2] ^ P[3]) ^ L[C];
         A[0] = v, A[1] = v + 1u, A[2] = v + 2u, A[3] = v + 3u;
@@ -341,7 +341,7 @@ struct Stage {
 // Where the table words of row r came from (`restage` moves them on): kept in the row's unused
 // upper half, so only for widths up to 4 (16 entries of 256). A separate array (31.9 -> 33.9 KB a
 // CTA) moved `p1b3`'s 6 CTAs an SM to the next shared-memory carveout, which left ~28 KB of L1
-// instead of ~60, and it ran 4% slower (Mixtral, 3 bits, 1 token; docs/PERF.md, session 25).
+// instead of ~60, and it ran 4% slower (Mixtral, 3 bits, 1 token; decisions/024).
 #define KEEPS_SOURCES 4
 __device__ __forceinline__ const u32** table_sources(Stage& st, int r) {
     return (const u32**)(st.tbl[r] + MAX_TABLE / 2);
@@ -386,7 +386,7 @@ __device__ bool stage(const Paged& g, int block, int B, i64 bits_nbytes, int wor
 // together, the slab offsets and then the slab-map entries of its pointer and its table word,
 // where two `stage` calls, each a loop of pointers and then one of tables, waited for 8 dependent
 // loads one after another: 1.7 us of the ~3 us a one-token Qwen3-MoE gate_up CTA staged for
-// after its wait, with L2 cold or warm (docs/PERF.md, session 33). Both (block, rows) are real,
+// after its wait, with L2 cold or warm (decisions/028). Both (block, rows) are real,
 // nrows >= 1: with count 1 the second repeats the first (its loads are made, its stores are not).
 // keep: where each table word came from, for `restage` (widths up to KEEPS_SOURCES); those tables
 // come by cp.async, as restage's do (the caller waits for them: `tables_landed`).
@@ -457,8 +457,8 @@ __device__ bool stage_two(const Paged& g, const int (&block)[2], const int (&B)[
 // staged afresh.
 // The tables come by cp.async: the fold waits for them (`tables_landed`), so their latency hides
 // behind the streaming, where a `stage` that loads them waits on a chain of 5 loads first (2.8
-// us of a ~16 us Mixtral CTA, all of it on the kernel's critical path: docs/PERF.md, session 25;
-// since session 32 a first staging keeping sources copies them so too). No barrier; no flatness
+// us of a ~16 us Mixtral CTA, all of it on the kernel's critical path: decisions/024;
+// now a first staging keeping sources copies them so too). No barrier; no flatness
 // either (`stage`'s, for the lookup, which a block this narrow never takes).
 __device__ void restage(const Paged& g, int block, int B, i64 bits_nbytes, int words, int rpt,
                         int row0, Stage& st) {
@@ -526,7 +526,7 @@ __device__ __forceinline__ void load_word(const RowPtr* r0, const RowPtr* r1, in
 // One n-tile at 5 bits decodes labels as bytes (BYTES): no spill there now, and calls of 1-2
 // tokens 3-10% faster on the Qwen shapes, 2% on Mixtral's 2 tokens. At 6 bits it was 2-7% faster
 // on Mixtral and Qwen1.5-MoE and 3% slower on Qwen3-MoE; at 8 bits 4.5% faster on Mixtral and
-// 1-10% slower on the Qwen shapes; in the larger tiles, within 1% (docs/PERF.md, session 40).
+// 1-10% slower on the Qwen shapes; in the larger tiles, within 1% (decisions/033).
 template <int B, int NT>
 __device__ __forceinline__ void mma_word(const u32 (&P0)[8], const u32 (&P1)[8], const u32 (&L0)[8],
                                          const u32 (&L1)[8], const Stage& st, int w, int wpad,
@@ -605,7 +605,7 @@ __device__ __forceinline__ void mma_rows_wide(const Stage& st, int words, int wp
 // A slot takes the loop of the smallest compiled tile that holds its tokens (a launch's NT fits
 // its largest possible slot; most are smaller), so empty n-tiles cost no mma. The choice is made
 // once, outside the loop: mma_word's skip past a slot's tokens, compiled into the 2-tile loop
-// too, made it slower than the dead mma it saved (docs/PERF.md, session 36).
+// too, made it slower than the dead mma it saved (decisions/031).
 template <int NT>
 __device__ __forceinline__ void mma_tier(const Stage& st, int B, bool flat, int words, int wpad,
                          const uint4* xf, const int (&xrow)[NT], int live, int part,
@@ -708,7 +708,7 @@ struct Split {
 // it in shared memory across the streaming: held in registers with the share's bounds, it took
 // `gate_up_p1` from 127 registers to 128 and 20 bytes of spills, reloaded after the streaming
 // (which has likely evicted them from L1 and L2), and a CTA a tile ran 4% slower (Mixtral, 4
-// bits, one token; docs/PERF.md, session 25).
+// bits, one token; decisions/024).
 struct TileEnd {
     int lo, row0;  // the tile's pair and first row
     int kz, kn;    // this CTA's half of the columns, and the halves (1: a whole tile)
@@ -819,7 +819,7 @@ __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, con
         const bool flat = stage_gate_up(g, s, e, bits_nbytes, words_in, rpt, c.row0, nrows, st, wg, wu);
         STAMP(0, 2);
         // gate, then up, each on all 4 warps (running them side by side on 2 warps each was
-        // 10-20% slower on Mixtral and no faster on Qwen3-MoE: docs/PERF.md); one copy of the
+        // 10-20% slower on Mixtral and no faster on Qwen3-MoE); one copy of the
         // loops for both blocks (two inlined copies spilled the second's accumulators)
         #pragma unroll 1
         for (int m = 0; m < 2; ++m) {
@@ -962,13 +962,13 @@ __device__ __forceinline__ int popc_pieces(int words) {
 }
 
 // Piece `pc` of one row into PopcX, word z of each k-step's 8 (POPC_SPLIT CTAs share a piece: one
-// CTA doing all 8 words' ballots took 16 us on one SM, Nsight Compute, session 10). `at(w)`: the
+// CTA doing all 8 words' ballots took 16 us on one SM, Nsight Compute, decisions/023). `at(w)`: the
 // row's value at column 32 w + lane (w < words; words past the row read the last one, and a load
 // must not sit behind a branch). Warp i takes the piece's k-steps i, i + warps,
 // ... (SPW at most: SPW x warps >= the piece's k-steps), every load in flight at once, for the
 // piece's scale; then it turns word z of each of its k-steps into planes. Steps past the row are
 // neither built nor read. A warp's instructions are the cost (each waits ~10 cycles on the last
-// with a few warps an SM: Nsight Compute, session 11), so no warp takes more steps than it must.
+// with a few warps an SM: Nsight Compute, decisions/023), so no warp takes more steps than it must.
 template <int SPW, class At>
 __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool store = true,
                               bool stamped = false) {
@@ -985,7 +985,7 @@ __device__ void popc_piece_of(At at, int words, int pc, int z, PopcX* dst, bool 
         for (int h = 0; h < 8; ++h) {  // word h % 2 of lane t = h / 2 of the k-step
             // every word loaded, past the row from its last word, so that the 8 loads go out
             // together: under `w < words` each waited on the one before (8 L2 round trips,
-            // 3 us of popc_planes' 4.3 on Mixtral; docs/PERF.md, session 24)
+            // 3 us of popc_planes' 4.3 on Mixtral; decisions/023)
             const int w = step_word(step, chunks, h >> 1) + (h & 1);
             const float a = at(min(w, words - 1));
             v[j][h] = w < words ? a : 0.f;
@@ -1043,7 +1043,7 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     STAMP(3, 0);
     // down may launch and stage now, while gate_up runs: triggered after this grid's wait, its
     // CTAs entered only once gate_up had ended, and staged on the critical path (Qwen3-MoE, one
-    // token, popc: 30.4 -> 27.8 us at 3 bits; docs/PERF.md, session 29)
+    // token, popc: 30.4 -> 27.8 us at 3 bits; decisions/012)
     start_next();
     int row = blockIdx.y;
     if (row >= rows) row -= rows, src = t_src, wpad = t_wpad, words = t_words, dst = t_dst;
@@ -1057,7 +1057,7 @@ extern "C" __global__ void __launch_bounds__(POPC_THREADS) popc_planes(
     // Two passes over one copy of the build: the first, before the wait, reads h as it stands
     // and stores nothing (its values are dropped), so that what the build needs besides h (its
     // instructions, h's pages) is at hand when h lands; the second builds. The loads after the
-    // wait took 1.5-2.0 us on Mixtral, 0.85 with the first pass (docs/PERF.md, session 31)
+    // wait took 1.5-2.0 us on Mixtral, 0.85 with the first pass (decisions/023)
     #pragma unroll 1
     for (int pass = 0; pass < 2; ++pass) {
         if (pass == 1) {
@@ -1145,7 +1145,7 @@ __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, i
     return;
 #endif
     // Loads at the top of each chunk: a chunk in flight a warp. Measured slower on the H200
-    // (docs/PERF.md, session 10): the next chunk in registers too (3 CTAs an SM), L2 prefetches
+    // (decisions/019): the next chunk in registers too (3 CTAs an SM), L2 prefetches
     // 2 or 4 chunks ahead, a 4-stage cp.async ring in shared memory.
     // row_of(p, w): where words w .. w + 3 of plane p lie (w % 4 == 0: one side of a split)
     const auto stream = [&](auto row_of) {
@@ -1192,7 +1192,7 @@ __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, i
     // groups tile the slabs) stream from pointers held in registers. Read from shared memory at
     // each chunk, the one-token 4-bit gate_up's own rows' pointers meet in 4-way bank conflicts
     // (Mixtral 4 bits, one token: 93.3 -> 91.7 us held there, 90.5 held in every 4-bit build;
-    // docs/PERF.md, session 28). Otherwise, and for rows that straddle a slab edge, the side is
+    // decisions/026). Otherwise, and for rows that straddle a slab edge, the side is
     // chosen at each load.
     const volatile RowPtr* vr = rp;
     bool flat = HOLD;
@@ -1214,7 +1214,7 @@ __device__ void popc_rows(const RowPtr* rp, int at, int words, int k0, int k1, i
 // c_S of one row's table at width B: S a plane subset (bit p: plane p, which holds label bit
 // B - 1 - p, so a subset's label is its bits reversed), the Moebius transform in registers, fp32.
 // Computed where the fold needs them, after the streaming: in a CTA's prologue they cost 13 us of
-// a Mixtral layer's gate_up (docs/PERF.md, session 10).
+// a Mixtral layer's gate_up (decisions/019).
 __host__ __device__ constexpr int reversed(int v, int bits) {
     int r = 0;
     for (int i = 0; i < bits; ++i) r |= ((v >> i) & 1) << (bits - 1 - i);
@@ -1237,7 +1237,7 @@ __device__ __forceinline__ void row_coef(const unsigned short* tbl, float (&c)[1
 // steps over the bits of q by shuffles, where with `row_coef` the 8 lanes of a row pair repeat
 // its transform. Fewer instructions, a longer chain: the few-token 3-bit build takes it (Mixtral,
 // 2 tokens: 7% faster), and the others were 2-9% slower with it (the fold was 5-7% of a one-token
-// Mixtral layer, most of it the coefficients: docs/PERF.md, session 28).
+// Mixtral layer, most of it the coefficients: decisions/026).
 template <int B>
 __device__ __forceinline__ void group_coefs(const unsigned short (*tbl)[MAX_TABLE], float* coef) {
     constexpr int N = 1 << B, E = N >= 4 ? N / 4 : 1, LB = E == 4 ? 2 : E == 2 ? 1 : 0;
@@ -1399,7 +1399,7 @@ __device__ bool split_join(const Split& sp, const TileEnd& c, float (&rows)[2][R
 // Registers a subset holds across the loop (popc_step): 2 where that buys a CTA an SM, the
 // one-token 3-bit build (6 CTAs an SM against 5: Mixtral 3 bits, one token, 93.9 -> 90.2 us);
 // elsewhere the fragment's 4 (the 4-bit builds were 1.5-2% slower with 2 at 4 CTAs and spilled at
-// 5; `pnb3` at 6 CTAs was 3% slower in the routed 4-token call; docs/PERF.md, session 23).
+// 5; `pnb3` at 6 CTAs was 3% slower in the routed 4-token call; decisions/021).
 __host__ __device__ constexpr int popc_regs(int maxb, bool few) {
     return maxb != 4 && !few ? 2 : 4;  // (the 5-bit build's 31 subsets: 2 registers a subset)
 }
@@ -1416,8 +1416,8 @@ __host__ __device__ constexpr bool hold_rows(int maxb) { return maxb == 4; }
 // `stage` keeps a group's pointers within one group of the plane past the tile's rows too);
 // OWN: each lane its own row's, which meet in 4-way bank conflicts (so `popc_rows` holds them in
 // registers, HOLD, for rows in one slab). The one-token 4-bit gate_up takes OWN: the other form
-// left it 64 bytes of spills in the fold and 2.5% slower, where the rest gained 1-4% (docs/PERF.md,
-// session 26).
+// left it 64 bytes of spills in the fold and 2.5% slower, where the rest gained 1-4%
+// (decisions/025).
 template <bool OWN>
 __device__ __forceinline__ const RowPtr* lane_rows(const Stage& st, int grp) {
     return st.ptr + (8 * grp + (OWN ? (threadIdx.x & 31) >> 2 : 0)) * 8;
@@ -1428,7 +1428,7 @@ __device__ __forceinline__ const RowPtr* lane_rows(const Stage& st, int grp) {
 // lookup) on the fragment-order x. MAXB = 4: `gate_up_p1`; MAXB = 3: `gate_up_p1b3`, whose
 // accumulators take a quarter of the registers (7 subsets, popc_regs), so that 6 CTAs an SM fit
 // instead of 4 (the launcher takes it when no block of the layer is wider than 3 bits: more warps
-// an SM are more loads in flight, docs/PERF.md sessions 12 and 23).
+// an SM are more loads in flight, decisions/021).
 template <int MAXB, bool FEW>
 __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigned short* hp, int I,
                              int words_in, int wpad_in, int wpad_out, i64 bits_nbytes, int rpt,
@@ -1507,7 +1507,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
             // gate on warps 0-1, up on 2-3 (8-row group warp % 2), each warp every chunk of its
             // rows in the tile's share: one fold a warp and tile, one barrier. Gate then up on all
             // 4 warps (a column half a warp, a fold every 4 chunks, 4 barriers) was 6% slower at
-            // one token (docs/PERF.md, session 27). A split tile's halves take alternate chunks.
+            // one token (decisions/026). A split tile's halves take alternate chunks.
             const int m = warp >> 1;
             double f[2] = {};
             for (int k0 = 0, i = 0; k0 < ks; k0 += POPC_STEPS, ++i)
@@ -1552,7 +1552,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
 }
 
 // Chunks a warp of down_popc pulls into L2 before its wait: 2 took 0.5-1.5 us off one-token
-// layers, 1 less, 8 (a Qwen warp's whole slice) nothing (docs/PERF.md, session 32).
+// layers, 1 less, 8 (a Qwen warp's whole slice) nothing (decisions/027).
 #define DOWN_PREFETCH_CHUNKS 2
 
 // Before its wait a down_popc warp pulls into L2 the first `n` chunks it streams after it (units
@@ -1643,7 +1643,7 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
 // all 4 m-tiles with its own 4 n-tiles (a B fragment serves 4 m-tiles, an A fragment 4 n-tiles).
 // Two chunk buffers: decoding chunk i + 1 (ALU) overlaps the mma of chunk i (tensor cores).
 // Measured on the H200 and not kept: 8 warps of 2 n-tiles each, plane words and B fragments
-// loaded a step ahead (docs/PERF.md).
+// loaded a step ahead.
 #define PF_WARPS 4
 #define PF_NTW 4   // n-tiles per warp
 #define PF_TOKENS (8 * PF_NTW * PF_WARPS)  // tokens per pass: 128
@@ -1897,7 +1897,7 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4],
               "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 // PWCTL_PREFILL_N = 32 or 64: a timing probe, never built by pwctl (wrong results): an N-token
 // wgmma on the tile's first tokens and B copies of N tokens' bytes, what a narrower tile for a
-// slot's few tokens could save at most (docs/PERF.md, session 22)
+// slot's few tokens could save at most (decisions/018)
 #if PWCTL_PREFILL_N == 32
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
@@ -2104,7 +2104,7 @@ __device__ __forceinline__ void wg_decode_at(const Stage& st, const WgJob& job, 
 // word waits on DRAM latency; from L2 it comes sooner. Every 4 chunks (8 units of each row: 8
 // 128-byte lines of a tiled group, one unit of its 8 rows each), each lane asks L2 for one of the
 // lines PF_AHEAD chunks on of its groups (rows g, g + 8: unit g of those 8) and planes t, t + 4
-// (B: the m-tile's width). Measured (docs/PERF.md, session 13, row-major planes: a line a row):
+// (B: the m-tile's width). Measured (decisions/014, row-major planes: a line a row):
 // Mixtral 7-19% faster, the Qwen shapes 1-5%. Also asking for the first lines at a tile's start,
 // or 8 chunks ahead, was no better. The same prefetch made the decode kernels 1-7% slower and the
 // mma.sync prefill (timed on the H200) 3x slower: they have none.
@@ -2436,8 +2436,8 @@ __device__ __forceinline__ void down_prefill_job(PrefillWG& sm, const Paged& g, 
 // b < D = (N / sk) sk take unit b whole, and when the N - D units left would fill at most half
 // a wave, the next sk CTAs take equal shares of their chunks (at most half a unit each; else
 // those units go whole too). One CTA a unit left them to run as a partial wave at the end: Mixtral at
-// 512 tokens, 832 units on 264 CTAs, took 4 waves' time for 3.15 waves' work (docs/PERF.md,
-// session 34). A share may end or begin inside a unit: its partial sums are added as a whole
+// 512 tokens, 832 units on 264 CTAs, took 4 waves' time for 3.15 waves' work (decisions/017).
+// A share may end or begin inside a unit: its partial sums are added as a whole
 // unit's are (atomics, which down needs anyway).
 struct Span {
     int lo, hi;
@@ -2509,7 +2509,7 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
 
 // NT n-tiles of 8 tokens per CTA: 1, 2, 4 and 8 for decode (<= 64 tokens a call; the launcher
 // picks NT by the call's token count, a bound on any slot's). BOUNDS: what each measured fastest
-// with on the H200 (docs/PERF.md). One n-tile: no CTA floor (80 / 72 registers; a floor of 7,
+// with on the H200 (decisions/031). One n-tile: no CTA floor (80 / 72 registers; a floor of 7,
 // i.e. 72 registers for gate_up_n1, ran 5-9% slower at 1-4 tokens). Wider: a floor that leaves
 // their registers as they were (96 / 128) but ran 3-9% faster at 16 tokens than none.
 //
@@ -2543,7 +2543,7 @@ __device__ __forceinline__ void down_prefill_wg(Paged g, Slots s, const unsigned
 // gate_up's work (Run): the CTA's tile, or with `runs` > 0 the j-th of its group's CTAs' equal
 // shares of the group's tiles' halves. The shared expert's shares (a layer whose routed and
 // shared tiles fill more than a wave: Qwen1.5-MoE at 4 bits, where one CTA a tile ran 1.4 waves,
-// docs/PERF.md session 30) take the scratch indices after the routed ones' [0, runs].
+// decisions/024) take the scratch indices after the routed ones' [0, runs].
 #define RUN                                                                                      \
     const int tiles = t ? t_tiles : 32 * wpad_out / ROWS, at = slot * tiles + tile;              \
     Run run{2 * at, 2 * at + 2, 0, tiles};                                                       \
@@ -2614,7 +2614,7 @@ GATE_UP_ENTRY(p1, __launch_bounds__(32 * WARPS, 4), (gate_up_popc<4, false>))
 #if WANT(down_p1)
 DOWN_ENTRY(p1, __launch_bounds__(32 * WARPS, 4), (down_popc<4, false>))
 #endif
-// up to 3 bits: 2 registers a subset (popc_regs), 80 registers, 6 CTAs an SM (session 23; with 4
+// up to 3 bits: 2 registers a subset (popc_regs), 80 registers, 6 CTAs an SM (decisions/021; with 4
 // a subset: 96 registers and 5 CTAs, and at 6 it spilled and was slower on Mixtral)
 #if WANT(gate_up_p1b3)
 GATE_UP_ENTRY(p1b3, __launch_bounds__(32 * WARPS, 6), (gate_up_popc<3, false>))
@@ -2724,7 +2724,7 @@ extern "C" __global__ void token_tiles(const unsigned short* x, int H, int wpad,
 #endif
 
 // Decode-time preparation of one layer call, in one launch (it replaced ~20 small torch kernels,
-// then three more launches: docs/PERF.md). Block 0 groups the (token, expert) pairs by expert:
+// then three more launches: decisions/004). Block 0 groups the (token, expert) pairs by expert:
 // pairs placed stably (sorted by expert, then by pair), slots listing the active experts in
 // increasing order, empty slots after. The other blocks write x (fp16 [T, H]) in fragment order
 // (fp16 [T, wpad, 32], zero-padded: fused_moe.fragment_order) and zero the fp32 output the down
@@ -2819,8 +2819,8 @@ __device__ void group_pairs(const i64* index, const float* weights, int pairs, i
 // group_pairs for at most 32 pairs, by one warp, without shared memory or barriers: a bitonic
 // sort of the lanes' keys (expert, pair), so that an expert's pairs keep their order as
 // group_pairs places them. A decode call of a few tokens has this few (one token: k pairs), and
-// group_pairs' pass over every expert and its barriers were most of its prep (docs/PERF.md,
-// session 18).
+// group_pairs' pass over every expert and its barriers were most of its prep (decisions/004).
+//
 #define GROUP_FEW 32
 __device__ void group_few(const i64* index, const float* weights, int pairs, int k, int slots,
                           int* token, float* weight, int* s_expert, int* s_lo, int* s_hi) {
@@ -2866,7 +2866,7 @@ __device__ void group_decode(const i64* index, const float* weights, int pairs, 
 // Threads first, first + stride, ...: x in fragment order (zero-padded), the output zeroed. A
 // thread issues LOADS loads before their stores (xf might alias x for all the compiler knows, so
 // with one at a time each load waits for the store before it): decode_prep takes 8 (2.6 -> 2.1 us
-// at one token), route_prep 1 (8 cost it 0.1-1.3 us; docs/PERF.md, session 19).
+// at one token), route_prep 1 (8 cost it 0.1-1.3 us; decisions/009).
 template <int LOADS>
 __device__ void lay_out_x(const unsigned short* x, int T, int H, int wpad, unsigned short* xf,
                           float* out, int out_n, int first, int stride) {
@@ -2925,7 +2925,7 @@ __device__ void plan_tiles(const int* s_lo, const int* s_hi, int slots, int* til
 }
 
 // What a prefill call needs before its kernels, in one launch (`fused_moe.prepare_prefill`; ~30
-// small torch launches before, which left eager prefill host-bound: docs/PERF.md, session 14).
+// small torch launches before, which left eager prefill host-bound: decisions/015).
 // Block 0 groups the pairs (`group_pairs`), then its first warp plans the token tiles; the other
 // blocks zero `out`.
 #if WANT(prefill_prep)
@@ -2954,7 +2954,7 @@ extern "C" __global__ void prefill_prep(const i64* index, const float* weights, 
 // Routing in the launch that prepares a decode call (`route_prep`: decode_prep with the router
 // folded in). An eager decode is host-bound on the many-expert shapes, and the router was 6-8 more
 // small launches (linear, softmax, top-k, normalization, scaling, the shared expert's gate):
-// docs/PERF.md, session 8.
+// decisions/009.
 //
 // Every block but x's piece blocks (popc calls) takes a share of the logits (`router_logits`:
 // `slices` warps a (token, row) dot product over H in fp32, rounded to fp16 as the reference's
@@ -3070,7 +3070,7 @@ __device__ __forceinline__ unsigned warp_max_key(const unsigned (&key)[ROUTE_PER
 // index / weights and to copy_index / copy_weights (the same pointers, or a shared-memory copy).
 // A round is one REDUX of the lanes' largest keys, 0.11 us: comparing floats and then experts
 // took two REDUX and a serial scan a round, 0.33 us, and Qwen3-MoE's top-8 2.6 of its 7.6 us
-// prep (docs/PERF.md, sessions 29-30). Renormalized, the probabilities' common denominator
+// prep (decisions/009). Renormalized, the probabilities' common denominator
 // cancels, so only weights that are not renormalized wait for softmax's sum.
 __device__ void route_token(const float* logits, int experts, int k, int order, int norm,
                             float scaling, i64* index, float* weights, i64* copy_index,
@@ -3125,12 +3125,12 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     const int rows = experts + (shared_gate_w != nullptr), warps = blockDim.x / 32;
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
     // x's pieces and the routing need nothing of each other, so the routing does not wait for the
-    // piece blocks (it did until session 18: Mixtral, 1 token, 0.2-0.4 us a layer, docs/PERF.md)
+    // piece blocks (it once did: Mixtral, 1 token, 0.2-0.4 us a layer, decisions/009)
     // x's layout and out's zeroing: by the piece blocks when there are any, which nothing waits
     // for until the grid ends (the last logits block's share was on the routing's path: Mixtral,
-    // one token, 1.1 us, docs/PERF.md session 30); else by the logits blocks, before the counter
+    // one token, 1.1 us, decisions/009); else by the logits blocks, before the counter
     // (after it, the last block's share followed the routing: Mixtral's route_prep, 4 blocks, 7.2
-    // -> 9.4 us, docs/PERF.md session 19)
+    // -> 9.4 us, decisions/009)
     if ((int)blockIdx.x >= blocks) {
         const int b = blockIdx.x - blocks;
         const int first = b * blockDim.x + threadIdx.x;
@@ -3146,7 +3146,7 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     STAMP(2, 2);
     // the last logits block to get here routes: every other block's logits are written by then
     // (the counter's add releases this block's logits and acquires the others': two fence.sc
-    // around a relaxed add cost ~0.3 us each on the last block's path, docs/PERF.md session 30)
+    // around a relaxed add cost ~0.3 us each on the last block's path, decisions/009)
     __shared__ bool last;
     __syncthreads();
     if (threadIdx.x == 0) last = add_acq_rel(done, 1u) == (unsigned)blocks - 1;
@@ -3155,7 +3155,7 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
     // gate_up's CTAs may launch now (every other block has exited); they wait for this grid to
     // finish. Let in at this grid's start, they sat on the SMs through the router: a one-token
     // Qwen3-MoE layer 35.4 us against 32.8 launched after it; from here 31.9, and no shape slower
-    // than either (docs/PERF.md, session 22)
+    // than either (decisions/012)
     start_next();
     STAMP(2, 3);
     STAMP(2, 5);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run still owed by issue 6 (not run yet: the session's device time ran out):
+# Device run for issue 6 (docs/PERF.md, "Pager on the GPU" and "Planner latency"):
 # the CUDA pager backend's correctness tests, promotion bandwidth against a pinned copy measured
 # in the same run, the decode-loop slowdown while promotions run, and planner latency.
 # Usage (device tool): bash recipes/perf_runtime_gpu.sh

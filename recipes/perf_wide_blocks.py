@@ -1,11 +1,11 @@
 """Routed decode calls on layers of 4-bit blocks with a share of them wider, on each build the
-launcher can choose, and on the one its rule takes (`auto`, FusedMoE._popc_kind; the builds it
+launcher can choose, and on the one its rule takes (`auto`, FusedMoE.decode_builds; the builds it
 chose are printed last). One token: the 4-bit popc build (`p1`: wider blocks on its lookup),
 the 5-bit one (`p1b5`), the lookup kernels (`n1`) and the lookup gate_up with the popc down
 (`n1p1`); a few tokens: the popc kernels (`pn`) and the lookup ones (`n`). Graph replays, L2
 cold, us, the best of `rounds`, averaged over `seeds` draws of the routing and of which blocks
 are wide (which of them a call reads moves its time). What the rule for layers with wide blocks
-rests on (docs/PERF.md, sessions 39-42).
+rests on (docs/decisions/034-wide-block-rule.md).
 Usage (GPU machine):
   python3 recipes/perf_wide_blocks.py mixtral,qwen3-moe 5,8 0,0.25,0.5,1 [rounds] [tokens] [seeds]
 (tokens: a comma-separated list, as the shapes, widths and shares are)"""
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pwctl.bench.kernels import SHAPES, _routed, graph_times, random_routing, synthetic_layer
+from pwctl.bench.kernels import SHAPES, graph_times, random_routing, routed_on, synthetic_layer
 from pwctl.runtime import fused_moe
 
 # build -> (popc_decode, POPC_B5, the decode kind forced or None); "auto": the launcher's rule
@@ -74,7 +74,7 @@ def mean_times(
         x = random_routing(layer.spec, T, seed=seed)[0]
         layer.set_widths(widths_of(seed))
         use_build(layer, ONE_TOKEN["auto"])
-        chose.add(layer.moe._kind(0, T, layer.moe._x_pieces(0, T, x.device)))
+        chose.add(layer.moe.decode_builds(T)[0][0])
         for build, t in best_times(layer, x, builds, rounds).items():
             mean[build] += t / seeds
     return mean, chose
@@ -86,7 +86,7 @@ def best_times(layer, x: torch.Tensor, builds: dict, rounds: int) -> dict[str, f
     for _ in range(rounds):
         for build, spec in builds.items():
             use_build(layer, spec)
-            best[build] = min(best[build], graph_times(_routed(layer.moe, x))[0])
+            best[build] = min(best[build], graph_times(routed_on(layer.moe, x))[0])
     use_build(layer, ONE_TOKEN["auto"])
     return best
 
@@ -95,10 +95,7 @@ def use_build(layer, spec: tuple) -> None:
     """Set the layer's launcher to a build of ONE_TOKEN / FEW_TOKENS."""
     popc_on, b5, kind = spec
     layer.moe.popc_decode, fused_moe.POPC_B5 = popc_on, b5
-    if kind is not None:
-        layer.moe._kind = lambda layer_, T, px: kind
-    elif "_kind" in vars(layer.moe):
-        del layer.moe._kind
+    layer.moe.decode_kind = kind
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Routed decode calls on a layer whose blocks take a mix of widths (a histogram, as the planner
 leaves them at a budget), on each build the launcher can choose and on its rule's (`auto`,
-FusedMoE._popc_kind; the builds it chose printed last), against every block at 4 bits. Graph
+FusedMoE.decode_builds; the builds it chose printed last), against every block at 4 bits. Graph
 replays, L2 cold, us, averaged over `seeds` draws of the routing and of which block takes which
-width. What a pagedweight budget costs decode (docs/PERF.md, session 41).
+width. What a pagedweight budget costs decode (docs/PERF.md).
 Usage (GPU machine):
   python3 recipes/perf_width_mix.py mixtral,qwen3-moe 3:0.2,4:0.3,5:0.5 [tokens] [seeds]
   python3 recipes/perf_width_mix.py qwen-moe gate=4:0.5,5:0.5+up=4:1+down=6:0.5,7:0.5
@@ -75,7 +75,7 @@ def _cell(layer, T: int, mix: dict, seeds: int) -> tuple[dict, set]:
     """Each build's time on the mix and the rule's on 4 bits (`mean_times`); the builds the
     rule chose on the mix."""
     builds = ONE_TOKEN if T == 1 else FEW_TOKENS
-    n, blocks = layer.table.n_blocks, layer.moe._layer_blocks[0].reshape(-1, 3)
+    n, blocks = layer.table.n_blocks, layer.moe.block_ids[0].cpu().numpy()
     widths_of = lambda seed: layer_widths(blocks, mix, seed)  # noqa: E731
     mean, chose = mean_times(layer, T, widths_of, builds, 1, seeds)
     four = mean_times(layer, T, lambda seed: np.full(n, 4), {"auto": builds["auto"]}, 1, seeds)

@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pwctl.bench.kernels import _event_time, _graph_time, capture_graph, decode_calls, routed_call
+from pwctl.bench.kernels import capture_graph, decode_calls, event_time, graph_time, routed_call
 
 
 def kernel_times(call, reps: int = 20) -> dict[str, float]:
@@ -77,7 +77,7 @@ def main() -> None:
             runs.append((f"{name}/routed", None, routed_call(call)))
         for label, popc, fn in runs:
             moe.popc_decode = popc
-            graph_us, eager_us = _graph_time(fn) * 1e6, _event_time(fn) * 1e6
+            graph_us, eager_us = graph_time(fn) * 1e6, event_time(fn) * 1e6
             times = kernel_times(fn)
             parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))
             head = f"{label:16s} T{T:3d} eager {eager_us:6.1f} us  graph {graph_us:6.1f} us"

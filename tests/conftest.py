@@ -44,7 +44,18 @@ def packs(checkpoints, tmp_path_factory) -> dict[tuple[str, str], Path]:
     return out
 
 
+def pytest_configure(config):
+    # pytest-xdist's load scheduling hands each worker a first chunk of consecutive tests, so the
+    # NVRTC parts (sorted first, below) would all land in one worker's chunk and run one after
+    # another; one test at a time spreads them (unless --maxschedchunk says otherwise)
+    if getattr(config.option, "maxschedchunk", "") is None:
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config, items):
+    # the longest tests (`early`: the NVRTC parts) first, so that pytest-xdist's workers start on
+    # them and the short ones fill in around them (stable: the rest keep their order)
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

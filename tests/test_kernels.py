@@ -371,11 +371,11 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     tokens take gate_up_pn / down_pn (pnb3); one token with a block wider than 4 bits, the 5-bit
     build (p1b5); more tokens, the flag off, or no block of the layer the build's binary mma
     reads (4 bits, one token 5), no pieces and the lookup kernels. By default (popc_decode
-    None) the rule measured in docs/PERF.md: one token on the popc kernels from P1_MIN_WEIGHTS
-    a token (the lookup kernels below), with blocks past 4 bits by the shares of the layer's
-    weights and of its gate and up weights past 4 and 5 bits: p1, p1b5 (large layers) or the
-    lookup gate_up with the popc down; a few tokens on large layers only, while under half the
-    weights are past 4 bits."""
+    None) the rule of docs/decisions/034-wide-block-rule.md: one token on the popc kernels from
+    P1_MIN_WEIGHTS a token (the lookup kernels below), with blocks past 4 bits by the shares of
+    the layer's weights and of its gate and up weights past 4 and 5 bits: p1, p1b5 (large layers)
+    or the lookup gate_up with the popc down; a few tokens on large layers only, while under half
+    the weights are past 4 bits."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
     monkeypatch.setattr(kernels, "launch_packed", record)
@@ -1553,8 +1553,8 @@ def test_modules_build_every_part_on_the_callers_device(monkeypatch, tmp_path):
 
 
 def test_reload_forgets_the_module_and_its_handles(monkeypatch):
-    """An A/B of kernel variants in one process (recipes/perf_kernel_ab.py) must launch the newly
-    loaded module's functions, not handles cached from the one before."""
+    """An A/B of kernel variants in one process (tools/kernel-dev/perf_kernel_ab.py) must launch
+    the newly loaded module's functions, not handles cached from the one before."""
     loads = []
 
     @functools.cache

@@ -1,13 +1,22 @@
-"""cuda/moe.cu compiles under NVRTC, part by part with the options `kernels.modules()` gives CuPy,
-for sm_80: the Ampere build the issue asks to compile, which neither this machine nor the H200 one
-ever builds (the H200 builds sm_90a at first use). NVRTC is a library, so no GPU is needed: the dev
-extra installs NVIDIA's nvidia-cuda-nvrtc wheel. The parts build side by side, as `modules()`
-builds them (ctypes lets go of the GIL in the call)."""
+"""The kernels compile under NVRTC, part by part with the options `kernels.part_options` gives
+CuPy, for sm_80: the Ampere build the issue asks to compile, which neither this machine nor the
+H200 one ever builds (the H200 builds sm_90a at first use). NVRTC is a library, so no GPU is
+needed: the dev extra installs NVIDIA's nvidia-cuda-nvrtc wheel.
+
+Each part is a test of its own, marked `early`: conftest runs them before the rest and has
+pytest-xdist hand out one test at a time, so that its workers start on the longest items (the
+first part, `gate_up_n8` alone, takes two minutes or more on a 2-core machine) and fill in around
+them with the short ones; alone, `pytest -n 2 tests/test_nvrtc.py` builds two parts at a time.
+A part whose sources (every file of `kernels.CUDA_DIR`), options and NVRTC version hash to a key
+that passed before is not compiled again (pytest's cache, `.pytest_cache`; `PWCTL_NVRTC_FRESH=1`
+or `--cache-clear` compiles anyway)."""
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -58,17 +67,36 @@ def _compile(nvrtc: ctypes.CDLL, source: bytes, options: tuple[str, ...]) -> tup
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def test_moe_cu_compiles_for_sm80_with_nvrtc():
+def _version(nvrtc: ctypes.CDLL) -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    assert nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0
+    return f"{major.value}.{minor.value}"
+
+
+def _key(nvrtc: ctypes.CDLL, options: tuple[str, ...]) -> str:
+    """What a part's result depends on: every source file, the options, NVRTC's version and the
+    kernel names the check looks for."""
+    h = hashlib.sha256(repr((_version(nvrtc), options, LAUNCHED)).encode())
+    for path in sorted(p for p in kernels.CUDA_DIR.iterdir() if p.is_file()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return "pwctl/nvrtc-sm80/" + h.hexdigest()
+
+
+@pytest.mark.early
+@pytest.mark.parametrize("part", range(len(kernels.PARTS)))
+def test_part_compiles_for_sm80_with_nvrtc(part, request):
     nvrtc = _nvrtc()
-    source = kernels.CUDA_SRC.read_bytes()
-
-    def build(part: int) -> tuple[int, str, bytes]:
-        return _compile(nvrtc, source, kernels.part_options("sm_80", part))
-
-    for part, (rc, log, cubin) in enumerate(kernels.each_part(build)):
+    options = kernels.part_options("sm_80", part)
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    key = _key(nvrtc, options)
+    held = None if cache is None or os.environ.get("PWCTL_NVRTC_FRESH") else cache.get(key, None)
+    if held is None:
+        rc, log, cubin = _compile(nvrtc, kernels.CUDA_SRC.read_bytes(), options)
         assert rc == 0, f"NVRTC failed on part {part} ({rc}):\n{log[-4000:]}"
         held = sorted(name for name in LAUNCHED if b".text." + name.encode() + b"\0" in cubin)
-        assert held == sorted(kernels.PARTS[part]), f"part {part} holds {held}"
+        if cache is not None:
+            cache.set(key, held)
+    assert held == sorted(kernels.PARTS[part]), f"part {part} holds {held}"
 
 
 def test_every_launched_kernel_is_in_one_part():

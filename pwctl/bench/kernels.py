@@ -155,10 +155,10 @@ def router_weights(spec: MoESpec, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 def routed_call(call):
     """The same layer and token count as a `decode_calls` call, with a random fp16 router in the
     first launch instead of given routing (`FusedMoE.routed`)."""
-    return _routed(call.func, call.args[1])
+    return routed_on(call.func, call.args[1])
 
 
-def _routed(moe: FusedMoE, x: torch.Tensor, seed: int = 0):
+def routed_on(moe: FusedMoE, x: torch.Tensor, seed: int = 0):
     """`moe.routed` on layer 0's tokens x with `router_weights(seed)`."""
     return functools.partial(moe.routed, 0, x.half(), *router_weights(moe.spec, seed))
 
@@ -180,12 +180,12 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _graph_time(fn, iters: int = 50) -> float:
+def graph_time(fn, iters: int = 50) -> float:
     """Seconds per call of `fn` replayed as a CUDA graph (launch overhead excluded)."""
-    return _event_time(capture_graph(fn).replay, iters)
+    return event_time(capture_graph(fn).replay, iters)
 
 
-def _event_time(fn, iters: int = 50) -> float:
+def event_time(fn, iters: int = 50) -> float:
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -209,7 +209,7 @@ def cold_time(fn, iters: int = 30) -> float:
     after a read of `l2_flush` (queued first, so the call does not wait for the host). What a
     decode step finds of one layer, whose weights 40-odd other layers' have evicted: replayed
     back to back, a small layer stays in L2 (a Qwen3-MoE token reads 20 MB; the H200 holds 50)
-    and took 27.8 us against 35.1 cold (docs/PERF.md, session 20)."""
+    and took 27.8 us against 35.1 cold (docs/decisions/030-bench-method.md)."""
     flush = l2_flush()
     fn()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -225,8 +225,8 @@ def cold_time(fn, iters: int = 30) -> float:
 
 def _median_time(fn, iters: int, repeats: int = 5) -> float:
     """The median of `repeats` event-timed runs of `iters` calls: one run of a few multi-ms calls
-    moved by up to 10% between runs (Mixtral prefill, docs/PERF.md session 15)."""
-    return statistics.median(_event_time(fn, iters) for _ in range(repeats))
+    moved by up to 10% between runs (Mixtral prefill on the H200)."""
+    return statistics.median(event_time(fn, iters) for _ in range(repeats))
 
 
 def host_time(fn, iters: int = 200) -> float:
@@ -246,7 +246,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     4.28 TB/s quoted for the H200), the DRAM traffic rate a reading kernel is compared with."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    return 2 * nbytes / _event_time(lambda: b.copy_(a), 20)
+    return 2 * nbytes / event_time(lambda: b.copy_(a), 20)
 
 
 class GroupedFp16:
@@ -255,8 +255,9 @@ class GroupedFp16:
     grouped_mm is missing or refuses), and a shared expert's two dense GEMMs times `scale` (its
     gate), as an FP16 MoE layer serves. On CUDA the weights are bf16 (the same bytes): torch
     2.11's grouped_mm runs its fused kernel for bf16 on the H200, and for fp16 a host loop of
-    GEMMs at 512 tokens (Qwen3-MoE: 4.0 ms of host time a call; docs/PERF.md, session 21). The
-    routing is read on the host once, here, so both forms replay from a CUDA graph."""
+    GEMMs at 512 tokens (Qwen3-MoE: 4.0 ms of host time a call;
+    docs/decisions/030-bench-method.md). The routing is read on the host once, here, so both forms
+    replay from a CUDA graph."""
 
     def __init__(self, layer: SyntheticLayer, x, weights, index, scale=None):
         spec, dt = layer.spec, layer.dt
@@ -431,10 +432,10 @@ def grouped_time(grouped: GroupedFp16, decode: bool | None = None) -> float:
     """Seconds a call of the FP16 baseline, timed as the rows it is set against: the fastest of
     its two forms (grouped_mm, a GEMM an expert), for prefill rows eagerly and warm, for decode
     rows (default: up to DECODE_MAX_TOKENS tokens) with L2 cold as they are, each eagerly and
-    replayed from a graph. No one way wins everywhere on the H200 (docs/PERF.md, session 21):
-    eagerly a call is host-bound on many experts (Qwen3-MoE one token: 479 us, its kernels 64),
-    and fp16 grouped_mm replayed from a graph took 1910 us on Mixtral's one token against 301
-    eagerly; the loop's graph took 197."""
+    replayed from a graph. No one way wins everywhere on the H200
+    (docs/decisions/030-bench-method.md): eagerly a call is host-bound on many experts (Qwen3-MoE
+    one token: 479 us, its kernels 64), and fp16 grouped_mm replayed from a graph took 1910 us on
+    Mixtral's one token against 301 eagerly; the loop's graph took 197."""
     if decode is None:
         decode = grouped.T <= DECODE_MAX_TOKENS
     grouped()  # settles grouped_mm or the loop before any capture
@@ -453,7 +454,7 @@ def grouped_time(grouped: GroupedFp16, decode: bool | None = None) -> float:
 def graph_times(call) -> tuple[float, float]:
     """(cold, warm) seconds of one graph replay of `call`."""
     replay = capture_graph(call).replay
-    return cold_time(replay), _event_time(replay)
+    return cold_time(replay), event_time(replay)
 
 
 def _row(name, width, T, path, t, warm, planes, fp16, tg, copy_bw) -> KernelRow:
@@ -468,7 +469,7 @@ def _routed_row(layer: SyntheticLayer, name, width, x, copy_bw, seed) -> KernelR
     """The engine's call, the whole layer: a random fp16 router in the first launch
     (`FusedMoE.routed`, the launcher's choice of kernels), graph-replayed. Its bytes, FP16 floor
     and FP16 baseline are those of the experts it routes to."""
-    call = _routed(layer.moe, x, seed)
+    call = routed_on(layer.moe, x, seed)
     _, routing = call()
     planes, fp16 = active_bytes(layer, routing.index)
     tg = grouped_time(GroupedFp16(layer, x, routing.weights, routing.index, routing.scale))

@@ -34,8 +34,8 @@ ATTN_NAME = "pwctl_paged"
 
 # SDPA backends for steps whose shapes vary (packed rows: cache lengths grow every step, prompts
 # differ). torch picks cuDNN's attention on the H200, which builds a plan for every new shape:
-# 70-100 ms a call the first time, 0.07-0.1 ms after (docs/PERF.md, session 47), and eager
-# decode meets a new cache length every step. Fixed-shape decode graphs keep the default.
+# 70-100 ms a call the first time, 0.07-0.1 ms after (docs/decisions/037-sdpa-varying-shapes.md),
+# and eager decode meets a new cache length every step. Fixed-shape decode graphs keep the default.
 VARYING_SHAPE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -1,9 +1,9 @@
 """Decode steps replayed from CUDA graphs.
 
 An eager decode step launches a few hundred small GPU ops from Python, and at batch 1 the host
-takes 7-10x the GPU's time (docs/PERF.md, session 46). A step whose every sequence decodes one
-token has a shape fixed by two numbers, so its whole model forward is captured once per shape
-and replayed:
+takes 7-10x the GPU's time (docs/decisions/036-decode-cuda-graphs.md). A step whose every
+sequence decodes one token has a shape fixed by two numbers, so its whole model forward is
+captured once per shape and replayed:
 
 - S, the sequences, rounded up to a bucket (1, 2, 4, 8, ... up to max_seqs). Padding rows repeat
   the last real row: same token, position and cache rows, so they compute and write the same

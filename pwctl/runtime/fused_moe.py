@@ -471,27 +471,30 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
 
 # The popc kernels save ~15% of a one-token slot's streaming and cost more a call (x's pieces in
 # the prep launch, popc_planes for h). On the H200 one-token calls win on Mixtral and Qwen1.5-MoE
-# (since session 29, when popc_planes let down launch early: routed, Qwen1.5-MoE 42.5 -> 38.9 us
-# at 3 bits), not on the smaller layers since session 44 (P1_MIN_WEIGHTS below); calls of
-# 2..POPC_MAX_TOKENS tokens win on Mixtral (~352M expert weights a token; 1.14-1.23x, session 16)
+# (once popc_planes let down launch early: routed, Qwen1.5-MoE 42.5 -> 38.9 us at 3 bits), not
+# on the smaller layers (P1_MIN_WEIGHTS below); calls of 2..POPC_MAX_TOKENS tokens win on
+# Mixtral (~352M expert weights a token; 1.14-1.23x)
 # and lose on Qwen1.5-MoE (69M) and Qwen3-MoE (38M; 2 tokens, routed: 44.3 against 52.2 us at 3
 # bits). So one token takes them from P1_MIN_WEIGHTS a token, a few tokens from POPC_MIN_WEIGHTS
-# (docs/PERF.md), while their blocks are narrow enough (`FusedMoE._popc_kind`).
+# (docs/decisions/022-popc-by-layer-size.md), while their blocks are narrow enough
+# (`FusedMoE._popc_kind`).
 POPC_MIN_WEIGHTS = 128 << 20
-# FusedMoE.popc_decode's default (None: by the rule above; recipes/perf_kernel_ab.py's `popc=`)
+# FusedMoE.popc_decode's default (None: by the rule above; tools/kernel-dev/perf_kernel_ab.py's
+# `popc=`)
 POPC_DECODE: bool | None = None
 # One-token calls on a large layer (`_popc_pays`) may take the 5-bit build (`p1b5`: 5-bit blocks
 # on the binary mma too, not the lookup) where its rule says (below); off, they do not
-# (recipes/perf_kernel_ab.py's `b5=0`).
+# (tools/kernel-dev/perf_kernel_ab.py's `b5=0`).
 POPC_B5 = True
 # One token takes the popc kernels on a layer reading at least P1_MIN_WEIGHTS a token, and the
 # lookup kernels below it: on Qwen3-MoE (37.7M) and an OLMoE layer (50.3M: 64 experts, top 8,
 # 1024 x 2048) the lookup kernels were up to 12% faster than `p1` at 2-4 bits (both shapes at 2
 # bits 11-12%, OLMoE at 4 bits 5%) and at most 1.6% slower, and 2-15% faster with wide blocks
-# (H200, docs/PERF.md sessions 43-44); on Qwen1.5-MoE (69.2M with its shared expert) and Mixtral
+# (H200, docs/decisions/022-popc-by-layer-size.md); on Qwen1.5-MoE (69.2M with its shared
+# expert) and Mixtral
 # `p1` leads by 7-35% at 2-4 bits.
 # With blocks past 4 bits (`FusedMoE._wide_kind`; every build timed on the same draws, `p1` on
-# one CTA a gate_up tile, GATE_UP_RUNS; sessions 42-44):
+# one CTA a gate_up tile, GATE_UP_RUNS; docs/decisions/034-wide-block-rule.md):
 # - A large layer (POPC_MIN_WEIGHTS, Mixtral) takes `p1b5` from P1B5_FROM_WIDE of its weights
 #   past 4 bits while under P1B5_UNTIL_WIDER are past 5 (every wide block at 5 bits: p1 led to
 #   0.42, p1b5 from 0.5, 173.6 against 177.0 us; half the blocks at 5 and one or two of 24 at 6
@@ -508,7 +511,7 @@ POPC_B5 = True
 #   bits they cost `p1` more than the split (every down at 8 bits: 68.6 against 63.9 us).
 # A call of 2..POPC_MAX_TOKENS tokens takes the popc kernels below PN_UNTIL_WIDE past 4 bits and
 # the lookup ones from it on (their slots on wide blocks run a lookup slower than the lookup
-# kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977; session 41).
+# kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977).
 P1_MIN_WEIGHTS = 56 << 20
 P1B5_FROM_WIDE = 0.45
 P1B5_UNTIL_WIDER = 0.12
@@ -526,11 +529,11 @@ _ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
 # One token on a layer of P1_MIN_WEIGHTS the rule sends off the popc builds (blocks past 4
 # bits): gate_up on the lookup, down on the popc build after popc_planes ("n1p1", `_builds`),
 # whose down reads its narrow blocks on the binary mma and its wide ones on a lookup of its own,
-# faster than down_n1's (Mixtral, session 42: 1.6-8% off the lookup kernels in 7 of 10 cells,
-# 1-3% slower on two budget mixes), also where no block is narrow enough for its mma (session
-# 45, every block at 5-8 bits or the planner's mixes past budget 0.55: Qwen1.5-MoE 9-11%
-# faster, Mixtral 0-5%); off, down on the lookup too. A decode kind names one build for both
-# launches but this one.
+# faster than down_n1's (Mixtral: 1.6-8% off the lookup kernels in 7 of 10 cells, 1-3% slower
+# on two budget mixes), also where no block is narrow enough for its mma (every block at 5-8
+# bits or the planner's mixes past budget 0.55: Qwen1.5-MoE 9-11% faster, Mixtral 0-5%;
+# docs/decisions/034-wide-block-rule.md); off, down on the lookup too. A decode kind names one
+# build for both launches but this one.
 POPC_DOWN = True
 _SPLIT_BUILDS = {"n1p1": ("n1", "p1")}
 
@@ -549,15 +552,16 @@ def _popc(build: str) -> bool:
 # kernels.gate_up_runs, but one CTA a tile where a block is wider than the build's binary mma
 # (`_past_mma`: on Mixtral one CTA a tile was 3-13% faster than the wave in 16 of 16 cells of
 # 5-8-bit blocks, with the wave's shares weighed by each tile's cost, since removed; at 4 bits
-# the wave is 4% faster; docs/PERF.md sessions 42-43); a count, that many CTAs in equal shares
-# (0: one a tile; recipes/perf_kernel_ab.py sets it for A/B runs)
+# the wave is 4% faster; docs/decisions/034-wide-block-rule.md); a count, that many CTAs in
+# equal shares
+# (0: one a tile; tools/kernel-dev/perf_kernel_ab.py sets it for A/B runs)
 GATE_UP_RUNS: int | None = None
 # FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
 DOWN_SPLIT: int | None = None
 # The sm_90a prefill's down on a wave of CTAs that split the last units' columns (cuda/moe.cu
 # down_span) where its rows are at least this many chunks of 8 plane words long: Mixtral (56)
 # gained 2-6% at 512 tokens; Qwen1.5-MoE's shared expert (22) gained nothing measurable, and
-# short rows lose (docs/PERF.md, session 34).
+# short rows lose (docs/decisions/017-prefill-down-stream-k.md).
 DOWN_STREAM_K_CHUNKS = 32
 # FusedMoE.down_stream_k's default: None, by the rule above; True / False (perf_kernel_ab's @sk=)
 DOWN_STREAM_K: bool | None = None
@@ -638,6 +642,9 @@ class FusedMoE:
         # tokens from POPC_MIN_WEIGHTS (`_popc_pays`), blocks past 4 bits by `_popc_kind`'s rule
         # and `_kind`'s n1p1
         self.popc_decode: bool | None = POPC_DECODE
+        # a decode kind every call takes (A/B sweeps over builds, e.g. "n1p1"; it must suit the
+        # call's token count and popc_decode), or None: `_kind`'s rule
+        self.decode_kind: str | None = None
 
     def __call__(
         self,
@@ -911,7 +918,9 @@ class FusedMoE:
         are given (`_x_pieces`), else the lookup kernels of T's n-tiles, but for one token on a
         layer of at least P1_MIN_WEIGHTS (`POPC_DOWN`): the lookup gate_up with the popc down
         ("n1p1"), even where no block is narrow enough for that down's binary mma (its lookup
-        of wide blocks beats down_n1's; docs/PERF.md, session 45)."""
+        of wide blocks beats down_n1's; docs/decisions/034-wide-block-rule.md)."""
+        if self.decode_kind is not None:
+            return self.decode_kind
         popc_kind = self._popc_kind(layer, T) if px is not None else None
         if popc_kind:
             return popc_kind
@@ -929,8 +938,8 @@ class FusedMoE:
         5 for several, against 4) when no block is wider than 3 bits in the widths the kernels
         read (the last `DeviceTable.sync`), None when none is as narrow as the build's mma reads.
         With blocks wider than 4 bits, by default (popc_decode None): one token by
-        `_wide_kind`; a few tokens take the lookup kernels from PN_UNTIL_WIDE of the weights on
-        (session 41). popc_decode True: p1b5 (p1 with POPC_B5 off) or pn while any block is
+        `_wide_kind`; a few tokens take the lookup kernels from PN_UNTIL_WIDE of the weights on.
+        popc_decode True: p1b5 (p1 with POPC_B5 off) or pn while any block is
         narrow enough. Every build reads every width (wider blocks take its lookup), so a graph
         captured before the pager widens a block stays correct, only slower."""
         auto = self.popc_decode is None

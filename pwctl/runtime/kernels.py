@@ -19,12 +19,25 @@ import torch
 
 from pwctl.errors import PwctlError
 
-CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda" / "moe.cu"
+
+def cuda_dir() -> Path:
+    """The folder of the kernels' CUDA sources: an installed wheel carries the top-level cuda/ as
+    the package data pwctl/cuda (setup.py); a source checkout, or an editable install, has it
+    beside pwctl/."""
+    package = Path(__file__).resolve().parents[1]
+    for folder in (package / "cuda", package.parent / "cuda"):
+        if any(folder.glob("*.cu")):
+            return folder
+    return package.parent / "cuda"  # missing: `modules` says so
+
+
+CUDA_DIR = cuda_dir()
+CUDA_SRC = CUDA_DIR / "moe.cu"
 # cuda/moe.cu's parts, each a program of its own: the kernels each holds (each kernel has its own
 # guard there, so any grouping builds). Apart, they compile side by side (`modules`), grouped by
 # each kernel's own NVRTC time so that no part takes much longer than the slowest kernel,
 # `gate_up_n8`, alone; it comes first, so that a machine of fewer cores starts it first
-# (docs/PERF.md, session 38).
+# (docs/decisions/032-nvrtc-parts.md).
 PARTS = (
     ("gate_up_n8",),
     ("gate_up_n4", "down_n4"),
@@ -43,7 +56,7 @@ PREP_THREADS = 256  # decode_prep / route_prep blocks (cuda/moe.cu PREP_THREADS)
 POPC_SPLIT = 8  # popc_planes CTAs a piece: one for each word of a k-step
 # calls of up to this many tokens may take the popc kernels (cuda/moe.cu gate_up_popc): their
 # slots of one token on the binary mma, larger slots on the lookup in one n-tile (<= 8 tokens).
-# Mixtral, H200: 1.15x the lookup kernels at 6 tokens and 4 bits, even at 8 (docs/PERF.md s17)
+# Mixtral, H200: 1.15x the lookup kernels at 6 tokens and 4 bits, even at 8 (decisions/020)
 POPC_MAX_TOKENS = 8
 POPC_MAX_BITS = 4  # widest block their binary mma reads (gate_up_popc<4>; wider: their lookup)
 DECODE_TILES = (1, 2, 4, 8)  # n-tiles of 8 tokens per slot compiled for decode (moe.cu *_ENTRY)
@@ -85,7 +98,7 @@ def modules() -> tuple:
             raise PwctlError(f"PWCTL_CUBIN={prebuilt}: no such file")
         return (cupy.RawModule(path=prebuilt),) * len(PARTS)
     if not CUDA_SRC.exists():
-        raise PwctlError(f"{CUDA_SRC}: kernel source missing (pwctl must run from its checkout)")
+        raise PwctlError(f"{CUDA_SRC}: kernel source missing (neither installed nor checked out)")
     arch, code, device = device_arch(), CUDA_SRC.read_text(), cupy.cuda.runtime.getDevice()
 
     def build(part: int):  # CuPy compiles with the GIL let go, then loads on `device`
@@ -159,7 +172,8 @@ class _Params(threading.local):
     """This thread's packed kernel parameters and the `extra` array of cuLaunchKernel(Ex) that
     points at them. The driver copies the parameters before the launch call returns, so one
     buffer serves every launch. One packed buffer instead of CuPy's per-argument conversion:
-    the eager decode is host-bound on the many-expert shapes (docs/PERF.md, session 8)."""
+    the eager decode is host-bound on the many-expert shapes
+    (docs/decisions/011-prepared-launches.md)."""
 
     def __init__(self) -> None:
         self.data = ctypes.create_string_buffer(4096)
@@ -193,7 +207,7 @@ def launch(
     may start before the previous kernel on the stream has finished (programmatic dependent
     launch, Hopper on): it waits (`griddepcontrol.wait`) before it reads what that kernel wrote.
     Eager launches too (launch configurations made once, `_pdl_config`): the engine's decode
-    layer 1.3-6.6 us faster on the GPU for 0.5-4 us more host time (docs/PERF.md, session 20)."""
+    layer 1.3-6.6 us faster on the GPU for 0.5-4 us more host time (docs/decisions/012-pdl.md)."""
     launch_packed(name, grid, block, _params.pack(args), shared_mem, early)
 
 
@@ -201,7 +215,7 @@ class Prepared:
     """A launch whose parameters are packed once: `launch`'s arguments, of which those at
     positions `holes` (pointers) are given anew at each call. For launches a call repeats with
     the same buffers: an eager decode is host-bound, and building and packing ~30 arguments a
-    launch was most of its Python (docs/PERF.md, session 18)."""
+    launch was most of its Python (docs/decisions/011-prepared-launches.md)."""
 
     def __init__(
         self,
@@ -428,7 +442,7 @@ def k_split(ctas: int, words: int, parts: int = WARPS, wave: int | None = None) 
     to fill the GPU at CTAS_PER_SM an SM. Given `wave` (CTAs resident at once: the popc kernels,
     4-6 an SM), the most that stay within one wave: there a CTA's fixed costs (staging, sums,
     atomics) outweigh a part-empty wave (Mixtral, 4 bits, one token: 110.8 us a layer with one
-    CTA a tile, 117.4 with three; docs/PERF.md, session 24)."""
+    CTA a tile, 117.4 with three; docs/decisions/024-one-token-grids.md)."""
     want = -(-CTAS_PER_SM * sm_count() // max(ctas, 1)) if wave is None else wave // max(ctas, 1)
     return max(1, min(want, -(-words // 8) // parts))
 
@@ -479,8 +493,8 @@ def down_groups(
     evens the warps' iterations (`balanced_split`). With `wave` (the popc kernels) and
     `one_wave`, a plan whose two groups overflow the wave takes the first of these that fits:
     the routed tiles two m-tiles a CTA, then smaller routed splits (Qwen1.5-MoE at 4 bits: the
-    shared expert's 3 CTAs a tile put 896 CTAs on a wave of 528, 1.7 waves; docs/PERF.md,
-    session 31)."""
+    shared expert's 3 CTAs a tile put 896 CTAs on a wave of 528, 1.7 waves; docs/decisions/
+    010-shared-expert-inside.md)."""
     (rows, words), u0 = routed, down_units(routed[1])
 
     def top(units: int) -> int:  # k_split's routed split at `units` m-tiles a CTA

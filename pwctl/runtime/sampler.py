@@ -1,7 +1,7 @@
 """Next tokens from a step's logits: greedy at temperature 0, else temperature + nucleus (top-p)
 sampling, every row of the step at once on the logits' device and one host sync for all of them
 (a row at a time, on the host, took 0.7-15 ms a row on the dev VM at vocabularies of 32k-152k:
-docs/PERF.md, session 48).
+docs/decisions/040-sampler-rows-at-once.md).
 
 A sampled row draws by an exponential race: with E_j ~ Exp(1) independent, argmax_j p_j / E_j is
 token j with probability p_j / sum(p), so one argmax replaces a multinomial. The noise is indexed
