@@ -21,7 +21,14 @@ from pwctl import calibrate
 from pwctl.bitplanes import pack_planes, words_per_row
 from pwctl.checkpoint import FLOAT_DTYPES, Checkpoint, resolve_source, torch_dtype
 from pwctl.errors import PwctlError
-from pwctl.pack import NONEXPERT, REFERENCE, Manifest, PackWriter, SafetensorsStream
+from pwctl.pack import (
+    NONEXPERT,
+    REFERENCE,
+    Manifest,
+    PackWriter,
+    SafetensorsStream,
+    check_replaceable,
+)
 from pwctl.quantize import quantize_nested
 from pwctl.recipe import PROJECTIONS, MoESpec, Recipe, load_recipe, resolve_spec
 
@@ -212,8 +219,7 @@ def convert(
     recipe = load_recipe(ckpt.model_type)
     spec = resolve_spec(recipe, ckpt.config)
     layers, blocks, consumed, layouts = plan_blocks(ckpt, recipe, spec)
-    if out.exists() and not opts.force:
-        raise PwctlError(f"{out} exists; pass --force to replace it")
+    check_replaceable(out, opts.force)  # before any work: --force replaces only a pack
 
     imp = None
     if opts.calib is not None:

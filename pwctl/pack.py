@@ -8,11 +8,15 @@
 
 Plane p of a block (0 = MSB) is one chunk [bits | table for width p+1, if p+1 >= min_bits], aligned
 to 256 bytes, with its own offset, size and crc32: the unit of storage, checksum and transfer.
-A pack is written into a temporary folder and renamed into place when complete.
+A pack is written into a temporary folder and renamed into place when complete; an existing
+pack is swapped with it in one step (`exchange`), and only a pack is ever replaced.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import json
 import os
 import shutil
@@ -161,13 +165,47 @@ class SafetensorsStream:
         self._f.close()
 
 
+def check_replaceable(out: Path, force: bool) -> None:
+    """`out` may be replaced only with --force, and only if it is a pack (pwctl made it):
+    a folder or file that is not a pack is never removed."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise PwctlError(f"{out} exists; pass --force to replace it")
+    if out.is_symlink() or not out.is_dir() or not (out / MANIFEST).is_file():
+        raise PwctlError(
+            f"{out} exists and is not a pwctl pack (no {MANIFEST}); --force replaces only a "
+            "pack: remove it yourself or choose another OUT"
+        )
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); where the system has no
+    such call, two renames through a sibling name that is removed by the caller's cleanup."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        at_fdcwd = -100
+        if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+            return
+        if ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(b))
+    side = b.parent / f".{b.name}.swap-{os.getpid()}"
+    os.replace(b, side)
+    os.replace(a, b)
+    os.replace(side, a)
+
+
 class PackWriter:
     """Builds a pack in a temporary sibling folder; `commit` renames it into place."""
 
     def __init__(self, out: Path, force: bool):
         self.out = out
-        if out.exists() and not force:
-            raise PwctlError(f"{out} exists; pass --force to replace it")
+        check_replaceable(out, force)
         if not out.parent.is_dir():
             raise PwctlError(f"{out.parent}: output folder's parent does not exist")
         self.tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -210,13 +248,18 @@ class PackWriter:
             os.fsync(f.fileno())
             f.close()
         write_atomic(self.tmp / MANIFEST, manifest.to_json().encode())
-        old = None
-        if self.out.exists():
-            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-            os.replace(self.out, old)
-        os.replace(self.tmp, self.out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if not self.out.exists():
+            os.replace(self.tmp, self.out)
+            return
+        check_replaceable(self.out, force=True)  # still a pack: nothing else is ever removed
+        exchange(self.tmp, self.out)  # readers see the old pack or the new one, never neither
+        try:
+            shutil.rmtree(self.tmp)  # the old pack, now under the temporary name
+        except OSError as e:
+            raise PwctlError(
+                f"{self.out} is the new pack, but the old one could not be removed from "
+                f"{self.tmp}: {e}"
+            ) from None
 
     def abort(self) -> None:
         for f in self._files.values():

@@ -1,7 +1,9 @@
 """Bad input gets one clear error and loses nothing."""
 
 import json
+import os
 import shutil
+import signal
 import struct
 
 import pytest
@@ -97,15 +99,69 @@ def test_unexpected_dtype(checkpoints, tmp_path):
         convert(src, tmp_path / "out", ConvertOptions())
 
 
+def leftovers(folder):
+    """Hidden temporary or backup entries a conversion left next to its output."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
 def test_refuses_to_overwrite_without_force(checkpoints, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    convert(checkpoints[("olmoe", "fused")], out, ConvertOptions(max_bits=4))
     with pytest.raises(PwctlError, match="exists; pass --force"):
         convert(checkpoints[("olmoe", "fused")], out, ConvertOptions())
-    assert (out / "keep.txt").read_text() == "mine"
+    assert Pack(out).manifest.max_bits == 4
     convert(checkpoints[("olmoe", "fused")], out, ConvertOptions(max_bits=3, force=True))
-    assert not (out / "keep.txt").exists() and Pack(out).manifest.max_bits == 3
+    assert Pack(out).manifest.max_bits == 3 and leftovers(tmp_path) == []
+
+
+def test_force_never_replaces_what_is_not_a_pack(checkpoints, tmp_path):
+    folder, file = tmp_path / "mine", tmp_path / "notes.txt"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("mine")
+    file.write_text("also mine")
+    src = str(checkpoints[("olmoe", "fused")])
+    for out in (folder, file):
+        r = runner.invoke(app, ["convert", src, str(out), "--force"])
+        assert r.exit_code == 2 and "is not a pwctl pack" in r.output, r.output
+        assert "Traceback" not in r.output
+    assert (folder / "keep.txt").read_text() == "mine" and file.read_text() == "also mine"
+    assert leftovers(tmp_path) == []
+
+
+def test_exchange_swaps_two_folders(tmp_path):
+    from pwctl.pack import exchange
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    (b / "x").write_text("from b")
+    exchange(a, b)
+    assert (a / "x").read_text() == "from b" and (b / "x").read_text() == "from a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_conversion_leaves_nothing(sig, checkpoints, tmp_path, monkeypatch):
+    """The command, signalled while it quantizes, removes its temporary folder on SIGTERM as on
+    SIGINT, and a pack it was replacing stays whole."""
+    import pwctl.convert as conv
+
+    src, out = checkpoints[("mixtral", "fused")], tmp_path / "out"
+    convert(src, out, ConvertOptions(max_bits=4))
+    real = conv.quantize_block
+    calls = []
+
+    def signalled(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), sig)
+        return real(*a, **k)
+
+    monkeypatch.setattr(conv, "quantize_block", signalled)
+    r = runner.invoke(app, ["convert", str(src), str(out), "--force"])
+    assert r.exit_code == 128 + sig, r.output  # as the shell reports a signalled process
+    assert leftovers(tmp_path) == [] and Pack(out).manifest.max_bits == 4
 
 
 def test_interrupted_conversion_leaves_no_pack(checkpoints, tmp_path, monkeypatch):
