@@ -12,7 +12,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ import torch
 from pwctl import calibrate
 from pwctl.bitplanes import pack_planes, words_per_row
 from pwctl.checkpoint import FLOAT_DTYPES, Checkpoint, resolve_source, torch_dtype
+from pwctl.device import parse_device
 from pwctl.errors import PwctlError
 from pwctl.pack import (
     NONEXPERT,
@@ -211,8 +212,14 @@ def convert(
             f"--min-bits/--max-bits must satisfy 1 <= min <= max <= 8 "
             f"(got {opts.min_bits}, {opts.max_bits})"
         )
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        raise PwctlError("--device cuda: no CUDA device visible")
+    if opts.calib_tokens < 1 or opts.table_group < 1:
+        raise PwctlError(
+            f"--calib-tokens {opts.calib_tokens} / --table-group {opts.table_group}: "
+            "each must be at least 1"
+        )
+    if opts.calib is not None and not opts.calib.is_file():
+        raise PwctlError(f"--calib {opts.calib}: no such file")
+    opts = replace(opts, device=parse_device(opts.device))
     t0 = time.perf_counter()
     path = resolve_source(src)
     ckpt = Checkpoint(path)

@@ -12,6 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pwctl.commands.common import console, handles_errors, print_table, write_json
+from pwctl.device import CHOICES
 
 TERMINATED = 128 + signal.SIGTERM  # the shell's exit status of a process ended by SIGTERM
 
@@ -22,7 +23,7 @@ def run(
     out: Annotated[Path, typer.Argument(help="pack folder to create")],
     min_bits: Annotated[int, typer.Option(help="lowest width kept")] = 2,
     max_bits: Annotated[int, typer.Option(help="parent width (planes stored)")] = 8,
-    device: Annotated[str, typer.Option(help="cpu or cuda (runs the k-means)")] = "cpu",
+    device: Annotated[str, typer.Option(help=f"{CHOICES} (runs the k-means)")] = "cpu",
     calib: Annotated[
         Path | None, typer.Option(help="text file: weight the k-means by E(x^2)")
     ] = None,

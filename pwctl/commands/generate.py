@@ -7,11 +7,10 @@ from typing import Annotated
 
 import typer
 
+from pwctl.commands import checks
 from pwctl.commands.common import CudaGraphs, console, handles_errors, write_json
-from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-from pwctl.runtime.scheduler import SamplingParams
+from pwctl.device import CHOICES, parse_device
+from pwctl.policy import parse_budget, parse_policy
 
 
 @handles_errors
@@ -28,13 +27,23 @@ def run(
         typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
     ] = None,
     cuda_graphs: CudaGraphs = True,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
     pol = parse_policy(policy)
+    checks.at_least("--max-tokens", max_tokens, 1)
+    if memory_budget is not None:
+        parse_budget(memory_budget)
+    device = parse_device(device)
+    from pwctl.runtime.batcher import BatchConfig
+    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.runtime.scheduler import SamplingParams
+
+    opened = open_pack(pack)
+    checks.max_bits(max_bits, opened.manifest.min_bits, opened.manifest.max_bits)
     experts = experts_for(pol, device)
-    engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
+    engine = Engine(opened, device, serving_dtype(device), experts, max_bits)
     engine.start_batching(pol, memory_budget, BatchConfig(cuda_graphs=cuda_graphs))
     ids = engine.tokenizer(prompt).input_ids
     (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))

@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
+from pwctl.commands import checks
 from pwctl.commands.common import CudaGraphs, console, handles_errors
-from pwctl.errors import PwctlError
+from pwctl.device import CHOICES, parse_device
 from pwctl.policy import parse_budget, parse_policy
-from pwctl.runtime.batcher import BatchConfig
 
 
 @handles_errors
@@ -33,23 +33,32 @@ def run(
         typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
     ] = None,
     cuda_graphs: CudaGraphs = True,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
 ) -> None:
     """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. The KV cache and the expert planes share --memory-budget."""
-    if not 0 < port < 65536:
-        raise PwctlError(f"--port {port}: use 1..65535")
+    # every option is checked before the model loads (minutes on a large pack)
     pol = parse_policy(policy)
     if memory_budget is not None:
-        parse_budget(memory_budget)  # a bad size fails before the model loads
+        parse_budget(memory_budget)
+    for name, value in (("--max-queue", max_queue), ("--max-seqs", max_seqs),
+                        ("--max-batch-tokens", max_batch_tokens)):  # fmt: skip
+        checks.at_least(name, value, 1)
+    device = parse_device(device)
+    checks.port_free(host, port)
+    from pwctl.runtime.batcher import BatchConfig
     from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
     from pwctl.runtime.server import run_server
     from pwctl.runtime.worker import EngineWorker
 
+    opened = open_pack(pack)
+    m = opened.manifest
+    checks.max_model_len(max_model_len, m.config)
+    checks.max_bits(max_bits, m.min_bits, m.max_bits)
     experts = experts_for(pol, device)
     if experts == "paged":
         console.print("loading; a first run on this machine compiles the CUDA kernels (~2 min)")
-    engine = Engine(open_pack(pack), device, serving_dtype(device), experts, max_bits)
+    engine = Engine(opened, device, serving_dtype(device), experts, max_bits)
     cfg = BatchConfig(
         max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len, cuda_graphs=cuda_graphs
     )
