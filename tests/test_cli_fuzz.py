@@ -184,13 +184,14 @@ def test_generate_and_serve(places, no_work):
         "--device": DEVICES,
         "--eager": FLAG,
     }
+    generate = {"--prompt": TEXT, "--max-tokens": INTS}
 
     @SETTINGS
     @given(
         st.one_of(
-            command_args(
-                "generate", [pack], shared | {"--prompt": TEXT, "--max-tokens": INTS}
-            ).map(lambda a: a if "--prompt" in a else [*a, "--prompt", "hi"]),
+            command_args("generate", [pack], shared | generate).map(
+                lambda a: a if "--prompt" in a else [*a, "--prompt", "hi"]
+            ),
             command_args(
                 "serve",
                 [pack],
