@@ -247,8 +247,7 @@ def convert(
         for n, b in enumerate(blocks):
             w = b.fetch()
             bytes_in += w.numel() * w.element_size()
-            if ref is not None:
-                ref.write(b.name, w)
+            ref_crc = ref.write(b.name, w) if ref is not None else None
             weights, tokens = (
                 (None, None)
                 if imp is None
@@ -266,6 +265,7 @@ def convert(
                 words=words_per_row(b.cols),
                 rows_per_table=r,
                 importance_tokens=tokens,
+                reference_crc32=ref_crc,
             )
             infos.append(writer.add_block(meta, planes, tables, opts.min_bits))
             if progress:

@@ -183,6 +183,7 @@ def test_generate_and_serve(places, no_work):
         "--max-bits": INTS,
         "--device": DEVICES,
         "--eager": FLAG,
+        "--no-verify": FLAG,
     }
     generate = {"--prompt": TEXT, "--max-tokens": INTS}
 
@@ -203,6 +204,8 @@ def test_generate_and_serve(places, no_work):
                     "--max-seqs": INTS,
                     "--max-batch-tokens": INTS,
                     "--max-model-len": INTS,
+                    "--max-request-bytes": INTS,
+                    "--metrics-auth": FLAG,
                 },
             ),
         )

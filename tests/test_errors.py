@@ -241,3 +241,66 @@ def test_serve_and_kernel_bench_refuse_cleanly():
     for cmd, message in cases:
         result = runner.invoke(app, cmd)
         assert result.exit_code == 2 and message in result.output, (cmd, result.output)
+
+
+def _flip_reference_byte(pack_dir, name: str) -> None:
+    """Flip one byte inside tensor `name` of reference.safetensors."""
+    path = pack_dir / "reference.safetensors"
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    start, _ = json.loads(data[8 : 8 + n])[name]["data_offsets"]
+    data[8 + n + start + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_generate_verifies_every_plane_even_under_fp16(packs, tmp_path):
+    """fp16 reads only the reference weights, yet a corrupt plane fails generate (it exited 0);
+    --no-verify skips the check explicitly."""
+    pack_dir = copy(packs[("mixtral", "fused")], tmp_path / "pack")
+    block = Pack(pack_dir).blocks[5]
+    page = pack_dir / block.file
+    data = bytearray(page.read_bytes())
+    data[block.planes[2].offset + 3] ^= 0xFF
+    page.write_bytes(bytes(data))
+    args = ["generate", str(pack_dir), "--prompt", "The earth", "--max-tokens", "2"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and f"{block.name} plane 2: checksum mismatch" in r.output, r.output
+    assert runner.invoke(app, [*args, "--no-verify"]).exit_code == 0
+
+
+def test_reference_weights_carry_checksums(packs, tmp_path):
+    pack_dir = copy(packs[("qwen2_moe", "per_expert")], tmp_path / "pack")
+    pack = Pack(pack_dir)
+    assert all(b.reference_crc32 is not None for b in pack.blocks) and pack.verify() == []
+    block = pack.blocks[4]
+    _flip_reference_byte(pack_dir, block.name)
+    seen = []
+    faults = Pack(pack_dir).verify(lambda done, total: seen.append((done, total)))
+    assert [(f.block, f.plane) for f in faults] == [(block.name, None)]
+    assert seen[-1][0] == seen[-1][1] and len(seen) == len(pack.blocks)
+    args = ["generate", str(pack_dir), "--prompt", "The earth", "--max-tokens", "2"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and f"{block.name} reference weights" in r.output, r.output
+    r = runner.invoke(app, [*args, "--no-verify"])  # found when fp16 loads them: no output
+    assert r.exit_code == 2 and "reference weights failed their checksum" in r.output, r.output
+
+
+def test_a_bad_plane_found_on_first_use_caps_its_block(packs, tmp_path):
+    """Without a verification pass, the read that loads a block's planes finds the bad one:
+    the block runs at its last good width, and the fault is recorded."""
+    from pwctl.policy import parse_policy
+    from pwctl.runtime.engine import Engine
+
+    pack_dir = copy(packs[("olmoe", "fused")], tmp_path / "pack")
+    block = Pack(pack_dir).blocks[2]
+    page = pack_dir / block.file
+    data = bytearray(page.read_bytes())
+    data[block.planes[5].offset + 3] ^= 0xFF
+    page.write_bytes(bytes(data))
+    engine = Engine(Pack(pack_dir))
+    engine.set_policy(parse_policy("uniform:7"))
+    assert torch.equal(engine.store.weight(2), engine.store.weight_at(2, 5))
+    assert [(f.block, f.plane) for f in engine.store.faults] == [(block.name, 5)]
+    assert engine.store.served_width(2) == 5 and engine.store.served_width(3) == 7
+    with pytest.raises(PwctlError, match="bad checksum"):
+        engine.store.weight_at(2, 6)

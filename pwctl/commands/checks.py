@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import math
 import socket
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from pwctl.errors import PwctlError
+
+# serve and generate: the pack's checksums read whole before the model loads
+Verify = Annotated[
+    bool,
+    typer.Option(
+        "--verify/--no-verify", help="check every plane's and reference tensor's CRC first"
+    ),
+]
 
 
 def at_least(name: str, value: float | None, low: float) -> None:
@@ -63,3 +73,22 @@ def port_free(host: str, port: int) -> None:
             raise PwctlError(
                 f"--host {host} --port {port}: cannot listen there ({e.strerror})"
             ) from None
+
+
+def verify_pack(pack: Any) -> list[Any]:
+    """Every plane and reference tensor of `pack` checked against its CRC-32 (Pack.verify),
+    with a progress bar on stderr while it reads (a large pack takes a while to read whole;
+    --no-verify skips this)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pwctl.commands.common import err_console
+
+    columns = (TextColumn("verifying"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task("verify", total=None)
+        return pack.verify(lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def fault_summary(faults: list[Any]) -> str:
+    more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
+    return f"{faults[0]}{more}"

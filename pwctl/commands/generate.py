@@ -8,8 +8,10 @@ from typing import Annotated
 import typer
 
 from pwctl.commands import checks
+from pwctl.commands.checks import Verify
 from pwctl.commands.common import CudaGraphs, console, handles_errors, write_json
 from pwctl.device import CHOICES, parse_device
+from pwctl.errors import PwctlError
 from pwctl.policy import parse_budget, parse_policy
 
 
@@ -27,6 +29,7 @@ def run(
         typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
     ] = None,
     cuda_graphs: CudaGraphs = True,
+    verify: Verify = True,
     device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
@@ -43,6 +46,9 @@ def run(
     opened = open_pack(pack)
     checks.max_bits(max_bits, opened.manifest.min_bits, opened.manifest.max_bits)
     experts = experts_for(pol, device)
+    faults = checks.verify_pack(opened) if verify else []
+    if faults:
+        raise PwctlError(f"{checks.fault_summary(faults)}; --no-verify skips this check")
     engine = Engine(opened, device, serving_dtype(device), experts, max_bits)
     engine.start_batching(pol, memory_budget, BatchConfig(cuda_graphs=cuda_graphs))
     ids = engine.tokenizer(prompt).input_ids
