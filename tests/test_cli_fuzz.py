@@ -19,7 +19,7 @@ from pwctl.cli import app
 from pwctl.convert import ConvertOptions, convert
 
 runner = CliRunner()
-EXAMPLES = int(os.environ.get("PWCTL_FUZZ_EXAMPLES", "120"))  # per test; a few ms a run
+EXAMPLES = int(os.environ.get("PWCTL_FUZZ_EXAMPLES", "80"))  # per test; a few ms a run
 
 
 class Loaded(Exception):

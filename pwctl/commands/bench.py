@@ -157,8 +157,10 @@ def run(
         )
         return
     if longbench or synthetic:
-        opened = _open(pack, "--longbench/--synthetic", max_bits)
+        if pack is None:
+            raise PwctlError("bench --longbench/--synthetic needs a PACK")
         policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
+        opened = _open(pack, max_bits)
         engine = Engine(opened, device, experts="store", max_bits=max_bits)
     if longbench:
         if data is None:
@@ -213,9 +215,10 @@ def run(
             cuda_graphs,
         )  # fmt: skip
         spec.validate()
-        context = checks.model_context(_open(pack, "--throughput", max_bits).manifest.config)
-        checks.between("--input-len + --output-len", input_len + output_len, 2, context)
+        if pack is None:
+            raise PwctlError("bench --throughput needs a PACK")
         policies = [parse_policy(p) for p in (policy or tp.DEFAULT_POLICIES)]
+        _open(pack, max_bits)
         engines: dict[str, Engine] = {}  # paged (kernels) on CUDA; fp16 stays on the store
         results = []
         for p in policies:
@@ -228,9 +231,11 @@ def run(
         print_table(*tp.table(results))
         write_json(json, tp.report(pack, device, spec, results))
         return
-    opened = _open(pack, "--ppl", max_bits)
-    checks.between("--seq-len", seq_len, 2, checks.model_context(opened.manifest.config))
+    if pack is None:
+        raise PwctlError("bench --ppl needs a PACK")
     policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
+    opened = _open(pack, max_bits)
+    checks.between("--seq-len", seq_len, 2, checks.model_context(opened.manifest.config))
     data = data or EVAL_SAMPLE
     engine = Engine(opened, device, experts="store", max_bits=max_bits)  # reference math
     policies += [add_rtn_variant(engine, b) for b in rtn or []]
@@ -247,12 +252,10 @@ def _one_mode(chosen: list[str]) -> None:
         raise PwctlError(f"bench: {what}; modes: {', '.join(MODES)}")
 
 
-def _open(pack: Path | None, mode: str, max_bits: int | None):
-    """The pack a mode needs, its --max-bits checked against it (before the model loads)."""
+def _open(pack: Path, max_bits: int | None):
+    """The pack, its --max-bits checked against it (before the model loads)."""
     from pwctl.runtime.engine import open_pack
 
-    if pack is None:
-        raise PwctlError(f"bench {mode} needs a PACK")
     opened = open_pack(pack)
     checks.max_bits(max_bits, opened.manifest.min_bits, opened.manifest.max_bits)
     return opened
