@@ -9,8 +9,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from importlib.metadata import PackageNotFoundError  # noqa: E402
+from importlib.metadata import version as package_version  # noqa: E402
+from typing import Annotated  # noqa: E402
+
 import typer  # noqa: E402
 
+# light modules only: each command imports torch / transformers in its body (commands/common.py)
 from pwctl.commands import bench, convert, demo, fit_residual, generate, profile, serve  # noqa: E402
 
 app = typer.Typer(
@@ -19,6 +24,33 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     help="Serve MoE models with expert precision paged at run time.",
 )
+
+
+def version() -> str:
+    try:
+        return package_version("pwctl")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _print_version(show: bool) -> None:
+    if show:
+        typer.echo(f"pwctl {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
+    """Serve MoE models with expert precision paged at run time."""
+
+
 app.command("convert")(convert.run)
 app.command("profile")(profile.run)
 app.command("fit-residual")(fit_residual.run)

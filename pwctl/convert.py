@@ -12,7 +12,7 @@ import resource
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,8 +20,16 @@ import torch
 from pwctl import calibrate
 from pwctl.bitplanes import pack_planes, words_per_row
 from pwctl.checkpoint import FLOAT_DTYPES, Checkpoint, resolve_source, torch_dtype
+from pwctl.device import parse_device
 from pwctl.errors import PwctlError
-from pwctl.pack import NONEXPERT, REFERENCE, Manifest, PackWriter, SafetensorsStream
+from pwctl.pack import (
+    NONEXPERT,
+    REFERENCE,
+    Manifest,
+    PackWriter,
+    SafetensorsStream,
+    check_replaceable,
+)
 from pwctl.quantize import quantize_nested
 from pwctl.recipe import PROJECTIONS, MoESpec, Recipe, load_recipe, resolve_spec
 
@@ -204,16 +212,21 @@ def convert(
             f"--min-bits/--max-bits must satisfy 1 <= min <= max <= 8 "
             f"(got {opts.min_bits}, {opts.max_bits})"
         )
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        raise PwctlError("--device cuda: no CUDA device visible")
+    if opts.calib_tokens < 1 or opts.table_group < 1:
+        raise PwctlError(
+            f"--calib-tokens {opts.calib_tokens} / --table-group {opts.table_group}: "
+            "each must be at least 1"
+        )
+    if opts.calib is not None and not opts.calib.is_file():
+        raise PwctlError(f"--calib {opts.calib}: no such file")
+    opts = replace(opts, device=parse_device(opts.device))
     t0 = time.perf_counter()
     path = resolve_source(src)
     ckpt = Checkpoint(path)
     recipe = load_recipe(ckpt.model_type)
     spec = resolve_spec(recipe, ckpt.config)
     layers, blocks, consumed, layouts = plan_blocks(ckpt, recipe, spec)
-    if out.exists() and not opts.force:
-        raise PwctlError(f"{out} exists; pass --force to replace it")
+    check_replaceable(out, opts.force)  # before any work: --force replaces only a pack
 
     imp = None
     if opts.calib is not None:
@@ -234,8 +247,7 @@ def convert(
         for n, b in enumerate(blocks):
             w = b.fetch()
             bytes_in += w.numel() * w.element_size()
-            if ref is not None:
-                ref.write(b.name, w)
+            ref_crc = ref.write(b.name, w) if ref is not None else None
             weights, tokens = (
                 (None, None)
                 if imp is None
@@ -253,6 +265,7 @@ def convert(
                 words=words_per_row(b.cols),
                 rows_per_table=r,
                 importance_tokens=tokens,
+                reference_crc32=ref_crc,
             )
             infos.append(writer.add_block(meta, planes, tables, opts.min_bits))
             if progress:

@@ -87,3 +87,48 @@ def parse_policy(text: str) -> Policy:
         f"unknown policy '{text}'; policies: fp16, uniform:B, "
         + ", ".join(f"{n}:BUDGET" for n in BUDGETED)
     )
+
+
+@dataclass(frozen=True)
+class BudgetArg:
+    """A parsed `--memory-budget`: a size in bytes, or a fraction (of free GPU memory on CUDA;
+    on the CPU of what the engine would need for every sequence at full length)."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | int | None) -> BudgetArg | None:
+        if text is None:
+            return None
+        if isinstance(text, int):
+            return cls(nbytes=text)
+        t = str(text).strip().lower()
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
+        if not m:
+            raise PwctlError(
+                f"--memory-budget {text!r}: use a size such as 12GiB or 800MB, or a fraction "
+                "in (0, 1] of free GPU memory"
+            )
+        value, unit = float(m.group(1)), m.group(2)
+        if not unit:
+            if not 0 < value <= 1:
+                raise PwctlError(f"--memory-budget {text!r}: a fraction must be in (0, 1]")
+            return cls(fraction=value)
+        if unit not in UNITS:
+            raise PwctlError(f"--memory-budget {text!r}: unknown unit {unit!r}")
+        if value * UNITS[unit] < 1:
+            raise PwctlError(f"--memory-budget {text!r}: must be at least one byte")
+        return cls(nbytes=int(value * UNITS[unit]))
+
+    def resolve(self, device: str, full_need: int) -> int:
+        if self.nbytes is not None:
+            return self.nbytes
+        if device.startswith("cuda"):
+            import torch
+
+            return int(self.fraction * torch.cuda.mem_get_info(torch.device(device))[0])
+        return int(self.fraction * full_need)
+
+    def __str__(self) -> str:
+        return f"{self.nbytes}b" if self.nbytes is not None else f"{self.fraction:g}"

@@ -1,11 +1,19 @@
 """The commands end to end through typer, as a user runs them."""
 
 import json
+import socket
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from pwctl import tiny
 from pwctl.cli import app
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
 
 runner = CliRunner()
 
@@ -97,3 +105,91 @@ def test_convert_generate_bench(checkpoints, tmp_path):
     ):
         r = runner.invoke(app, ["generate", str(out), "--prompt", "x", *args])
         assert r.exit_code == 2 and said in r.output, r.output
+
+
+class Loaded(Exception):
+    """A command got past its option checks (the tests below patch the model load)."""
+
+
+def _loaded(*args, **kwargs):
+    raise Loaded
+
+
+@pytest.fixture
+def small_pack(packs, monkeypatch) -> Path:
+    for target in ("pwctl.runtime.engine.Engine", "pwctl.runtime.server.run_server"):
+        monkeypatch.setattr(target, _loaded)
+    return packs[("mixtral", "fused")]
+
+
+def test_limits_are_checked_at_the_door(small_pack, checkpoints, tmp_path):
+    """Each bad value gets one error line and exit 2 before any model loads (these once ran
+    out of memory, were accepted silently, or ended in a traceback)."""
+    pack = str(small_pack)
+    context = Pack(small_pack).manifest.config["max_position_embeddings"]
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    cases = [
+        (["serve", pack, "--max-model-len", "1000000000"], f"must be in [1, {context}]"),
+        (["serve", pack, "--max-model-len", str(context + 1)], "--max-model-len"),
+        (["serve", pack, "--max-model-len", "0"], "--max-model-len 0"),
+        (["serve", pack, "--max-model-len", "-5"], "--max-model-len -5"),
+        (["serve", pack, "--max-seqs", "0"], "--max-seqs 0: must be at least 1"),
+        (["serve", pack, "--max-batch-tokens", "0"], "--max-batch-tokens 0"),
+        (["serve", pack, "--port", str(busy.getsockname()[1])], "cannot listen there"),
+        (["serve", pack, "--device", "tpu"], "use cpu, cuda, cuda:N or auto"),
+        (["convert", str(checkpoints[("mixtral", "fused")]), str(tmp_path / "o"),
+          "--device", "tpu"], "--device 'tpu'"),
+        (["generate", pack, "--prompt", "hi", "--device", "tpu"], "--device 'tpu'"),
+        (["profile", pack, "--samples", "0"], "--samples 0"),
+        (["profile", pack, "--seq-len", "-5"], "--seq-len -5"),
+        (["bench", pack, "--ppl", "--seq-len", "0"], "--seq-len 0"),
+        (["fit-residual", pack, "--test-split", "1.5"], "--test-split 1.5"),
+        (["bench", pack, "--ppl", "--synthetic"], "not --ppl and --synthetic"),
+    ]  # fmt: skip
+    try:
+        for args, said in cases:
+            r = runner.invoke(app, args)
+            assert r.exit_code == 2 and not isinstance(r.exception, Loaded), (args, r.output)
+            assert said in r.output and len(r.output.strip().splitlines()) == 1, (args, r.output)
+    finally:
+        busy.close()
+
+
+def test_bench_names_every_mode(small_pack):
+    from pwctl.commands.bench import MODES
+
+    for args in ([], ["--quantizer", "--planner"]):
+        r = runner.invoke(app, ["bench", str(small_pack), *args])
+        assert r.exit_code == 2 and all(m in r.output for m in MODES), r.output
+    assert len(MODES) == 9
+
+
+def test_parse_device(monkeypatch):
+    import pwctl.device as dev
+
+    monkeypatch.setattr(dev, "_cuda_devices", lambda: 0)
+    assert dev.parse_device("cpu") == dev.parse_device("auto") == "cpu"
+    for bad in ("cuda", "cuda:0", "tpu", "cuda:", "cpu:0"):
+        with pytest.raises(PwctlError):
+            dev.parse_device(bad)
+    monkeypatch.setattr(dev, "_cuda_devices", lambda: 2)
+    assert dev.parse_device("auto") == "cuda" and dev.parse_device(" CUDA:1 ") == "cuda:1"
+    with pytest.raises(PwctlError, match="2 CUDA device"):
+        dev.parse_device("cuda:2")
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.strip() == f"pwctl {version('pwctl')}"
+
+
+def test_cli_starts_without_torch_or_transformers():
+    """`pwctl --help` and argument errors must not wait for the heavy imports (7-30 s)."""
+    code = (
+        "import sys, pwctl.cli; "
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,7 +1,9 @@
 """Bad input gets one clear error and loses nothing."""
 
 import json
+import os
 import shutil
+import signal
 import struct
 
 import pytest
@@ -97,15 +99,69 @@ def test_unexpected_dtype(checkpoints, tmp_path):
         convert(src, tmp_path / "out", ConvertOptions())
 
 
+def leftovers(folder):
+    """Hidden temporary or backup entries a conversion left next to its output."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
 def test_refuses_to_overwrite_without_force(checkpoints, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    convert(checkpoints[("olmoe", "fused")], out, ConvertOptions(max_bits=4))
     with pytest.raises(PwctlError, match="exists; pass --force"):
         convert(checkpoints[("olmoe", "fused")], out, ConvertOptions())
-    assert (out / "keep.txt").read_text() == "mine"
+    assert Pack(out).manifest.max_bits == 4
     convert(checkpoints[("olmoe", "fused")], out, ConvertOptions(max_bits=3, force=True))
-    assert not (out / "keep.txt").exists() and Pack(out).manifest.max_bits == 3
+    assert Pack(out).manifest.max_bits == 3 and leftovers(tmp_path) == []
+
+
+def test_force_never_replaces_what_is_not_a_pack(checkpoints, tmp_path):
+    folder, file = tmp_path / "mine", tmp_path / "notes.txt"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("mine")
+    file.write_text("also mine")
+    src = str(checkpoints[("olmoe", "fused")])
+    for out in (folder, file):
+        r = runner.invoke(app, ["convert", src, str(out), "--force"])
+        assert r.exit_code == 2 and "is not a pwctl pack" in r.output, r.output
+        assert "Traceback" not in r.output
+    assert (folder / "keep.txt").read_text() == "mine" and file.read_text() == "also mine"
+    assert leftovers(tmp_path) == []
+
+
+def test_exchange_swaps_two_folders(tmp_path):
+    from pwctl.pack import exchange
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    (b / "x").write_text("from b")
+    exchange(a, b)
+    assert (a / "x").read_text() == "from b" and (b / "x").read_text() == "from a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_conversion_leaves_nothing(sig, checkpoints, tmp_path, monkeypatch):
+    """The command, signalled while it quantizes, removes its temporary folder on SIGTERM as on
+    SIGINT, and a pack it was replacing stays whole."""
+    import pwctl.convert as conv
+
+    src, out = checkpoints[("mixtral", "fused")], tmp_path / "out"
+    convert(src, out, ConvertOptions(max_bits=4))
+    real = conv.quantize_block
+    calls = []
+
+    def signalled(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), sig)
+        return real(*a, **k)
+
+    monkeypatch.setattr(conv, "quantize_block", signalled)
+    r = runner.invoke(app, ["convert", str(src), str(out), "--force"])
+    assert r.exit_code == 128 + sig, r.output  # as the shell reports a signalled process
+    assert leftovers(tmp_path) == [] and Pack(out).manifest.max_bits == 4
 
 
 def test_interrupted_conversion_leaves_no_pack(checkpoints, tmp_path, monkeypatch):
@@ -185,3 +241,66 @@ def test_serve_and_kernel_bench_refuse_cleanly():
     for cmd, message in cases:
         result = runner.invoke(app, cmd)
         assert result.exit_code == 2 and message in result.output, (cmd, result.output)
+
+
+def _flip_reference_byte(pack_dir, name: str) -> None:
+    """Flip one byte inside tensor `name` of reference.safetensors."""
+    path = pack_dir / "reference.safetensors"
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    start, _ = json.loads(data[8 : 8 + n])[name]["data_offsets"]
+    data[8 + n + start + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_generate_verifies_every_plane_even_under_fp16(packs, tmp_path):
+    """fp16 reads only the reference weights, yet a corrupt plane fails generate (it exited 0);
+    --no-verify skips the check explicitly."""
+    pack_dir = copy(packs[("mixtral", "fused")], tmp_path / "pack")
+    block = Pack(pack_dir).blocks[5]
+    page = pack_dir / block.file
+    data = bytearray(page.read_bytes())
+    data[block.planes[2].offset + 3] ^= 0xFF
+    page.write_bytes(bytes(data))
+    args = ["generate", str(pack_dir), "--prompt", "The earth", "--max-tokens", "2"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and f"{block.name} plane 2: checksum mismatch" in r.output, r.output
+    assert runner.invoke(app, [*args, "--no-verify"]).exit_code == 0
+
+
+def test_reference_weights_carry_checksums(packs, tmp_path):
+    pack_dir = copy(packs[("qwen2_moe", "per_expert")], tmp_path / "pack")
+    pack = Pack(pack_dir)
+    assert all(b.reference_crc32 is not None for b in pack.blocks) and pack.verify() == []
+    block = pack.blocks[4]
+    _flip_reference_byte(pack_dir, block.name)
+    seen = []
+    faults = Pack(pack_dir).verify(lambda done, total: seen.append((done, total)))
+    assert [(f.block, f.plane) for f in faults] == [(block.name, None)]
+    assert seen[-1][0] == seen[-1][1] and len(seen) == len(pack.blocks)
+    args = ["generate", str(pack_dir), "--prompt", "The earth", "--max-tokens", "2"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and f"{block.name} reference weights" in r.output, r.output
+    r = runner.invoke(app, [*args, "--no-verify"])  # found when fp16 loads them: no output
+    assert r.exit_code == 2 and "reference weights failed their checksum" in r.output, r.output
+
+
+def test_a_bad_plane_found_on_first_use_caps_its_block(packs, tmp_path):
+    """Without a verification pass, the read that loads a block's planes finds the bad one:
+    the block runs at its last good width, and the fault is recorded."""
+    from pwctl.policy import parse_policy
+    from pwctl.runtime.engine import Engine
+
+    pack_dir = copy(packs[("olmoe", "fused")], tmp_path / "pack")
+    block = Pack(pack_dir).blocks[2]
+    page = pack_dir / block.file
+    data = bytearray(page.read_bytes())
+    data[block.planes[5].offset + 3] ^= 0xFF
+    page.write_bytes(bytes(data))
+    engine = Engine(Pack(pack_dir))
+    engine.set_policy(parse_policy("uniform:7"))
+    assert torch.equal(engine.store.weight(2), engine.store.weight_at(2, 5))
+    assert [(f.block, f.plane) for f in engine.store.faults] == [(block.name, 5)]
+    assert engine.store.served_width(2) == 5 and engine.store.served_width(3) == 7
+    with pytest.raises(PwctlError, match="bad checksum"):
+        engine.store.weight_at(2, 6)

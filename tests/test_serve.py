@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import os
+import shutil
 import socket
 import threading
 import time
@@ -14,6 +17,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 
 from pwctl.pack import Pack
 from pwctl.policy import parse_policy
@@ -40,12 +44,12 @@ PROMPTS = [
 class Server:
     """uvicorn + the engine thread, in the background, on a free local port."""
 
-    def __init__(self, engine: Engine, api_key: str | None = None):
+    def __init__(self, engine: Engine, api_key: str | None = None, **options):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.worker = EngineWorker(engine)
-        app = create_app(self.worker, "tiny-mixtral", api_key)
+        app = create_app(self.worker, "tiny-mixtral", api_key, **options)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.uvicorn = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
@@ -236,9 +240,97 @@ def test_api_key_is_enforced(served):
     for key in (None, "wrong"):
         with pytest.raises(openai.AuthenticationError):
             server.client(key).completions.create(model="m", prompt="hi", max_tokens=2)
-    assert httpx.get(server.url + "/health").status_code == 401
-    ok = httpx.get(server.url + "/health", headers={"Authorization": f"Bearer {KEY}"})
-    assert ok.status_code == 200 and ok.json() == {"status": "ok"}
+    models = server.url + "/v1/models"
+    assert httpx.get(models).status_code == 401
+    for header in (f"Basic {KEY}", f"Bearer{KEY}", f"Bearer {KEY}x", KEY):
+        assert httpx.get(models, headers={"Authorization": header}).status_code == 401, header
+    for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme in any case (RFC 9110)
+        r = httpx.get(models, headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, scheme
+
+
+def test_health_and_metrics_are_open_unless_asked(served):
+    """Load balancers and Prometheus carry no API key; --metrics-auth closes /metrics."""
+    server, _, _ = served
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert "pwctl_steps_total" in httpx.get(server.url + "/metrics").text
+    closed = TestClient(create_app(server.worker, "m", KEY, metrics_auth=True))
+    assert closed.get("/metrics").status_code == 401
+    assert closed.get("/health").status_code == 200
+    ok = closed.get("/metrics", headers={"Authorization": f"bearer {KEY}"})
+    assert ok.status_code == 200 and "pwctl_steps_total" in ok.text
+
+
+def _post_chunks(app, chunks: list[bytes], headers=()) -> tuple[int, int]:
+    """POST /v1/completions straight through ASGI, the body in `chunks`: (status, body bytes
+    the app read)."""
+    state = {"read": 0, "status": 0}
+    pending = list(chunks)
+
+    async def receive():
+        if pending:
+            chunk = pending.pop(0)
+            state["read"] += len(chunk)
+            return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+        await asyncio.sleep(3600)  # the client stays connected
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            state["status"] = message["status"]
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1), "headers": [(b"content-type", b"application/json"), *headers],
+    }  # fmt: skip
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+    return state["status"], state["read"]
+
+
+def test_request_body_limit_answers_413_before_reading_the_rest(served):
+    server, _, _ = served
+    app = create_app(server.worker, "m", max_request_bytes=4096)
+    chunk = b" " * 1024
+    status, read = _post_chunks(app, [chunk] * 1000)  # chunked: no length announced
+    assert status == 413 and read <= 4096 + len(chunk)
+    announced = [(b"content-length", str(len(chunk) * 1000).encode())]
+    status, read = _post_chunks(app, [chunk] * 1000, announced)
+    assert status == 413 and read == 0
+    r = TestClient(app).post("/v1/completions", content=b'{"prompt": "' + b"a" * 5000 + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    small = TestClient(app).post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2})
+    assert small.status_code == 200
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_memory_of_a_refused_large_request_is_released(served):
+    """A 1.5 MB prompt (under the body limit, over the context) is tokenized and refused; the
+    heap its tokenization took goes back to the system (glibc kept it: RSS grew ~1 GB and
+    stayed after a few such requests)."""
+    server, _, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = server.url + "/v1/completions"
+    for _ in range(3):  # both tokenizing threads have their tokenizer
+        httpx.post(url, json={"prompt": "hi", "max_tokens": 1}, headers=headers, timeout=60)
+    gc.collect()
+    before = _rss_mb()
+    big = {"prompt": "the earth was without form " * 55000}  # 1.5 MB
+    r = httpx.post(url, json=big, headers=headers, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    deadline, grown = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        grown = _rss_mb() - before
+        if grown < 60:
+            break
+        time.sleep(0.2)
+    assert grown < 60, f"RSS still {grown:.0f} MB above where it was"
 
 
 def test_overload_gets_429_never_a_crash(served):
@@ -342,3 +434,137 @@ def test_full_queue_is_429_wherever_it_is_found(bundled_pack):
     busy = _engine_error(Update("", 0, "abort", error="busy: the waiting queue is full"))
     assert (busy.status, busy.kind) == (429, "rate_limit_error")
     assert _engine_error(Update("", 0, "abort", error="engine error: boom")).status == 500
+
+
+class _HeldTokenizer:
+    """The pack's tokenizer, except that a prompt containing HOLD waits for `release` (set by
+    the test) once it has signalled `entered`."""
+
+    def __init__(self, real, entered: threading.Event, release: threading.Event):
+        self.real, self.entered, self.release = real, entered, release
+
+    def __call__(self, text, *args, **kwargs):
+        if "HOLD" in text:
+            self.entered.set()
+            assert self.release.wait(120)
+        return self.real(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_health_and_other_requests_go_on_while_a_prompt_is_tokenized(bundled_pack):
+    """Structural, not timed: one request's tokenization is held on an event the test
+    controls; meanwhile /health answers and another request runs to completion."""
+    engine = Engine(Pack(bundled_pack))
+    engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_model_len=128))
+    entered, release = threading.Event(), threading.Event()
+
+    def load():
+        return _HeldTokenizer(engine.tokenizer.__class__.from_pretrained(bundled_pack),
+                              entered, release)  # fmt: skip
+
+    with Server(engine, load_tokenizer=load) as server, ThreadPoolExecutor(1) as pool:
+        body = {"prompt": "HOLD the earth", "max_tokens": 3}
+        held = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=120)
+        try:
+            assert entered.wait(60)
+            health = httpx.get(server.url + "/health", timeout=30)
+            assert health.status_code == 200 and health.json() == {"status": "ok"}
+            other = server.client().completions.create(
+                model="m", prompt=PROMPTS[1], max_tokens=4, temperature=0
+            )
+            assert other.usage.completion_tokens == 4 and not held.done()
+        finally:
+            release.set()
+        assert held.result().status_code == 200
+
+
+def _corrupt(pack_dir, block, plane: int) -> None:
+    page = pack_dir / block.file
+    data = bytearray(page.read_bytes())
+    data[block.planes[plane].offset + 5] ^= 0xFF
+    page.write_bytes(bytes(data))
+
+
+def test_a_failed_checksum_turns_health_to_503_and_keeps_the_last_good_width(
+    bundled_pack, tmp_path, caplog
+):
+    """Verified at start: plane 4 of one block is bad, so that block serves 4 bits (its
+    last good width) under uniform:6; /health is 503 and names it, the log too."""
+    pack_dir = tmp_path / "pack"
+    shutil.copytree(bundled_pack, pack_dir)
+    pack = Pack(pack_dir)
+    block = pack.blocks[7]
+    _corrupt(pack_dir, block, 4)
+    faults = pack.verify()
+    assert [(f.block, f.plane) for f in faults] == [(block.name, 4)]
+    engine = Engine(pack)
+    with caplog.at_level("ERROR", logger="pwctl"):
+        engine.store.add_faults(faults)
+    assert block.name in caplog.text and "served at 4 bits at most" in caplog.text
+    engine.start_batching(parse_policy("uniform:6"), None, BatchConfig(max_model_len=128))
+    with Server(engine) as server:
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+        assert block.name in health.json()["faults"][0]
+        r = server.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=4)
+        assert r.usage.completion_tokens == 4  # still served
+    assert engine.store.served_width(7) == 4 and engine.store.served_width(8) == 6
+
+
+def test_a_block_with_no_good_width_stops_the_server_taking_requests(bundled_pack, tmp_path):
+    """Not verified at start (--no-verify): plane 0 of a block is bad, found when the first
+    request needs it. That request gets a 503, a stream before its first token too (not an
+    error event inside a 200); /health turns 503 "down" and later requests get 503."""
+    pack_dir = tmp_path / "pack"
+    shutil.copytree(bundled_pack, pack_dir)
+    pack = Pack(pack_dir)
+    for block in pack.blocks:  # every block: whichever expert the router picks
+        _corrupt(pack_dir, block, 0)
+    engine = Engine(pack)
+    engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_model_len=128))
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with Server(engine, KEY) as server:
+        url = server.url + "/v1/completions"
+        for stream in (True, False, True):
+            body = {"prompt": PROMPTS[3], "max_tokens": 4, "stream": stream}
+            r = httpx.post(url, json=body, headers=headers, timeout=60)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["type"] == "server_error"
+            assert "checksum" in r.json()["error"]["message"]
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "down"
+        assert pack.blocks[0].name.rsplit(".", 1)[0] in health.text
+
+
+def test_an_engine_error_mid_stream_is_an_openai_error_event(served, monkeypatch):
+    server, _, _ = served
+    batcher = server.worker.batcher
+    real, calls = batcher.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("boom")
+        return real()
+
+    monkeypatch.setattr(batcher, "step", failing_step)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": PROMPTS[5], "max_tokens": 20, "stream": True, "temperature": 0}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    monkeypatch.setattr(batcher, "step", real)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "boom" in error["message"]
+    assert any(json.loads(e)["choices"][0]["text"] for e in events[:-2])  # tokens came first
+    with pytest.raises(openai.APIError, match="boom"):
+        calls.clear()
+        monkeypatch.setattr(batcher, "step", failing_step)
+        for _ in server.client().completions.create(model="m", prompt=PROMPTS[5], max_tokens=20,
+                                                    stream=True):  # fmt: skip
+            pass

@@ -8,15 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
-from pwctl.bench import longbench as lb
-from pwctl.bench import synthetic_tasks as syn
-from pwctl.bench.planner import run_planner_bench
-from pwctl.bench.ppl import run_ppl
-from pwctl.bench.quantizer import add_rtn_variant, as_dicts, run_quantizer_bench
-from pwctl.checkpoint import EVAL_SAMPLE
+from pwctl.commands import checks
 from pwctl.commands.common import (
     CudaGraphs,
     console,
@@ -26,12 +20,13 @@ from pwctl.commands.common import (
     print_table,
     write_json,
 )
+from pwctl.device import CHOICES, parse_device
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
-from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-from pwctl.text import token_windows
 
 DEFAULT_POLICIES = ["fp16", "uniform:8", "uniform:4", "uniform:3", "uniform:2"]
+MODES = ("--ppl", "--longbench", "--synthetic", "--predictions FILE", "--throughput",
+         "--kernels", "--quantizer", "--planner", "--results")  # fmt: skip
 
 
 @handles_errors
@@ -96,10 +91,35 @@ def run(
     max_bits: Annotated[
         int | None, typer.Option(help="widest width served (default: the pack's)")
     ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Measure quality, memory and speed of policies on a pack (or of the quantizer)."""
+    on = (ppl, longbench, synthetic, predictions is not None, throughput, kernels, quantizer,
+          planner, results)  # fmt: skip
+    _one_mode([m for m, chosen in zip(MODES, on, strict=True) if chosen])
+    checks.at_least("--seq-len", seq_len, 2)  # a window predicts its tokens after the first
+    checks.at_least("--max-tokens", max_tokens, 1)
+    checks.between("--kv-peak", kv_peak, 0, 1)
+    checks.at_least("--examples", examples, 1)
+    for n in lengths or []:
+        checks.at_least("--lengths", n, 1)
+    for d in depths or []:
+        checks.between("--depths", d, 0, 1)
+    for b in rtn or []:
+        checks.between("--rtn", b, 1, 8)
+    device = parse_device(device)
+    import torch
+
+    from pwctl.bench import longbench as lb
+    from pwctl.bench import synthetic_tasks as syn
+    from pwctl.bench.planner import run_planner_bench
+    from pwctl.bench.ppl import run_ppl
+    from pwctl.bench.quantizer import GROUP, add_rtn_variant, as_dicts, run_quantizer_bench
+    from pwctl.checkpoint import EVAL_SAMPLE
+    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.text import token_windows
+
     if results:
         from pwctl.bench.results import run_results
 
@@ -117,6 +137,9 @@ def run(
         write_json(json, figures)
         return
     if quantizer:
+        checks.at_least("--rows", rows, 1)
+        if cols < GROUP or cols % GROUP:
+            raise PwctlError(f"--cols {cols}: a multiple of {GROUP} (the RTN baseline's group)")
         results = run_quantizer_bench(rows, cols, device=device)
         print_table(
             f"quantizer on Student-t(5) weights {rows}x{cols}",
@@ -138,7 +161,8 @@ def run(
         if pack is None:
             raise PwctlError("bench --longbench/--synthetic needs a PACK")
         policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
-        engine = Engine(open_pack(pack), device, experts="store", max_bits=max_bits)
+        opened = _open(pack, max_bits)
+        engine = Engine(opened, device, experts="store", max_bits=max_bits)
     if longbench:
         if data is None:
             raise PwctlError("bench --longbench needs --data DIR (LongBench jsonl files)")
@@ -170,18 +194,18 @@ def run(
         name = torch.cuda.get_device_name()
         title = f"fused MoE layer, {name} (copy {copy_bw / 1e12:.2f} TB/s)"
         print_table(title, kb.ROW_COLUMNS, [kb.row_cells(r) for r in rows])
-        checks = kb.against_targets(rows)
-        if checks:
+        against = kb.against_targets(rows)
+        if against:
             print_table(
                 "against the kernel targets (worst of the rows each covers)",
                 kb.TARGET_COLUMNS,
-                [kb.target_cells(c) for c in checks],
+                [kb.target_cells(c) for c in against],
             )
         else:  # e.g. only widths 5-8: say so rather than print an empty table
             names = "; ".join(t.name for t in kb.TARGETS)
             console.print(f"no kernel target covers these rows (targets: {names})")
         write_json(json, {"device": name, "copy_bytes_per_s": copy_bw,
-                          "rows": [r.as_dict() for r in rows], "targets": checks})  # fmt: skip
+                          "rows": [r.as_dict() for r in rows], "targets": against})  # fmt: skip
         return
     if throughput:
         from pwctl.bench import throughput as tp
@@ -195,6 +219,7 @@ def run(
         if pack is None:
             raise PwctlError("bench --throughput needs a PACK")
         policies = [parse_policy(p) for p in (policy or tp.DEFAULT_POLICIES)]
+        _open(pack, max_bits)
         engine: Engine | None = None  # on CUDA: paged planes, or fp16 on the 16-bit experts
         results = []
         for p in policies:
@@ -211,18 +236,31 @@ def run(
         if failed:
             raise PwctlError("; ".join(failed))
         return
-    if not ppl:
-        raise PwctlError("choose a mode: --ppl, --longbench, --synthetic or --predictions FILE")
     if pack is None:
         raise PwctlError("bench --ppl needs a PACK")
     policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
+    opened = _open(pack, max_bits)
+    checks.between("--seq-len", seq_len, 2, checks.model_context(opened.manifest.config))
     data = data or EVAL_SAMPLE
-    engine = Engine(open_pack(pack), device, experts="store", max_bits=max_bits)  # reference math
+    engine = Engine(opened, device, experts="store", max_bits=max_bits)  # reference math
     policies += [add_rtn_variant(engine, b) for b in rtn or []]
-    if kv_peak < 0:
-        raise PwctlError("--kv-peak must be >= 0")
     results = run_ppl(
         engine, token_windows(engine.tokenizer, data, seq_len, max_tokens), policies, kv_peak
     )
     print_ppl(f"perplexity on {data.name} ({results[0].tokens} tokens)", results)
     write_json(json, {"data": str(data), "results": [r.as_dict() for r in results]})
+
+
+def _one_mode(chosen: list[str]) -> None:
+    if len(chosen) != 1:
+        what = "choose a mode" if not chosen else f"one mode at a time, not {' and '.join(chosen)}"
+        raise PwctlError(f"bench: {what}; modes: {', '.join(MODES)}")
+
+
+def _open(pack: Path, max_bits: int | None):
+    """The pack, its --max-bits checked against it (before the model loads)."""
+    from pwctl.runtime.engine import open_pack
+
+    opened = open_pack(pack)
+    checks.max_bits(max_bits, opened.manifest.min_bits, opened.manifest.max_bits)
+    return opened

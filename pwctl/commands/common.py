@@ -1,4 +1,7 @@
-"""What every command shares: the console, error handling, tables and --json output."""
+"""What every command shares: the console, error handling, tables and --json output.
+
+Command modules import only typer, rich and light pwctl modules at the top: `pwctl --help` and
+argument errors must not wait for torch or transformers, which each command imports in its body."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from pwctl.errors import PwctlError
-from pwctl.pack import write_atomic
 
 # serve, generate and bench --throughput: how decode steps launch on CUDA
 CudaGraphs = Annotated[
@@ -29,7 +31,8 @@ err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 def handles_errors(fn: Callable) -> Callable:
-    """PwctlError -> one red line on stderr and exit code 2, no traceback."""
+    """PwctlError -> one red line on stderr and exit code 2, no traceback (a message that
+    quotes user input with line breaks in it is joined into that one line)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -37,7 +40,8 @@ def handles_errors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except PwctlError as e:
             # escaped: a message's brackets ("pip install 'pwctl[plot]'", paths) are not markup
-            err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            line = " ".join(str(e).splitlines())
+            err_console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -60,6 +64,8 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
 
 def write_json(path: Path | None, obj: Any) -> None:
     if path is not None:
+        from pwctl.pack import write_atomic  # imports torch: not at CLI start
+
         write_atomic(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
         console.print(f"wrote {path}")
 

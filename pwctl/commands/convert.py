@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -9,7 +12,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pwctl.commands.common import console, handles_errors, print_table, write_json
-from pwctl.convert import ConvertOptions, convert
+from pwctl.device import CHOICES
+
+TERMINATED = 128 + signal.SIGTERM  # the shell's exit status of a process ended by SIGTERM
 
 
 @handles_errors
@@ -18,7 +23,7 @@ def run(
     out: Annotated[Path, typer.Argument(help="pack folder to create")],
     min_bits: Annotated[int, typer.Option(help="lowest width kept")] = 2,
     max_bits: Annotated[int, typer.Option(help="parent width (planes stored)")] = 8,
-    device: Annotated[str, typer.Option(help="cpu or cuda (runs the k-means)")] = "cpu",
+    device: Annotated[str, typer.Option(help=f"{CHOICES} (runs the k-means)")] = "cpu",
     calib: Annotated[
         Path | None, typer.Option(help="text file: weight the k-means by E(x^2)")
     ] = None,
@@ -29,6 +34,8 @@ def run(
     json: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
 ) -> None:
     """Quantize every expert block into nested bit-planes (first b planes = b-bit weights)."""
+    from pwctl.convert import ConvertOptions, convert
+
     opts = ConvertOptions(
         min_bits=min_bits,
         max_bits=max_bits,
@@ -45,7 +52,7 @@ def run(
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=True) as bar:
+    with terminate_like_interrupt(), Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("quantizing", total=None)
         report = convert(
             src,
@@ -67,3 +74,18 @@ def run(
     ]
     print_table("pwctl convert", ("field", "value"), rows)
     write_json(json, {k: v for k, v in rows} | {"mb_per_s": report.mb_per_s})
+
+
+@contextmanager
+def terminate_like_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds the stack as Ctrl-C does (SystemExit with status 143, not an instant
+    death), so convert's cleanup removes the temporary pack folder on either signal."""
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(TERMINATED)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

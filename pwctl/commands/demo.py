@@ -8,16 +8,10 @@ from typing import Annotated
 
 import typer
 
-from pwctl import tiny
-from pwctl.bench.ppl import run_ppl
-from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE, bundled_models
+from pwctl.commands import checks
 from pwctl.commands.common import console, handles_errors, print_ppl, write_json
-from pwctl.convert import ConvertOptions, convert
+from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
-from pwctl.profile import run_profile
-from pwctl.residual import fit
-from pwctl.runtime.engine import Engine, open_pack
-from pwctl.text import spread_windows, token_windows
 
 POLICIES = [
     "fp16",
@@ -41,6 +35,18 @@ def run(
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """convert -> profile -> fit-residual -> bench --ppl: quality vs memory per policy."""
+    checks.at_least("--max-tokens", max_tokens, 256)  # one eval window of 256 tokens
+    if workdir is not None and workdir.exists() and not workdir.is_dir():
+        raise PwctlError(f"--workdir {workdir}: not a folder")
+    from pwctl import tiny
+    from pwctl.bench.ppl import run_ppl
+    from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE, bundled_models
+    from pwctl.convert import ConvertOptions, convert
+    from pwctl.profile import run_profile
+    from pwctl.residual import fit
+    from pwctl.runtime.engine import Engine, open_pack
+    from pwctl.text import spread_windows, token_windows
+
     work = workdir or Path(tempfile.mkdtemp(prefix="pwctl-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     src: str | Path = model

@@ -7,9 +7,8 @@ from typing import Annotated
 
 import typer
 
+from pwctl.commands import checks
 from pwctl.commands.common import console, handles_errors, print_table, write_json
-from pwctl.residual import fit
-from pwctl.runtime.engine import open_pack
 
 
 @handles_errors
@@ -19,6 +18,10 @@ def run(
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Fit log(damage_seq / damage_mean) ~ input-norm features, per MoE layer (ridge)."""
+    checks.between("--test-split", test_split, 0, 1, open_=True)
+    from pwctl.residual import fit
+    from pwctl.runtime.engine import open_pack
+
     p = open_pack(pack)
     model = fit(p, test_split)
     model.save(p)

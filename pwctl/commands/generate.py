@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
+from pwctl.commands import checks
+from pwctl.commands.checks import Verify
 from pwctl.commands.common import CudaGraphs, console, handles_errors, write_json
-from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-from pwctl.runtime.scheduler import SamplingParams
+from pwctl.device import CHOICES, parse_device
+from pwctl.errors import PwctlError
+from pwctl.policy import BudgetArg, parse_policy
 
 
 @handles_errors
@@ -28,13 +29,26 @@ def run(
         typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
     ] = None,
     cuda_graphs: CudaGraphs = True,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    verify: Verify = True,
+    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
     pol = parse_policy(policy)
+    checks.at_least("--max-tokens", max_tokens, 1)
+    BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
+    device = parse_device(device)
+    from pwctl.runtime.batcher import BatchConfig
+    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.runtime.scheduler import SamplingParams
+
+    opened = open_pack(pack)
+    checks.max_bits(max_bits, opened.manifest.min_bits, opened.manifest.max_bits)
     experts = experts_for(pol, device)
-    engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
+    faults = checks.verify_pack(opened) if verify else []
+    if faults:
+        raise PwctlError(f"{checks.fault_summary(faults)}; --no-verify skips this check")
+    engine = Engine(opened, device, serving_dtype(device, experts), experts, max_bits)
     engine.start_batching(pol, memory_budget, BatchConfig(cuda_graphs=cuda_graphs))
     ids = engine.tokenizer(prompt).input_ids
     (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))

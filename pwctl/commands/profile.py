@@ -8,11 +8,10 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pwctl.checkpoint import CALIB_SAMPLE
+from pwctl.commands import checks
 from pwctl.commands.common import console, handles_errors, print_table, write_json
-from pwctl.profile import run_profile
-from pwctl.runtime.engine import Engine, open_pack
-from pwctl.text import spread_windows
+from pwctl.device import CHOICES, parse_device
+from pwctl.errors import PwctlError
 
 
 @handles_errors
@@ -22,12 +21,27 @@ def run(
     samples: Annotated[int, typer.Option(help="calibration sequences")] = 16,
     seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 128,
     method: Annotated[str, typer.Option(help="measured (KL per block) or proxy")] = "measured",
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Measure what running each block at each width costs (written into the pack)."""
+    checks.at_least("--samples", samples, 1)
+    checks.at_least("--seq-len", seq_len, 2)  # the norm features take a spread over tokens
+    device = parse_device(device)
+    from pwctl.checkpoint import CALIB_SAMPLE
+    from pwctl.profile import METHODS, run_profile
+    from pwctl.runtime.engine import Engine, open_pack
+    from pwctl.text import spread_windows
+
+    if method not in METHODS:
+        raise PwctlError(f"--method {method}: use one of {', '.join(METHODS)}")
     data = data or [CALIB_SAMPLE]
-    engine = Engine(open_pack(pack), device, experts="store")  # per-block width sweeps
+    missing = [str(f) for f in data if not f.is_file()]
+    if missing:
+        raise PwctlError(f"--data {', '.join(missing)}: no such file")
+    opened = open_pack(pack)
+    checks.between("--seq-len", seq_len, 2, checks.model_context(opened.manifest.config))
+    engine = Engine(opened, device, experts="store")  # per-block width sweeps
     ids = spread_windows(engine.tokenizer, data, samples, seq_len)
     columns = (TextColumn("profiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:

@@ -7,10 +7,12 @@ from typing import Annotated
 
 import typer
 
+from pwctl.commands import checks
+from pwctl.commands.checks import Verify
 from pwctl.commands.common import CudaGraphs, console, handles_errors
+from pwctl.device import CHOICES, parse_device
 from pwctl.errors import PwctlError
-from pwctl.policy import parse_budget, parse_policy
-from pwctl.runtime.batcher import BatchConfig
+from pwctl.policy import BudgetArg, parse_policy
 
 
 @handles_errors
@@ -23,7 +25,15 @@ def run(
         typer.Option(help="planes + KV + workspace: a size (12GiB) or a fraction of free memory"),
     ] = None,
     policy: Annotated[str, typer.Option(help="fp16, uniform:B or a budgeted policy")] = "fp16",
-    api_key: Annotated[str | None, typer.Option(help="require Authorization: Bearer KEY")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="require Authorization: Bearer KEY (not on /health)")
+    ] = None,
+    metrics_auth: Annotated[
+        bool, typer.Option("--metrics-auth", help="/metrics needs the API key too")
+    ] = False,
+    max_request_bytes: Annotated[
+        int, typer.Option(help="larger request bodies get 413 (default 2 MiB)")
+    ] = 2_097_152,  # runtime.server.MAX_REQUEST_BYTES (not imported here: it loads fastapi)
     max_queue: Annotated[int, typer.Option(help="waiting requests before 429")] = 64,
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 16,
     max_batch_tokens: Annotated[int, typer.Option(help="tokens per engine step")] = 256,
@@ -33,23 +43,38 @@ def run(
         typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
     ] = None,
     cuda_graphs: CudaGraphs = True,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    verify: Verify = True,
+    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
 ) -> None:
     """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. The KV cache and the expert planes share --memory-budget."""
-    if not 0 < port < 65536:
-        raise PwctlError(f"--port {port}: use 1..65535")
+    # every option is checked before the model loads (minutes on a large pack)
     pol = parse_policy(policy)
-    if memory_budget is not None:
-        parse_budget(memory_budget)  # a bad size fails before the model loads
+    BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
+    for name, value in (("--max-queue", max_queue), ("--max-seqs", max_seqs),
+                        ("--max-batch-tokens", max_batch_tokens),
+                        ("--max-request-bytes", max_request_bytes)):  # fmt: skip
+        checks.at_least(name, value, 1)
+    device = parse_device(device)
+    checks.port_free(host, port)
+    from pwctl.runtime.batcher import BatchConfig
     from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
     from pwctl.runtime.server import run_server
     from pwctl.runtime.worker import EngineWorker
 
+    opened = open_pack(pack)
+    m = opened.manifest
+    checks.max_model_len(max_model_len, m.config)
+    checks.max_bits(max_bits, m.min_bits, m.max_bits)
     experts = experts_for(pol, device)
+    faults = checks.verify_pack(opened) if verify else []
+    if experts == "paged" and any(f.plane is not None for f in faults):
+        # the paged backend's host copy holds every plane: it needs them all
+        raise PwctlError(f"{checks.fault_summary(faults)}; convert the model again")
     if experts == "paged":
         console.print("loading; a first run on this machine compiles the CUDA kernels (~2 min)")
-    engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
+    engine = Engine(opened, device, serving_dtype(device, experts), experts, max_bits)
+    engine.store.add_faults(faults)  # logged by name; /health answers 503 while there are any
     cfg = BatchConfig(
         max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len, cuda_graphs=cuda_graphs
     )
@@ -63,4 +88,7 @@ def run(
         f"http://{host}:{port}/v1",
         highlight=False,
     )
-    run_server(EngineWorker(engine), pack.name, host, port, api_key)
+    run_server(
+        EngineWorker(engine), pack.name, host, port, api_key,
+        metrics_auth=metrics_auth, max_request_bytes=max_request_bytes,
+    )  # fmt: skip

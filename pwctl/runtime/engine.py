@@ -23,10 +23,9 @@ import torch
 
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
-from pwctl.policy import Policy
+from pwctl.policy import BudgetArg, Policy
 from pwctl.runtime import kernels
 from pwctl.runtime.accounting import (
-    BudgetArg,
     FixedPart,
     StepShape,
     configure_allocator,

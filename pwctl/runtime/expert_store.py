@@ -3,9 +3,16 @@
 Widths live in one int array (one entry per block, FP16_WIDTH for the reference weights); the
 page table of the runtime issue takes this role on the GPU. Dequantized weights are cached per
 (block, width), so switching between a few policies costs one dequantization each.
+
+Every plane and reference tensor is checked against its CRC before its first use (`Pack.verify`
+at start, or the read that loads it). A block with a bad plane serves no wider than the planes
+before it (its last good width); a block with no good width for the policy, or whose reference
+weights are bad under fp16, raises BlockUnavailable. `faults` lists what failed.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -14,10 +21,15 @@ from transformers.activations import ACT2FN
 
 from pwctl.bitplanes import dequantize
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.pack import Fault, Pack
 from pwctl.policy import FP16_WIDTH, Policy
 
 VARIANT_BASE = 100  # width codes of registered variants (baselines), above any real width
+log = logging.getLogger("pwctl")
+
+
+class BlockUnavailable(PwctlError):
+    """A block failed its checksum and has no good width for what the policy asks of it."""
 
 
 class ExpertStore:
@@ -33,6 +45,43 @@ class ExpertStore:
         self._reference: dict[str, torch.Tensor] | None = None
         self._cache: dict[tuple[int, int], torch.Tensor] = {}
         self._variants: dict[str, tuple[int, int]] = {}  # name -> (width code, device bytes)
+        self.faults: list[Fault] = []
+        self._good = np.full(len(pack.blocks), m.max_bits, dtype=np.int64)  # widest good width
+        self._bad_reference: set[int] = set()
+
+    def add_faults(self, faults: list[Fault]) -> None:
+        """Checksum failures (Pack.verify's, or a read's): a bad plane caps its block below
+        it; a bad reference tensor makes the block unavailable under fp16. Logged by name."""
+        for f in faults:
+            index = self.pack.by_name[f.block]
+            if f.plane is None:
+                self._bad_reference.add(index)
+                effect = "its fp16 weights are unavailable"
+            else:
+                self._good[index] = min(self._good[index], f.plane)
+                good = int(self._good[index])
+                effect = f"served at {good} bits at most"
+                if good < self.min_bits:
+                    effect = "no good width left: the block is unavailable"
+            log.error("pack fault: %s; %s", f, effect)
+        self.faults += faults
+
+    def served_width(self, index: int) -> int:
+        """The width block `index` runs at: its planned width, or its last good width below
+        that if a plane failed its checksum (BlockUnavailable if there is none)."""
+        width = int(self.widths[index])
+        if width == FP16_WIDTH:
+            if index in self._bad_reference:
+                name = self.pack.blocks[index].name
+                raise BlockUnavailable(f"{name}: reference weights failed their checksum")
+            return width
+        if width >= VARIANT_BASE:
+            return width
+        good = int(self._good[index])
+        if good < self.min_bits and width > good:
+            name = self.pack.blocks[index].name
+            raise BlockUnavailable(f"{name}: plane {good} failed its checksum, no good width")
+        return min(width, good)
 
     def add_variant(self, name: str, weights: dict[int, torch.Tensor], nbytes: int) -> None:
         """Register externally quantized weights of every block (a baseline such as RTN)
@@ -85,7 +134,8 @@ class ExpertStore:
         )
 
     def weight(self, index: int) -> torch.Tensor:
-        width = int(self.widths[index])
+        self._load(index, int(self.widths[index]))  # may find a fault: read the width after
+        width = self.served_width(index)
         key = (index, width)
         if key not in self._cache:
             self._cache[key] = self._materialize(index, width).to(self.device, self.dtype)
@@ -93,16 +143,36 @@ class ExpertStore:
 
     def weight_at(self, index: int, width: int) -> torch.Tensor:
         """Block `index` dequantized at `width`, not cached (profile's sweeps)."""
+        self._load(index, width)
+        if (
+            width == FP16_WIDTH
+            and index in self._bad_reference
+            or (width < FP16_WIDTH and width > self._good[index])
+        ):
+            raise BlockUnavailable(f"{self.pack.blocks[index].name} at {width} bits: bad checksum")
         return self._materialize(index, width).to(self.device, self.dtype)
+
+    def _load(self, index: int, width: int) -> None:
+        """Read (and check) what `width` needs of block `index` once: the reference weights
+        of every block, or this block's planes up to the first bad one."""
+        if width == FP16_WIDTH and self._reference is None:
+            self._reference = self.pack.reference()
+            self.add_faults(
+                [f for b in self.pack.blocks
+                 if (f := self.pack.reference_fault(b, self._reference[b.name])) is not None]
+            )  # fmt: skip
+        elif width < FP16_WIDTH and index not in self._planes:
+            block = self.pack.blocks[index]
+            bits = min(self.max_bits, int(self._good[index]))
+            planes, tables, fault = self.pack.load_good_planes(block, bits)
+            self._planes[index] = (planes, tables)
+            if fault is not None:
+                self.add_faults([fault])
 
     def _materialize(self, index: int, width: int) -> torch.Tensor:
         block = self.pack.blocks[index]
         if width == FP16_WIDTH:
-            if self._reference is None:
-                self._reference = self.pack.reference()
             return self._reference[block.name]
-        if index not in self._planes:
-            self._planes[index] = self.pack.load_block(block, self.max_bits)
         planes, tables = self._planes[index]
         table = tables[width].to(self.device)
         return dequantize(planes[:width].to(self.device), table, block.rows_per_table, block.cols)

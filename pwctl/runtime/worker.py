@@ -5,7 +5,12 @@ updates per request).
 A handler calls `submit` (which enforces the queue bound and raises QueueFull at once), then
 reads `Update`s from its `Request.updates` until one is final; `cancel` (client gone) aborts the
 sequence in the engine thread, which frees its KV blocks. An exception inside a step fails the
-requests in flight with an error update and the thread keeps serving.
+requests in flight with an error update and the thread keeps serving, except a block that has
+no good width left (BlockUnavailable: a checksum failure): then the engine is down, and every
+request, in flight or new, gets a 503.
+
+`health()` is what /health reports: ok; degraded (a plane or reference tensor failed its
+checksum, its block runs at its last good width); or down.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pwctl.runtime.engine import Engine
+from pwctl.runtime.expert_store import BlockUnavailable
 from pwctl.runtime.scheduler import QueueFull, SamplingParams, Sequence
 
 log = logging.getLogger("pwctl.serve")
@@ -29,6 +35,7 @@ class Update:
     tokens: int  # output tokens so far
     finish_reason: str | None = None  # set on the last update
     error: str | None = None  # the engine failed this request
+    status: int = 500  # the HTTP status of that error (503: the engine cannot serve)
 
 
 @dataclass(eq=False)
@@ -57,6 +64,7 @@ class EngineWorker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pwctl-engine", daemon=True)
         self._metrics: dict[str, Any] = self.batcher.metrics()
+        self.failure: str | None = None  # why the engine cannot serve any request, if so
 
     # --- from request handlers ----------------------------------------------------------------
 
@@ -70,6 +78,21 @@ class EngineWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def serving(self) -> bool:
+        return self.alive and self.failure is None
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of /health: 200 only when every check passed and the engine
+        runs."""
+        faults = [str(f) for f in self.engine.store.faults]  # the engine thread appends
+        if not self.serving:
+            why = self.failure or "the engine thread is not running"
+            return 503, {"status": "down", "error": why, "faults": faults}
+        if faults:
+            return 503, {"status": "degraded", "faults": faults}
+        return 200, {"status": "ok"}
 
     def submit(self, request: Request) -> None:
         """Queue a request for the engine thread; QueueFull when the waiting queue is full."""
@@ -121,6 +144,11 @@ class EngineWorker:
             if request.seq_id is not None and self.active.pop(request.seq_id, None) is not None:
                 self.batcher.abort(request.seq_id)
             return
+        if self.failure is not None:
+            with self._lock:
+                self._pending -= 1
+            request.push(Update("", 0, "abort", error=self.failure, status=503))
+            return
         try:
             seq = self.batcher.add(request.prompt_ids, request.params)
         except QueueFull as e:  # the queue filled after submit() admitted it (preemptions)
@@ -141,6 +169,11 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             seqs = self.batcher.step()
+        except BlockUnavailable as e:  # a checksum failure with no width to fall back to
+            log.error("the engine cannot serve: %s", e)
+            self.failure = f"the engine cannot serve: {e}"
+            self._fail_all(self.failure, 503)
+            return
         except Exception as e:  # never let one bad step take the server down
             log.exception("engine step failed")
             self._fail_all(f"engine error: {e}")
@@ -157,10 +190,10 @@ class EngineWorker:
         if seq.finished:
             del self.active[seq.seq_id]
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, status: int = 500) -> None:
         for seq_id, request in list(self.active.items()):
             self.batcher.abort(seq_id)
-            request.push(Update("", 0, "abort", error=message))
+            request.push(Update("", 0, "abort", error=message, status=status))
         self.active.clear()
 
     def _publish_metrics(self) -> None:

@@ -1,0 +1,149 @@
+"""One accounting of device memory (runtime/accounting.py): `--memory-budget` parsed once, the
+fixed part from shapes, the calculator and the engine agreeing, a budget for N sequences
+admitting N sequences, the too-small-budget error naming a budget that then starts, and no
+request cut short under tight budgets (BUDGET and the planner's floors give way first)."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pwctl.bench.serving_budget import BudgetCalculator
+from pwctl.errors import PwctlError
+from pwctl.pack import Pack
+from pwctl.policy import BudgetArg, parse_policy
+from pwctl.runtime.accounting import (
+    SLACK,
+    ModelShape,
+    StepShape,
+    over_budget,
+    workspace,
+)
+from pwctl.runtime.batcher import BatchConfig
+from pwctl.runtime.engine import Engine
+from pwctl.runtime.scheduler import SamplingParams
+
+QWEN_SHAPE = ModelShape(2048, 5632, 4, 32, 8, 64, 4096, 2)
+
+
+def test_budget_arg_parses_sizes_and_fractions():
+    assert BudgetArg.parse("12GiB").nbytes == 12 * 2**30
+    assert BudgetArg.parse("800MB").nbytes == 800_000_000
+    assert BudgetArg.parse(123).nbytes == 123
+    assert BudgetArg.parse("0.5").fraction == 0.5
+    assert BudgetArg.parse("0.5").resolve("cpu", 1000) == 500
+    assert BudgetArg.parse(None) is None
+    for bad in ("lots", "2", "0", "1.5x", "0.1b"):
+        with pytest.raises(PwctlError, match="--memory-budget"):
+            BudgetArg.parse(bad)
+
+
+def test_workspace_grows_with_the_step_and_counts_the_graph_pool():
+    small = workspace(QWEN_SHAPE, StepShape(4, 256, 2304, 16))
+    big = workspace(QWEN_SHAPE, StepShape(32, 256, 2304, 16))
+    graphs = workspace(QWEN_SHAPE, StepShape(32, 256, 2304, 16), graphs=True)
+    assert big["step"] > small["step"] and big["logits_and_sampler"] > small["logits_and_sampler"]
+    assert "decode_graph_pool" not in big and graphs["decode_graph_pool"] > 0
+    longer = workspace(QWEN_SHAPE, StepShape(32, 256, 8192, 16))
+    assert longer["step"] > big["step"]
+
+
+def test_over_budget_allows_the_slack_only():
+    assert not over_budget(int(1000 * (1 + SLACK)), 1000)
+    assert over_budget(int(1000 * (1 + SLACK)) + 1, 1000)
+
+
+@pytest.mark.parametrize("policy", ["uniform:4", "pagedweight:0.3"])
+def test_a_too_small_budget_names_the_smallest_that_starts(bundled_pack, policy):
+    engine = Engine(Pack(bundled_pack))
+    cfg = BatchConfig(max_seqs=2, max_batch_tokens=16, max_model_len=64)
+    need = engine.smallest_budget(parse_policy(policy), cfg)
+    with pytest.raises(PwctlError, match=f"the smallest budget that starts is {need}b"):
+        engine.start_batching(parse_policy(policy), f"{need - 4096}b", cfg)
+    batcher = engine.start_batching(parse_policy(policy), f"{need}b", cfg)
+    # the one full-length sequence it promises runs to the end
+    ids = engine.tokenizer("The earth was without form").input_ids
+    n = 64 - len(ids)
+    (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+    assert len(seq.output_ids) == n and seq.finish_reason == "length"
+    assert batcher.counters.aborted == 0
+
+
+def test_the_calculator_and_the_engine_agree_and_n_sequences_run_unpreempted(bundled_pack):
+    pack = Pack(bundled_pack)
+    seqs, tokens = 3, 48
+    cfg = BatchConfig(max_seqs=seqs, max_batch_tokens=32, max_model_len=tokens)
+    calc = BudgetCalculator(pack, "cpu")
+    budget = calc.budget("uniform:4", cfg, seqs, tokens)
+    engine = Engine(pack)
+    batcher = engine.start_batching(parse_policy("uniform:4"), budget, cfg)
+    assert batcher.memory.fixed == calc.fixed_bytes("uniform:4", cfg)
+    assert batcher.memory.planes == calc.plane_bytes("uniform:4")
+    assert batcher.kv.block_bytes == calc.block_bytes("uniform:4", cfg)
+    per_seq = batcher.kv.blocks_for(tokens)
+    assert batcher.kv.pool.capacity >= seqs * per_seq
+    text = "In the beginning God created the heaven and the earth. " * 4
+    ids = engine.tokenizer(text).input_ids[: tokens - 16]
+    out = engine.generate_batch([ids] * seqs, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert all(len(s.output_ids) == 16 for s in out)
+    assert batcher.scheduler.preemptions == 0
+
+
+def test_budget_gives_way_rather_than_refusing_or_cutting_short(bundled_pack):
+    """pagedweight at a BUDGET above what the memory budget leaves planes: it starts (the
+    narrowest widths fit), and under KV pressure its planes go below BUDGET (floors relaxed)
+    instead of preempting or aborting; once the KV cache drains the floors come back."""
+    engine = Engine(Pack(bundled_pack))
+    cfg = BatchConfig(max_seqs=4, max_batch_tokens=32, block_size=4, max_model_len=64)
+    policy = parse_policy("pagedweight:0.6")  # every block near its widest
+    need = engine.smallest_budget(policy, cfg)
+    batcher = engine.start_batching(policy, need + 6 * 1024, cfg)
+    allocator = engine.allocator
+    assert batcher.memory.planes < allocator.budget  # BUDGET gave way at start
+    text = ["In the beginning", "The quick brown fox", "It is a truth", "0123 4567"]
+    ids = [engine.tokenizer(t).input_ids for t in text]
+    out = engine.generate_batch(ids, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert all(len(s.output_ids) == 40 and s.finish_reason == "length" for s in out)
+    assert batcher.counters.aborted == 0
+    assert batcher.memory.moves.demotions > 0
+    assert batcher.memory.planes >= allocator.narrowest
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.data(),
+    policy=st.sampled_from(["pagedweight:0.3", "pagedweight:0.5", "uniform:3"]),
+    slack_blocks=st.integers(0, 24),
+)
+def test_no_request_is_cut_short_under_tight_budgets(bundled_pack, data, policy, slack_blocks):
+    """Random arrivals and lengths under a budget near the smallest that starts: every request
+    gets all its tokens (preemption by recompute is allowed, aborts are not)."""
+    engine = Engine(Pack(bundled_pack))
+    cfg = BatchConfig(max_seqs=4, max_batch_tokens=24, block_size=4, max_model_len=48)
+    p = parse_policy(policy)
+    need = engine.smallest_budget(p, cfg)
+    batcher = engine.start_batching(p, need + slack_blocks * batcher_block(engine, cfg), cfg)
+    n = data.draw(st.integers(2, 6))
+    lengths = data.draw(st.lists(st.integers(2, 16), min_size=n, max_size=n))
+    outs = data.draw(st.lists(st.integers(1, 24), min_size=n, max_size=n))
+    arrive = data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    base = engine.tokenizer("In the beginning God created the heaven and the earth " * 3)
+    seqs, step = [], 0
+    while len(seqs) < n or batcher.has_work:
+        while len(seqs) < n and arrive[len(seqs)] <= step:  # in order of their index
+            i = len(seqs)
+            params = SamplingParams(max_tokens=outs[i], ignore_eos=True)
+            seqs.append(batcher.add(base.input_ids[: lengths[i]], params))
+        batcher.step() if batcher.has_work else batcher.idle()
+        step += 1
+        assert step < 2000
+    assert [len(s.output_ids) for s in seqs] == outs
+    assert batcher.counters.aborted == 0
+
+
+def batcher_block(engine: Engine, cfg: BatchConfig) -> int:
+    from pwctl.runtime.kv_cache import KVCache, KVLayout
+
+    layout = KVLayout.from_config(engine.model.config, engine.dtype)
+    return KVCache.block_bytes_of(layout, cfg.block_size)
