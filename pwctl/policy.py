@@ -28,6 +28,16 @@ UNITS = {
     "tib": 2**40,
 }
 FP16_WIDTH = 16  # the width code of the unquantized reference weights
+AUTO = "auto"  # --policy auto: the engine chooses (Engine.auto_policy)
+AUTO_MAX_BITS = 4  # ... and serves no block wider unless --max-bits says so (decode speed)
+
+
+def auto_max_bits(max_bits: int | None, pack_min: int, pack_max: int) -> int | None:
+    """The widest width `--policy auto` serves: --max-bits if given, else AUTO_MAX_BITS within
+    the pack's widths (None: the pack's own widest)."""
+    if max_bits is not None:
+        return max_bits
+    return min(AUTO_MAX_BITS, pack_max) if pack_min <= AUTO_MAX_BITS else None
 
 
 @dataclass(frozen=True)

@@ -147,3 +147,37 @@ def batcher_block(engine: Engine, cfg: BatchConfig) -> int:
 
     layout = KVLayout.from_config(engine.model.config, engine.dtype)
     return KVCache.block_bytes_of(layout, cfg.block_size)
+
+
+def test_auto_policy_is_pagedweight_with_a_profile_and_uniform_without(bundled_pack, packs):
+    from pwctl.policy import auto_max_bits
+
+    pack = Pack(bundled_pack)
+    m = pack.manifest
+    engine = Engine(pack, max_bits=auto_max_bits(None, m.min_bits, m.max_bits))
+    assert engine.store.max_bits == 4  # the bundled pack holds 3..6: auto serves up to 4
+    cfg = BatchConfig(max_seqs=2, max_batch_tokens=16, max_model_len=64)
+    roomy = engine.auto_policy(None, cfg)
+    assert roomy.name == "pagedweight" and roomy.budget.nbytes == engine.widest_plane_bytes()
+    # a budget that holds less than every block at 4 bits: BUDGET is what it leaves, and it starts
+    tight = engine.smallest_budget(parse_policy("pagedweight:0.3"), cfg) + 64 * 1024
+    chosen = engine.auto_policy(tight, cfg)
+    assert chosen.name == "pagedweight"
+    assert engine.narrowest_plane_bytes() <= chosen.budget.nbytes < engine.widest_plane_bytes()
+    batcher = engine.start_batching(chosen, tight, cfg)
+    assert batcher.info["policy"] == str(chosen) and batcher.info["device"] == "cpu"
+    # no profile: uniform at the widest width that fits
+    plain = Engine(Pack(packs[("mixtral", "per_expert")]), max_bits=4)
+    assert plain.auto_policy(None, cfg) == parse_policy("uniform:4")
+
+
+def test_generate_defaults_to_auto_on_the_cpu(bundled_pack):
+    from typer.testing import CliRunner
+
+    from pwctl.cli import app
+
+    r = CliRunner().invoke(
+        app, ["generate", str(bundled_pack), "--prompt", "The earth", "--max-tokens", "3"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "policy pagedweight:" in r.output and "device cpu" in r.output

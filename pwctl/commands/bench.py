@@ -16,6 +16,7 @@ from pwctl.commands.common import (
     console,
     err_console,
     handles_errors,
+    policy_or_auto,
     print_ppl,
     print_table,
     write_json,
@@ -91,7 +92,7 @@ def run(
     max_bits: Annotated[
         int | None, typer.Option(help="widest width served (default: the pack's)")
     ] = None,
-    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
+    device: Annotated[str, typer.Option(help=CHOICES)] = "auto",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Measure quality, memory and speed of policies on a pack (or of the quantizer)."""
@@ -218,7 +219,7 @@ def run(
         spec.validate()
         if pack is None:
             raise PwctlError("bench --throughput needs a PACK")
-        policies = [parse_policy(p) for p in (policy or tp.DEFAULT_POLICIES)]
+        policies = [policy_or_auto(p) for p in (policy or tp.DEFAULT_POLICIES)]
         _open(pack, max_bits)
         engine: Engine | None = None  # on CUDA: paged planes, or fp16 on the 16-bit experts
         results = []
@@ -229,6 +230,10 @@ def run(
                 gc.collect()
                 dtype = serving_dtype(device, kind)
                 engine = Engine(open_pack(pack), device, dtype, kind, max_bits)
+            if p is None:  # auto: chosen for the largest load's memory budget
+                mode, load, n = max(spec.loads(), key=lambda r: r[1])
+                p = engine.auto_policy(spec.memory_budget, spec.batch_config(load, n))
+                console.print(f"--policy auto: {p} on {device}", highlight=False)
             results += tp.run_throughput(engine, [p], spec, data or EVAL_SAMPLE)
         print_table(*tp.table(results))
         write_json(json, tp.report(pack, device, spec, results))

@@ -18,12 +18,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from pwctl.errors import PwctlError
+from pwctl.policy import AUTO, Policy, parse_policy
 
 # serve, generate and bench --throughput: how decode steps launch on CUDA
 CudaGraphs = Annotated[
     bool,
     typer.Option("--cuda-graphs/--eager", help="decode steps replayed from CUDA graphs (CUDA)"),
 ]
+
+POLICY_HELP = "auto (pagedweight with a profile, else uniform; at most 4 bits), fp16, uniform:B or a budgeted policy"  # noqa: E501
+
+
+def policy_or_auto(text: str) -> Policy | None:
+    """--policy: None for `auto` (the engine chooses once the pack is loaded)."""
+    return None if text.strip().lower() == AUTO else parse_policy(text)
+
 
 # piped output (logs, CI) gets room for the wide tables instead of rich's 80-column default
 console = Console(width=None if sys.stdout.isatty() else 120)

@@ -9,10 +9,18 @@ import typer
 
 from pwctl.commands import checks
 from pwctl.commands.checks import Verify
-from pwctl.commands.common import CudaGraphs, console, handles_errors, write_json
+from pwctl.commands.common import (
+    POLICY_HELP,
+    CudaGraphs,
+    console,
+    err_console,
+    handles_errors,
+    policy_or_auto,
+    write_json,
+)
 from pwctl.device import CHOICES, parse_device
 from pwctl.errors import PwctlError
-from pwctl.policy import BudgetArg, parse_policy
+from pwctl.policy import BudgetArg, auto_max_bits
 
 
 @handles_errors
@@ -20,7 +28,7 @@ def run(
     pack: Annotated[Path, typer.Argument(help="pack folder")],
     prompt: Annotated[str, typer.Option(help="prompt text")],
     max_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 32,
-    policy: Annotated[str, typer.Option(help="fp16, uniform:B or a budgeted policy")] = "fp16",
+    policy: Annotated[str, typer.Option(help=POLICY_HELP)] = "auto",
     memory_budget: Annotated[
         str | None, typer.Option(help="planes + KV + workspace: a size (800MB) or a fraction")
     ] = None,
@@ -30,11 +38,11 @@ def run(
     ] = None,
     cuda_graphs: CudaGraphs = True,
     verify: Verify = True,
-    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
+    device: Annotated[str, typer.Option(help=CHOICES)] = "auto",
     json: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
-    pol = parse_policy(policy)
+    pol = policy_or_auto(policy)
     checks.at_least("--max-tokens", max_tokens, 1)
     BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
     device = parse_device(device)
@@ -43,13 +51,23 @@ def run(
     from pwctl.runtime.scheduler import SamplingParams
 
     opened = open_pack(pack)
-    checks.max_bits(max_bits, opened.manifest.min_bits, opened.manifest.max_bits)
+    m = opened.manifest
+    checks.max_bits(max_bits, m.min_bits, m.max_bits)
+    if pol is None:
+        max_bits = auto_max_bits(max_bits, m.min_bits, m.max_bits)
     experts = experts_for(pol, device)
     faults = checks.verify_pack(opened) if verify else []
     if faults:
         raise PwctlError(f"{checks.fault_summary(faults)}; --no-verify skips this check")
     engine = Engine(opened, device, serving_dtype(device, experts), experts, max_bits)
-    engine.start_batching(pol, memory_budget, BatchConfig(cuda_graphs=cuda_graphs))
+    cfg = BatchConfig(cuda_graphs=cuda_graphs)
+    if pol is None:
+        pol = engine.auto_policy(memory_budget, cfg)
+    batcher = engine.start_batching(pol, memory_budget, cfg)
+    budget = batcher.memory.total
+    err_console.print(
+        f"policy {pol}, device {device}, memory budget {budget / 1e6:.1f} MB", highlight=False
+    )
     ids = engine.tokenizer(prompt).input_ids
     (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))
     console.print(seq.text, highlight=False, markup=False)

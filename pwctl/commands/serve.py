@@ -9,10 +9,10 @@ import typer
 
 from pwctl.commands import checks
 from pwctl.commands.checks import Verify
-from pwctl.commands.common import CudaGraphs, console, handles_errors
+from pwctl.commands.common import POLICY_HELP, CudaGraphs, console, handles_errors, policy_or_auto
 from pwctl.device import CHOICES, parse_device
 from pwctl.errors import PwctlError
-from pwctl.policy import BudgetArg, parse_policy
+from pwctl.policy import BudgetArg, auto_max_bits
 
 
 @handles_errors
@@ -24,7 +24,7 @@ def run(
         str | None,
         typer.Option(help="planes + KV + workspace: a size (12GiB) or a fraction of free memory"),
     ] = None,
-    policy: Annotated[str, typer.Option(help="fp16, uniform:B or a budgeted policy")] = "fp16",
+    policy: Annotated[str, typer.Option(help=POLICY_HELP)] = "auto",
     api_key: Annotated[
         str | None, typer.Option(help="require Authorization: Bearer KEY (not on /health)")
     ] = None,
@@ -44,12 +44,12 @@ def run(
     ] = None,
     cuda_graphs: CudaGraphs = True,
     verify: Verify = True,
-    device: Annotated[str, typer.Option(help=CHOICES)] = "cpu",
+    device: Annotated[str, typer.Option(help=CHOICES)] = "auto",
 ) -> None:
     """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. The KV cache and the expert planes share --memory-budget."""
     # every option is checked before the model loads (minutes on a large pack)
-    pol = parse_policy(policy)
+    pol = policy_or_auto(policy)
     BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
     for name, value in (("--max-queue", max_queue), ("--max-seqs", max_seqs),
                         ("--max-batch-tokens", max_batch_tokens),
@@ -66,6 +66,8 @@ def run(
     m = opened.manifest
     checks.max_model_len(max_model_len, m.config)
     checks.max_bits(max_bits, m.min_bits, m.max_bits)
+    if pol is None:
+        max_bits = auto_max_bits(max_bits, m.min_bits, m.max_bits)
     experts = experts_for(pol, device)
     faults = checks.verify_pack(opened) if verify else []
     if experts == "paged" and any(f.plane is not None for f in faults):
@@ -78,10 +80,12 @@ def run(
     cfg = BatchConfig(
         max_seqs, max_batch_tokens, max_queue, max_model_len=max_model_len, cuda_graphs=cuda_graphs
     )
+    if pol is None:
+        pol = engine.auto_policy(memory_budget, cfg)
     batcher = engine.start_batching(pol, memory_budget, cfg)
     m = batcher.metrics()
     console.print(
-        f"pwctl serve {pack.name}: policy {pol}"
+        f"pwctl serve {pack.name}: policy {pol} on {device}"
         + ("" if max_bits is None else f" up to {max_bits} bits")
         + f", budget {m['memory_budget_bytes'] / 1e6:.1f} MB "
         f"(planes {m['plane_bytes'] / 1e6:.1f}, KV up to {m['kv_blocks_capacity']} blocks), "

@@ -70,6 +70,7 @@ class Batcher:
         self.tap = MoETap(runner.model) if allocator is not None else None
         self._signals: StepSignals | None = None  # the last step's, fed during the next
         self.counters = Counters()
+        self.info: dict[str, str] = {}  # what serves: policy, device, experts (start_batching)
         self._tok_lock = threading.Lock()  # the server tokenizes in another thread
         self._recent: deque[tuple[float, int]] = deque()
 
@@ -227,6 +228,7 @@ class Batcher:
         """A snapshot for /metrics and logs (call from the thread that runs steps)."""
         mem, kv, c, moves = self.memory, self.kv, self.counters, self.memory.moves
         out = {
+            "info": dict(self.info),
             "memory_budget_bytes": mem.total,
             "fixed_bytes": mem.fixed,
             "plane_bytes": mem.planes,

@@ -23,7 +23,8 @@ import torch
 
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
-from pwctl.policy import BudgetArg, Policy
+from pwctl.policy import Budget, BudgetArg, Policy
+from pwctl.profile import PROFILE_JSON
 from pwctl.runtime import kernels
 from pwctl.runtime.accounting import (
     FixedPart,
@@ -62,13 +63,13 @@ def serving_dtype(device: str, experts: str = "paged") -> torch.dtype:
     return torch.float16 if device.startswith("cuda") else torch.float32
 
 
-def experts_for(policy: Policy, device: str) -> str:
-    """The expert backend a front end serving one `policy` wants on `device`: on CUDA the
-    paged planes, or for fp16 the 16-bit grouped GEMMs (reference weights are not planes); on
-    the CPU the store (the reference path)."""
+def experts_for(policy: Policy | None, device: str) -> str:
+    """The expert backend a front end serving one `policy` (None: `--policy auto`, always
+    planes) wants on `device`: on CUDA the paged planes, or for fp16 the 16-bit grouped GEMMs
+    (reference weights are not planes); on the CPU the store (the reference path)."""
     if not device.startswith("cuda"):
         return "store"
-    return "dense" if policy.name == "fp16" else "paged"
+    return "dense" if policy is not None and policy.name == "fp16" else "paged"
 
 
 class Engine:
@@ -276,6 +277,7 @@ class Engine:
             self.allocator if dynamic else None,
             self.paged.commit if self.paged is not None else None,
         )  # fmt: skip
+        self.batcher.info = {"policy": str(policy), "device": self.device, "experts": self.experts}
         return self.batcher
 
     def max_len(self, cfg: BatchConfig) -> int:
@@ -341,6 +343,30 @@ class Engine:
                 f"budget that starts is {need}b ({need / 1e6:.2f} MB), or lower --max-model-len"
             )
         return total, fixed, capacity
+
+    def auto_policy(self, memory_budget: str | int | None, cfg: BatchConfig) -> Policy:
+        """`--policy auto`: with a profile, pagedweight at the largest BUDGET that fits (every
+        block at the widest width served, or what the memory budget leaves once one full-length
+        sequence's KV is in); without one, uniform at the widest width that leaves that room.
+        Front ends cap the widest width at AUTO_MAX_BITS unless --max-bits says otherwise (4 bits
+        is the fastest decode width on the GPU: README)."""
+        layout = KVLayout.from_config(self.model.config, self.dtype)
+        slab = None if self.paged is None else self.paged.slab_bytes
+        one_seq = -(-self.max_len(cfg) // cfg.block_size)
+        kv = one_seq * KVCache.block_bytes_of(layout, cfg.block_size, slab)
+        fixed = self.fixed_bytes(cfg)
+        arg = BudgetArg.parse(memory_budget)
+        widest = self.widest_plane_bytes()
+        full = fixed + widest + cfg.max_seqs * kv
+        room = (full if arg is None else arg.resolve(self.device, full)) - fixed - kv
+        if (self.pack.path / PROFILE_JSON).is_file():
+            budget = min(widest, room)
+            if budget >= self.narrowest_plane_bytes():
+                return Policy("pagedweight", budget=Budget(nbytes=int(budget)))
+        for bits in range(self.store.max_bits, self.store.min_bits - 1, -1):
+            if self._uniform_plane_bytes(bits) <= room:
+                return Policy("uniform", bits=bits)
+        return Policy("uniform", bits=self.store.min_bits)  # start_batching says what is short
 
     def smallest_budget(self, policy: Policy, cfg: BatchConfig) -> int:
         """The smallest `--memory-budget` (bytes) that starts `policy` with `cfg`: the fixed

@@ -476,6 +476,10 @@ def prometheus(m: dict[str, Any]) -> str:
         for name, doc in table.items():
             metric = f"pwctl_{name}{suffix}"
             lines += [f"# HELP {metric} {doc}", f"# TYPE {metric} {kind}", f"{metric} {m[name]}"]
+    if m.get("info"):  # what serves, as labels of a constant gauge
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(m["info"].items()))
+        lines += ["# HELP pwctl_serving_info the policy, device and expert backend serving"]
+        lines += ["# TYPE pwctl_serving_info gauge", f"pwctl_serving_info{{{labels}}} 1"]
     lines += ["# HELP pwctl_layer_width_bits mean expert width per MoE layer"]
     lines += ["# TYPE pwctl_layer_width_bits gauge"]
     for layer, bits in m["widths_per_layer"].items():
