@@ -228,7 +228,7 @@ def test_cli_errors_are_one_line(args, message):
 def test_serve_and_kernel_bench_refuse_cleanly():
     cases = [
         (["serve", "/nonexistent/pack"], "no such pack"),
-        (["serve", "/nonexistent/pack", "--memory-budget", "lots"], "bad BUDGET"),
+        (["serve", "/nonexistent/pack", "--memory-budget", "lots"], "--memory-budget 'lots'"),
         (["serve", "/nonexistent/pack", "--port", "70000"], "--port"),
         # bench --kernels' arguments are checked before it looks for a GPU
         (["bench", "x", "--kernels", "--shape", "llama"], "unknown --shape ['llama']"),
@@ -263,6 +263,7 @@ def test_generate_verifies_every_plane_even_under_fp16(packs, tmp_path):
     data[block.planes[2].offset + 3] ^= 0xFF
     page.write_bytes(bytes(data))
     args = ["generate", str(pack_dir), "--prompt", "The earth", "--max-tokens", "2"]
+    args += ["--policy", "fp16"]  # reads only the reference weights
     r = runner.invoke(app, args)
     assert r.exit_code == 2 and f"{block.name} plane 2: checksum mismatch" in r.output, r.output
     assert runner.invoke(app, [*args, "--no-verify"]).exit_code == 0
@@ -279,6 +280,7 @@ def test_reference_weights_carry_checksums(packs, tmp_path):
     assert [(f.block, f.plane) for f in faults] == [(block.name, None)]
     assert seen[-1][0] == seen[-1][1] and len(seen) == len(pack.blocks)
     args = ["generate", str(pack_dir), "--prompt", "The earth", "--max-tokens", "2"]
+    args += ["--policy", "fp16"]  # reads only the reference weights
     r = runner.invoke(app, args)
     assert r.exit_code == 2 and f"{block.name} reference weights" in r.output, r.output
     r = runner.invoke(app, [*args, "--no-verify"])  # found when fp16 loads them: no output

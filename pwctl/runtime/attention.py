@@ -211,16 +211,21 @@ def paged_attention(
 def _attend_decode(
     query: torch.Tensor, kv: KVCache, layer: int, group: DecodeGroup, groups: int, scaling
 ) -> torch.Tensor:
-    """[S, q_heads, D] outputs of the decode spans: one gather, one masked SDPA."""
+    """[S, q_heads, D] outputs of the decode spans: one gather, one masked SDPA. Grouped
+    query heads attend as `groups` queries of their key/value head ([S, kv_heads, groups, D]:
+    query head h reads key/value head h // groups, as enable_gqa's repeat does), so SDPA never
+    expands keys and values to every query head: with a mask and enable_gqa torch falls back to
+    its math kernel, which did (in float32), and an eager step beside a prefill chunk held
+    ~2 GB more than the workspace counts (Qwen1.5-MoE shape, 30 sequences: decision 041)."""
     S, L = group.mask.shape[0], group.mask.shape[-1]
     k, v = kv.read(layer, group.cached)
-    q = query[0][:, group.rows].transpose(0, 1)[:, :, None]  # [S, q_heads, 1, D]
-    k = k.view(S, L, *k.shape[1:]).transpose(1, 2).to(q.dtype)  # [S, kv_heads, L, D]
-    v = v.view(S, L, *v.shape[1:]).transpose(1, 2).to(q.dtype)
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=groups > 1
-    )
-    return o[:, :, 0]
+    q = query[0][:, group.rows].transpose(0, 1)  # [S, q_heads, D]
+    kv_heads, D = k.shape[1], q.shape[-1]
+    q = q.reshape(S, kv_heads, groups, D)
+    k = k.view(S, L, kv_heads, D).transpose(1, 2).to(q.dtype)  # [S, kv_heads, L, D]
+    v = v.view(S, L, kv_heads, D).transpose(1, 2).to(q.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+    return o.reshape(S, kv_heads * groups, D)
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)
