@@ -11,8 +11,9 @@
 #   (d) the serving-time cap: batch 1 with memory to spare, with and without --max-bits 4
 #   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16
 #   (o) batch-1 decode step profile (recipes/profile_engine_step.py) per policy, SDPA backends
-#   all: prep, a, b, c in one call (~8-9 min on an H100/H200), then every JSON merged into
-#       $OUT/serving.json (the device tool returns at most 8 files)
+#   all: prep, b, c, a in one call (~10 min on an H100: prep 100-150 s, a ~180, b ~190, c ~110;
+#       give it the whole 600 s), then every JSON merged into $OUT/serving.json (the device tool
+#       returns at most 8 files)
 # Every figure is `pwctl bench --throughput` on the serving engine, one process per policy, so
 # each row's peak (torch's reserved high-water mark + CuPy's pool) is that policy's alone; bench
 # exits non-zero when a row's peak passes its budget by 2% or a request is cut short (the rc is
@@ -79,7 +80,7 @@ c)
     --json "$JSON/c_hf_generate.json" | tail -4
   ;;
 all)
-  for S in prep a b c; do
+  for S in prep b c a; do  # the headline (b) and the baselines (c) first: ~10 min in all
     start=$(date +%s)
     bash "$0" "$S"
     echo "== stage $S: $(($(date +%s) - start)) s"

@@ -181,3 +181,9 @@ def test_generate_defaults_to_auto_on_the_cpu(bundled_pack):
     )
     assert r.exit_code == 0, r.output
     assert "policy pagedweight:" in r.output and "device cpu" in r.output
+
+
+def test_a_budget_past_what_the_machine_has_is_refused(bundled_pack):
+    engine = Engine(Pack(bundled_pack))
+    with pytest.raises(PwctlError, match="more than the machine has"):
+        engine.start_batching(parse_policy("uniform:4"), "99999999TB", BatchConfig(max_seqs=1))

@@ -220,7 +220,12 @@ def run(
         if pack is None:
             raise PwctlError("bench --throughput needs a PACK")
         policies = [policy_or_auto(p) for p in (policy or tp.DEFAULT_POLICIES)]
-        _open(pack, max_bits)
+        context = checks.model_context(_open(pack, max_bits).manifest.config)
+        if input_len + output_len > context:  # before the model loads
+            raise PwctlError(
+                f"--input-len {input_len} + --output-len {output_len} exceeds the model's "
+                f"context of {context} tokens"
+            )
         engine: Engine | None = None  # on CUDA: paged planes, or fp16 on the 16-bit experts
         results = []
         for p in policies:

@@ -85,7 +85,11 @@ def terminate_like_interrupt() -> Iterator[None]:
         raise SystemExit(TERMINATED)
 
     previous = signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C as KeyboardInterrupt even where the parent left SIGINT ignored (a pytest-xdist
+    # worker, a shell's background job): the same cleanup either way
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)

@@ -175,7 +175,20 @@ def configure_allocator() -> None:
 
     if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    # torch 2.11 moved the setter (the old one warns); both take the PYTORCH_CUDA_ALLOC_CONF text
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+
+
+def device_capacity(device: str) -> int:
+    """Bytes the device has in all: the GPU's memory, or on the CPU the machine's RAM."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[1])
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def over_budget(peak: int, budget: int) -> bool:

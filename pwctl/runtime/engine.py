@@ -30,6 +30,7 @@ from pwctl.runtime.accounting import (
     FixedPart,
     StepShape,
     configure_allocator,
+    device_capacity,
     fixed_part,
 )
 from pwctl.runtime.allocator import WidthAllocator
@@ -332,6 +333,13 @@ class Engine:
         total = fixed + widest + most_kv * block_bytes
         if arg is not None:
             total = arg.resolve(self.device, total)
+            has = device_capacity(self.device)
+            if total > has:
+                raise PwctlError(
+                    f"--memory-budget {text}: {total / 1e9:.2f} GB is more than the "
+                    f"{'GPU' if self.device.startswith('cuda') else 'machine'} has "
+                    f"({has / 1e9:.2f} GB)"
+                )
         one_seq = -(-max_len // cfg.block_size)
         capacity = min(most_kv, MemoryBudget.kv_capacity(total, fixed, floor, block_bytes))
         if capacity < one_seq:
