@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,6 @@ from pwctl.bench.metrics import (
 from pwctl.errors import PwctlError
 from pwctl.policy import Policy
 from pwctl.runtime.engine import Engine
-
-__all__ = ["LongBenchExample", "available_tasks", "base_task", "load_task"]
 
 # Few-shot and code tasks continue a raw pattern; a chat wrapper would break it (pred.py).
 NO_CHAT = FIRST_LINE | {"lcc", "repobench-p"}
@@ -280,7 +278,7 @@ def run_longbench(
     if not context:
         raise PwctlError("the model config has no max_position_embeddings; pass a context length")
     requests = requests_for(first.tokenizer, data, context, max_new_tokens)
-    spec = RunSpec(**{**asdict(spec or RunSpec()), "max_model_len": context})
+    spec = replace(spec or RunSpec(), max_model_len=context)
     examples = [e for exs in data.values() for e in exs]
     files = [t for t, exs in data.items() for _ in exs]
     results = []

@@ -64,7 +64,10 @@ class MemoryReport:
     """The memory a policy's outputs were obtained at (engine accounting, bytes)."""
 
     memory_budget_bytes: int
-    mean_plane_bytes: float  # mean over engine steps
+    fixed_bytes: int  # non-expert weights + workspace estimate
+    mean_total_bytes: float  # fixed + planes + KV in use, mean over engine steps
+    peak_total_bytes: int  # ... at the step it peaked
+    mean_plane_bytes: float
     peak_plane_bytes: int
     mean_kv_bytes: float  # KV blocks in use
     peak_kv_bytes: int
@@ -75,8 +78,8 @@ class MemoryReport:
     steps: int
 
     @property
-    def mean_bytes(self) -> float:
-        """Planes + KV, the memory a policy trades between."""
+    def traded_bytes(self) -> float:
+        """Planes + KV (mean), the memory a policy trades between."""
         return self.mean_plane_bytes + self.mean_kv_bytes
 
     def as_dict(self) -> dict[str, Any]:
@@ -133,19 +136,22 @@ def run_policy(
     before = batcher.metrics()
     texts, trace = _closed_loop(batcher, requests, spec.max_seqs)
     after = batcher.metrics()
+    return texts, _report(engine, trace, before, after)
+
+
+def _report(
+    engine: Engine, trace: _Trace, before: dict[str, Any], after: dict[str, Any]
+) -> MemoryReport:
     weights = sum(b.rows * b.cols for b in engine.pack.blocks)
     steps = max(1, len(trace.planes))
-    mean_planes = sum(trace.planes) / steps
-    report = MemoryReport(
-        after["memory_budget_bytes"],
-        mean_planes,
-        max(trace.planes, default=0),
-        sum(trace.kv) / steps,
-        max(trace.kv, default=0),
-        mean_planes * 8 / weights,
-        *(after[k] - before[k] for k in MOVES),
-    )
-    return texts, report
+    mean_planes, mean_kv = sum(trace.planes) / steps, sum(trace.kv) / steps
+    fixed = after["fixed_bytes"]
+    peak = max((p + k for p, k in zip(trace.planes, trace.kv, strict=True)), default=0)
+    return MemoryReport(
+        after["memory_budget_bytes"], fixed, fixed + mean_planes + mean_kv, fixed + peak,
+        mean_planes, max(trace.planes, default=0), mean_kv, max(trace.kv, default=0),
+        mean_planes * 8 / weights, *(after[k] - before[k] for k in MOVES),
+    )  # fmt: skip
 
 
 def _closed_loop(
@@ -193,21 +199,26 @@ def _answer(text: str, first_line: bool) -> str:
 
 # ----------------------------------------------------------------------------- reports
 
-MEMORY_COLUMNS = ("policy", "score", "planes MB mean/peak", "KV MB mean/peak", "bits/weight",
-                  "dem/pro", "preempt", "budget MB")  # fmt: skip
+MEMORY_COLUMNS = ("policy", "score", "total MB mean/peak", "planes MB mean/peak",
+                  "KV MB mean/peak", "bits/weight", "dem/pro", "preempt", "budget MB")  # fmt: skip
 Point = tuple[str, float, MemoryReport]  # policy, score, the memory it was obtained at
 
 
 def memory_table(points: list[Point], score: str) -> tuple[str, tuple[str, ...], list[tuple]]:
     """(title, columns, rows) for print_table: each score next to its memory."""
     rows = [
-        (policy, f"{value:.2f}", f"{m.mean_plane_bytes / 1e6:.2f}/{m.peak_plane_bytes / 1e6:.2f}",
-         f"{m.mean_kv_bytes / 1e6:.2f}/{m.peak_kv_bytes / 1e6:.2f}", f"{m.bits_per_weight:.2f}",
-         f"{m.demotions}/{m.promotions}", m.preemptions, f"{m.memory_budget_bytes / 1e6:.2f}")
+        (policy, f"{value:.2f}", _mb(m.mean_total_bytes, m.peak_total_bytes),
+         _mb(m.mean_plane_bytes, m.peak_plane_bytes), _mb(m.mean_kv_bytes, m.peak_kv_bytes),
+         f"{m.bits_per_weight:.2f}", f"{m.demotions}/{m.promotions}", m.preemptions,
+         f"{m.memory_budget_bytes / 1e6:.2f}")
         for policy, value, m in points
     ]  # fmt: skip
     title = f"{score} and the memory it was obtained at (engine accounting, over engine steps)"
     return title, MEMORY_COLUMNS, rows
+
+
+def _mb(mean: float, peak: int) -> str:
+    return f"{mean / 1e6:.2f}/{peak / 1e6:.2f}"
 
 
 def plot_scores(points: list[Point], path: Path, score: str) -> None:
@@ -222,7 +233,7 @@ def plot_scores(points: list[Point], path: Path, score: str) -> None:
 
     families: dict[str, list[tuple[float, float, str]]] = {}
     for policy, value, m in points:
-        families.setdefault(policy.split(":")[0], []).append((m.mean_bytes / 1e6, value, policy))
+        families.setdefault(policy.split(":")[0], []).append((m.traded_bytes / 1e6, value, policy))
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for family, pts in families.items():
         pts.sort()
