@@ -10,7 +10,10 @@ answer: the hidden number as a whole number (pass key, key-value) or the hidden 
 Tasks: `passkey` (intro line, "The pass key is K. Remember it. K is the pass key."), `needle`
 ("The best thing to do in CITY is to ACTIVITY."), `kv` (four "The value for key K is V." facts,
 the wording the bundled models were trained on) and `kv-ruler` (RULER's "One of the special
-magic numbers for K is: V."). Filler is real prose, not repeated filler sentences."""
+magic numbers for K is: V."). Filler is real prose, not repeated filler sentences.
+
+Prompts run as LongBench's do (pwctl/bench/longctx.py): on the serving engine under one memory
+budget, each policy's accuracy with the memory it was obtained at."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pwctl.bench.longctx import EngineFor, MemoryReport, Request, RunSpec, engine_for, run_policy
 from pwctl.checkpoint import EVAL_SAMPLE
 from pwctl.errors import PwctlError
 from pwctl.policy import Policy
@@ -66,6 +70,12 @@ class SyntheticResult:
     policy: str
     accuracy: dict[str, dict[int, float]]  # task -> length -> share solved
     examples: list[dict]
+    memory: MemoryReport | None = None  # what the accuracy was obtained at
+
+    @property
+    def mean_accuracy(self) -> float:
+        """Share solved over every prompt."""
+        return sum(x["solved"] for x in self.examples) / max(1, len(self.examples))
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -173,7 +183,7 @@ def solved(output: str, answer: str) -> bool:
 
 
 def run_synthetic(
-    engine: Engine,
+    engines: Engine | EngineFor,
     policies: Sequence[Policy],
     tasks: Sequence[str] = TASKS,
     lengths: Sequence[int] = (256, 1024),
@@ -181,8 +191,10 @@ def run_synthetic(
     seed: int = 0,
     depths: Sequence[float] | None = None,
     prose_path: Path = EVAL_SAMPLE,
+    spec: RunSpec | None = None,
 ) -> list[SyntheticResult]:
-    """Accuracy per policy, task and prompt length; the same prompts for every policy."""
+    """Accuracy per policy, task and prompt length; the same prompts for every policy, run on
+    the serving engine (`spec`: memory budget and batching)."""
     for t in tasks:
         if t not in TASKS:
             raise PwctlError(f"unknown synthetic task '{t}'; tasks: {', '.join(TASKS)}")
@@ -190,26 +202,26 @@ def run_synthetic(
         raise PwctlError("--examples must be at least 1")
     if depths and not all(0 <= d <= 1 for d in depths):
         raise PwctlError("--depths must lie in [0, 1] (a fraction of the filler)")
-    context = getattr(engine.model.config, "max_position_embeddings", None) or 1 << 30
+    pick = engine_for(engines)
+    first = pick(policies[0])
+    context = getattr(first.model.config, "max_position_embeddings", None) or 1 << 30
     for length in lengths:
         if length + max(MAX_NEW[t] for t in tasks) > context:
             raise PwctlError(f"--lengths {length}: the model's context is {context} tokens")
-    prose = load_prose(engine.tokenizer, prose_path)
+    prose = load_prose(first.tokenizer, prose_path)
     examples = [
         ex
         for t in tasks
         for length in lengths
-        for ex in make_examples(engine.tokenizer, prose, t, length, n, seed, depths)
+        for ex in make_examples(first.tokenizer, prose, t, length, n, seed, depths)
     ]
+    requests = [Request(ex.ids, MAX_NEW[ex.task]) for ex in examples]
     results = []
-    engine.reset_policies()  # budgeted policies start from the profile, not an earlier run
     for p in policies:
-        engine.set_policy(p)
+        texts, memory = run_policy(pick(p), p, requests, spec or RunSpec())
         hits: dict[str, dict[int, list[bool]]] = {t: {n_: [] for n_ in lengths} for t in tasks}
         records = []
-        for ex in examples:
-            out_ids = engine.generate_ids(ex.ids, MAX_NEW[ex.task])
-            text = engine.tokenizer.decode(out_ids, skip_special_tokens=True)
+        for ex, text in zip(examples, texts, strict=True):
             ok = solved(text, ex.answer)
             hits[ex.task][ex.length].append(ok)
             records.append(
@@ -217,8 +229,13 @@ def run_synthetic(
                      output=text, solved=ok)
             )  # fmt: skip
         acc = {t: {n_: sum(v) / len(v) for n_, v in by_len.items()} for t, by_len in hits.items()}
-        results.append(SyntheticResult(str(p), acc, records))
+        results.append(SyntheticResult(str(p), acc, records, memory))
     return results
+
+
+def memory_points(results: Sequence[SyntheticResult]) -> list[tuple[str, float, MemoryReport]]:
+    """(policy, mean accuracy, the memory it was obtained at) of each run."""
+    return [(r.policy, r.mean_accuracy, r.memory) for r in results if r.memory is not None]
 
 
 def table(results: Sequence[SyntheticResult]) -> tuple[list[str], list[list]]:

@@ -178,13 +178,19 @@ class _Timeline:
         self._high = max(self._high, high)
 
     def _account(self, got: list[Sequence]) -> None:
-        """Sequences that finished this step already gave their blocks back: count them."""
-        kv, mem = self.batcher.kv, self.batcher.memory
-        blocks = kv.used + sum(kv.blocks_for(s.num_computed) for s in got if s.finished)
-        kv_bytes = blocks * kv.block_bytes
+        mem = self.batcher.memory
+        kv_bytes = kv_bytes_in_use(self.batcher, got)
         self.peak_planes = max(self.peak_planes, mem.planes)
         self.peak_kv = max(self.peak_kv, kv_bytes)
         self.peak = max(self.peak, mem.fixed + mem.planes + kv_bytes)
+
+
+def kv_bytes_in_use(batcher: Batcher, got: list[Sequence]) -> int:
+    """KV bytes a step held: the blocks in use, plus those of the sequences it finished (they
+    gave their blocks back before the step returned)."""
+    kv = batcher.kv
+    blocks = kv.used + sum(kv.blocks_for(s.num_computed) for s in got if s.finished)
+    return blocks * kv.block_bytes
 
 
 def report(
@@ -236,7 +242,7 @@ def _run_one(
     engine: Engine, policy: Policy, spec: ThroughputSpec, mode: str, load: int,
     prompts: list[list[int]],
 ) -> ThroughputResult:  # fmt: skip
-    batcher = _fresh_batcher(
+    batcher = fresh_batcher(
         engine, policy, spec.memory_budget, spec.batch_config(load, len(prompts))
     )
     if spec.warmup:
@@ -253,7 +259,7 @@ def _run_one(
     return _result(label, mode, load, spec, seqs, timeline, before, batcher.metrics())
 
 
-def _fresh_batcher(engine: Engine, policy: Policy, budget: str | None, cfg: BatchConfig) -> Batcher:
+def fresh_batcher(engine: Engine, policy: Policy, budget: str | None, cfg: BatchConfig) -> Batcher:
     """Drop the previous run's KV cache before building the next (peak memory stays per run);
     budgeted policies start again from the profile, as a freshly started server would."""
     engine.batcher = None

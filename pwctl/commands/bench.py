@@ -40,7 +40,16 @@ def run(
     ] = False,
     synthetic: Annotated[bool, typer.Option("--synthetic", help="pass key / needle / kv")] = False,
     predictions: Annotated[
-        Path | None, typer.Option(help="score a LongBench predictions jsonl (no PACK)")
+        Path | None, typer.Option(help="score LongBench predictions: jsonl or folder (no PACK)")
+    ] = None,
+    paper_tasks: Annotated[
+        bool, typer.Option("--paper-tasks", help="--longbench: the paper's three tasks")
+    ] = False,
+    save_predictions: Annotated[
+        Path | None, typer.Option(help="--longbench: FILE.jsonl, or DIR in LongBench's layout")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="--longbench/--synthetic: score vs memory PNG")
     ] = None,
     tasks: Annotated[list[str] | None, typer.Option(help="--longbench/--synthetic tasks")] = None,
     lengths: Annotated[list[int] | None, typer.Option(help="--synthetic prompt tokens")] = None,
@@ -63,11 +72,11 @@ def run(
         int | None, typer.Option(help="--concurrency: requests to complete (default 2 x C)")
     ] = None,
     max_seqs: Annotated[
-        int | None, typer.Option(help="--throughput: running at once (default: the load)")
+        int | None, typer.Option(help="running at once (--throughput: the load; else 4)")
     ] = None,
     max_batch_tokens: Annotated[int, typer.Option(help="--throughput: tokens per step")] = 256,
     memory_budget: Annotated[
-        str | None, typer.Option(help="--throughput: planes + KV + workspace, as in serve")
+        str | None, typer.Option(help="planes + KV + workspace, as in serve (serving benches)")
     ] = None,
     warmup: Annotated[bool, typer.Option(help="--throughput: one short request first")] = True,
     cuda_graphs: CudaGraphs = True,
@@ -114,6 +123,7 @@ def run(
 
     from pwctl.bench import longbench as lb
     from pwctl.bench import synthetic_tasks as syn
+    from pwctl.bench.longctx import EnginePool, RunSpec, memory_table, plot_scores
     from pwctl.bench.planner import run_planner_bench
     from pwctl.bench.ppl import run_ppl
     from pwctl.bench.quantizer import GROUP, add_rtn_variant, as_dicts, run_quantizer_bench
@@ -161,23 +171,38 @@ def run(
     if longbench or synthetic:
         if pack is None:
             raise PwctlError("bench --longbench/--synthetic needs a PACK")
+        if paper_tasks and tasks:
+            raise PwctlError("--paper-tasks or --tasks, not both")
         policies = [parse_policy(p) for p in (policy or DEFAULT_POLICIES)]
-        opened = _open(pack, max_bits)
-        engine = Engine(opened, device, experts="store", max_bits=max_bits)
+        run_spec = RunSpec(memory_budget, max_seqs or RunSpec.max_seqs, max_batch_tokens)
+        run_spec.validate()
+        engines = EnginePool(_open(pack, max_bits), device, max_bits)  # serve's engine a policy
     if longbench:
         if data is None:
-            raise PwctlError("bench --longbench needs --data DIR (LongBench jsonl files)")
-        results = lb.run_longbench(engine, data, policies, tasks, examples)
+            raise PwctlError("bench --longbench needs --data DIR (LongBench's data folder)")
+        chosen = lb.paper_tasks(data) if paper_tasks else tasks
+        results = lb.run_longbench(engines, data, policies, chosen, examples, spec=run_spec)
         print_table(f"LongBench on {data} (score x100; examples)", *lb.table(results))
-        write_json(json, {"data": str(data), "results": [r.as_dict() for r in results]})
+        points = lb.memory_points(results)
+        print_table(*memory_table(points, "LongBench average"))
+        if save_predictions is not None:
+            saved = lb.save_predictions(results, save_predictions)
+            console.print(f"wrote {len(saved)} prediction file(s) under {save_predictions}")
+        if plot is not None:
+            plot_scores(points, plot, "LongBench average score")
+        write_json(json, lb.report(data, run_spec, results))
         return
     if synthetic:
         prose = data or EVAL_SAMPLE
         results = syn.run_synthetic(
-            engine, policies, tasks or syn.TASKS, lengths or [256, 1024], examples or 10,
-            depths=depths, prose_path=prose,
+            engines, policies, tasks or syn.TASKS, lengths or [256, 1024], examples or 10,
+            depths=depths, prose_path=prose, spec=run_spec,
         )  # fmt: skip
         print_table(f"synthetic retrieval accuracy (prose: {prose.name})", *syn.table(results))
+        points = syn.memory_points(results)
+        print_table(*memory_table(points, "mean accuracy"))
+        if plot is not None:
+            plot_scores(points, plot, "synthetic retrieval accuracy")
         write_json(json, {"prose": str(prose), "results": [r.as_dict() for r in results]})
         return
     if kernels:
