@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import tempfile
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -49,7 +50,11 @@ def run(
         Path | None, typer.Option(help="--longbench: FILE.jsonl, or DIR in LongBench's layout")
     ] = None,
     plot: Annotated[
-        Path | None, typer.Option(help="--longbench/--synthetic: score vs memory PNG")
+        Path | None,
+        typer.Option(
+            help="PNG (plot extra): --longbench/--synthetic score vs memory; --throughput bits, "
+            "KV bytes and tok/s over time"
+        ),
     ] = None,
     tasks: Annotated[list[str] | None, typer.Option(help="--longbench/--synthetic tasks")] = None,
     lengths: Annotated[list[int] | None, typer.Option(help="--synthetic prompt tokens")] = None,
@@ -79,6 +84,34 @@ def run(
         str | None, typer.Option(help="planes + KV + workspace, as in serve (serving benches)")
     ] = None,
     warmup: Annotated[bool, typer.Option(help="--throughput: one short request first")] = True,
+    load_kind: Annotated[
+        str | None,
+        typer.Option(
+            "--load",
+            help="--throughput: 'bursty': phases alternating --burst-short requests of "
+            "input-len/4 in, output-len/2 out and --burst-long of input-len/output-len, each "
+            "phase submitted once the previous one finished",
+        ),
+    ] = None,
+    burst_phases: Annotated[
+        int, typer.Option(help="--load bursty: phases, short first (short, long, short...)")
+    ] = 3,
+    burst_short: Annotated[int, typer.Option(help="--load bursty: requests a short phase")] = 4,
+    burst_long: Annotated[int, typer.Option(help="--load bursty: requests a long phase")] = 32,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help='--throughput: JSONL of {"at": seconds after the start, "input_len": N, '
+            '"output_len": M} requests'
+        ),
+    ] = None,
+    quality_sample: Annotated[
+        int,
+        typer.Option(
+            help="--throughput: KL of the served next-token distribution to fp16 (CPU "
+            "reference, a second pass) on N sampled decode steps"
+        ),
+    ] = 0,
     cuda_graphs: CudaGraphs = True,
     quantizer: Annotated[bool, typer.Option("--quantizer", help="nested vs RTN g128")] = False,
     planner: Annotated[bool, typer.Option("--planner", help="planner latency (CPU)")] = False,
@@ -236,14 +269,18 @@ def run(
     if throughput:
         from pwctl.bench import throughput as tp
 
+        other = concurrency or load_kind is not None or trace is not None
         spec = tp.ThroughputSpec(
-            input_len, output_len, tuple(batch or (() if concurrency else (1, 4))),
+            input_len, output_len, tuple(batch or (() if other else (1, 4))),
             tuple(concurrency or ()), requests, max_seqs, max_batch_tokens, memory_budget, warmup,
-            cuda_graphs,
+            cuda_graphs, load_kind, burst_phases, burst_short, burst_long,
+            None if trace is None else str(trace), quality_sample,
         )  # fmt: skip
         spec.validate()
         if pack is None:
             raise PwctlError("bench --throughput needs a PACK")
+        if plot is not None:
+            tp.pyplot()  # the extra is missing: say so before the runs
         policies = [policy_or_auto(p) for p in (policy or tp.DEFAULT_POLICIES)]
         context = checks.model_context(_open(pack, max_bits).manifest.config)
         if input_len + output_len > context:  # before the model loads
@@ -253,6 +290,7 @@ def run(
             )
         engine: Engine | None = None  # on CUDA: paged planes, or fp16 on the 16-bit experts
         results = []
+        samples: list = []  # --quality-sample: each row's served log-probabilities
         for p in policies:
             kind = experts_for(p, device)
             if engine is None or engine.experts != kind:
@@ -264,9 +302,28 @@ def run(
                 mode, load, n = max(spec.loads(), key=lambda r: r[1])
                 p = engine.auto_policy(spec.memory_budget, spec.batch_config(load, n))
                 console.print(f"--policy auto: {p} on {device}", highlight=False)
-            results += tp.run_throughput(engine, [p], spec, data or EVAL_SAMPLE)
+            results += tp.run_throughput(engine, [p], spec, data or EVAL_SAMPLE, samples)
+        reference = None
+        if samples:  # the fp16 logits: the CPU reference path, after every run (a second pass)
+            engine = None
+            gc.collect()
+            start = time.perf_counter()
+            ref = Engine(open_pack(pack), "cpu", experts="store")
+            ref.set_policy(parse_policy("fp16"))
+            load_s = time.perf_counter() - start
+            tp.score_quality(ref, samples)
+            scored = sum(r.kl_seconds or 0 for r in results)
+            reference = {"path": "cpu store engine, fp16 policy, fp32", "load_s": load_s,
+                         "scored_s": scored}  # fmt: skip
+            console.print(
+                f"served-quality reference (CPU fp16): load {load_s:.1f} s, scoring "
+                f"{scored:.1f} s", highlight=False,
+            )  # fmt: skip
         print_table(*tp.table(results))
-        write_json(json, tp.report(pack, device, spec, results))
+        if plot is not None:
+            tp.plot(results, plot)
+            console.print(f"wrote {plot}")
+        write_json(json, tp.report(pack, device, spec, results, reference))
         failed = tp.failures(results)
         if failed:
             raise PwctlError("; ".join(failed))
