@@ -66,19 +66,27 @@ class Policy:
         return self.name if self.budget is None else f"{self.name}:{self.budget}"
 
 
-def parse_budget(text: str) -> Budget:
-    t = text.strip().lower()
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
+def fraction_or_size(text: str, what: str) -> tuple[float | None, int | None]:
+    """(fraction in (0, 1], None) or (None, bytes) of a BUDGET or --memory-budget text; `what`
+    names it in the one-line error."""
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text.strip().lower())
     if not m:
-        raise PwctlError(f"bad BUDGET '{text}': use a fraction in (0, 1] or a size like 800MB")
+        raise PwctlError(f"{what} {text!r}: use a fraction in (0, 1] or a size such as 800MB")
     value, unit = float(m.group(1)), m.group(2)
     if not unit:
         if not 0 < value <= 1:
-            raise PwctlError(f"bad BUDGET '{text}': a fraction must be in (0, 1]")
-        return Budget(fraction=value)
+            raise PwctlError(f"{what} {text!r}: a fraction must be in (0, 1]")
+        return value, None
     if unit not in UNITS:
-        raise PwctlError(f"bad BUDGET '{text}': unknown unit '{unit}' (use {', '.join(UNITS)})")
-    return Budget(nbytes=int(value * UNITS[unit]))
+        raise PwctlError(f"{what} {text!r}: unknown unit {unit!r} (use {', '.join(UNITS)})")
+    if value * UNITS[unit] < 1:
+        raise PwctlError(f"{what} {text!r}: must be at least one byte")
+    return None, int(value * UNITS[unit])
+
+
+def parse_budget(text: str) -> Budget:
+    fraction, nbytes = fraction_or_size(text, "bad BUDGET")
+    return Budget(fraction=fraction, nbytes=nbytes)
 
 
 def parse_policy(text: str) -> Policy:
@@ -113,23 +121,8 @@ class BudgetArg:
             return None
         if isinstance(text, int):
             return cls(nbytes=text)
-        t = str(text).strip().lower()
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", t)
-        if not m:
-            raise PwctlError(
-                f"--memory-budget {text!r}: use a size such as 12GiB or 800MB, or a fraction "
-                "in (0, 1] of free GPU memory"
-            )
-        value, unit = float(m.group(1)), m.group(2)
-        if not unit:
-            if not 0 < value <= 1:
-                raise PwctlError(f"--memory-budget {text!r}: a fraction must be in (0, 1]")
-            return cls(fraction=value)
-        if unit not in UNITS:
-            raise PwctlError(f"--memory-budget {text!r}: unknown unit {unit!r}")
-        if value * UNITS[unit] < 1:
-            raise PwctlError(f"--memory-budget {text!r}: must be at least one byte")
-        return cls(nbytes=int(value * UNITS[unit]))
+        fraction, nbytes = fraction_or_size(str(text), "--memory-budget")
+        return cls(nbytes=nbytes, fraction=fraction)
 
     def resolve(self, device: str, full_need: int) -> int:
         if self.nbytes is not None:

@@ -8,6 +8,9 @@
 #       pagedweight
 #   (c) batch-1 decode: pwctl fp16, uniform:4, pagedweight, and transformers' own generate in
 #       the fp16 policy's dtype (bf16; recipes/perf_hf_generate.py)
+#   (e) issue 59's bursty load (4 x 512/128, 32 x 2048/256, 4 x 512/128) at a budget where
+#       uniform:3 holds the long phase and uniform:4 cannot: uniform:3 / uniform:4 / static and
+#       pagedweight (--max-bits 4) at uniform:3's plane bytes, with served-token KL to fp16
 #   (d) the serving-time cap: batch 1 with memory to spare, with and without --max-bits 4
 #   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16
 #   (o) batch-1 decode step profile (recipes/profile_engine_step.py) per policy, SDPA backends
@@ -101,6 +104,19 @@ for name, doc in merged.items():
         print(f"{name:16s} transformers generate {doc['dtype']}: TPOT {1e3 * doc['tpot_s']:.2f} ms")
 PY
   ;;
+e)
+  # issue 59's bursty load at a budget where uniform:3 holds the long phase's KV (32 x 2304
+  # tokens) and uniform:4, whose planes take ~0.5 GB more on this model, cannot
+  PLANES3=$(budget --what planes --planes uniform:3)
+  MEM_E=$(budget --planes uniform:3 --seqs 32 --tokens 2304 --max-seqs 32)
+  echo "(e) memory budget $MEM_E, BUDGET $PLANES3 (uniform:3's planes)"
+  B=(--load bursty --burst-phases 3 --max-seqs 32 --memory-budget "$MEM_E" --quality-sample 64)
+  for P in uniform:3 uniform:4 "static:$PLANES3" "pagedweight:$PLANES3"; do
+    X=()
+    [ "${P%%:*}" = pagedweight ] && X=(--max-bits 4)
+    tp "e_${P%%:*}" "${B[@]}" --policy "$P" "${X[@]}"
+  done
+  ;;
 d)
   D=(--input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-128}" --batch 1)
   pwctl bench "$PACK" --throughput --device cuda "${D[@]}" --policy fp16 --policy uniform:4 \
@@ -139,7 +155,7 @@ o)
   timeout 120 python3 recipes/perf_sdpa_shapes.py
   ;;
 *)
-  echo "usage: bash recipes/perf_serving_gpu.sh all|prep|a|b|c|d|g|o" >&2
+  echo "usage: bash recipes/perf_serving_gpu.sh all|prep|a|b|c|d|e|g|o" >&2
   exit 2
   ;;
 esac
