@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 
 from pwctl.errors import PwctlError
 
@@ -54,11 +55,44 @@ class Budget:
         return f"{self.fraction:g}" if self.fraction is not None else f"{self.nbytes}B"
 
 
+class Kind(Enum):
+    """What a policy is, parsed once: the runtime switches on this, never on names."""
+
+    FP16 = "fp16"  # the unquantized reference weights
+    FIXED = "fixed"  # uniform:B (or a registered variant): one width for every block
+    STATIC = "static"  # static:BUDGET: planned once from the offline sensitivity
+    PER_LAYER = "per-layer"  # dynamic-layer:BUDGET: one width a layer, re-chosen each step
+    DYNAMIC = "dynamic"  # pagedweight:BUDGET and its ablations: the PagedWeight planner
+
+
+KINDS = {"fp16": Kind.FP16, "uniform": Kind.FIXED, "static": Kind.STATIC,
+         "dynamic-layer": Kind.PER_LAYER}  # fmt: skip
+ABLATIONS = {  # pagedweight ablation -> the planner signal it switches off (PlannerConfig field)
+    "pagedweight-router": "use_router_stats",
+    "pagedweight-residual": "use_residual",
+    "pagedweight-paging": "dynamic_paging",
+    "pagedweight-sensitivity": "global_sensitivity",
+}
+
+
 @dataclass(frozen=True)
 class Policy:
     name: str
     bits: int | None = None
     budget: Budget | None = None
+
+    @property
+    def kind(self) -> Kind:
+        """Any other name (pagedweight, its ablations) runs the PagedWeight planner; a
+        registered variant (a baseline such as rtn-g128:3) counts as fixed."""
+        if self.name in KINDS:
+            return KINDS[self.name]
+        return Kind.DYNAMIC if self.budget is not None else Kind.FIXED
+
+    @property
+    def switched_off(self) -> str | None:
+        """The planner signal an ablation switches off (None: pagedweight itself, or not one)."""
+        return ABLATIONS.get(self.name)
 
     def __str__(self) -> str:
         if self.bits is not None:

@@ -20,3 +20,16 @@ def test_policies():
     for bad in ("uniform", "uniform:9", "pagedweight", "lru:0.3", "fp16:3"):
         with pytest.raises(PwctlError):
             parse_policy(bad)
+
+
+def test_each_policy_is_parsed_into_its_kind_once():
+    from pwctl.policy import Kind
+
+    kinds = {
+        "fp16": Kind.FP16, "uniform:4": Kind.FIXED, "static:0.3": Kind.STATIC,
+        "dynamic-layer:0.3": Kind.PER_LAYER, "pagedweight:0.3": Kind.DYNAMIC,
+        "pagedweight-router:0.3": Kind.DYNAMIC, "pagedweight-sensitivity:800MB": Kind.DYNAMIC,
+    }  # fmt: skip
+    assert {text: parse_policy(text).kind for text in kinds} == kinds
+    assert parse_policy("pagedweight-paging:0.3").switched_off == "dynamic_paging"
+    assert parse_policy("pagedweight:0.3").switched_off is None

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
-from pwctl.policy import Policy
+from pwctl.policy import Kind, Policy
 from pwctl.runtime.accounting import SLACK, DevicePeak, over_budget
 from pwctl.runtime.batcher import BatchConfig, Batcher
 from pwctl.runtime.engine import Engine
@@ -433,7 +433,7 @@ def _run_one(
         else:
             seqs = _arrival_loop(batcher, timeline, prompts, arrivals)
     top = engine.store.max_bits  # a cap below the pack's widest width names the row
-    capped = top < engine.pack.manifest.max_bits and policy.name != "fp16"
+    capped = top < engine.pack.manifest.max_bits and policy.kind is not Kind.FP16
     label = f"{policy} max-bits {top}" if capped else str(policy)
     if engine.device.startswith("cuda") and batcher.runner.graphs is None:
         label += " eager"  # decode steps launched op by op, not replayed from graphs

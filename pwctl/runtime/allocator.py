@@ -14,7 +14,7 @@ import torch
 
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
-from pwctl.policy import Policy
+from pwctl.policy import Kind, Policy
 from pwctl.profile import Profile
 from pwctl.residual import RESIDUAL_JSON, ResidualModel
 from pwctl.runtime.moe import MoETap
@@ -65,7 +65,7 @@ class WidthAllocator:
         self.narrowest = int(cost[:, 0].sum())  # every block at the narrowest width
         block_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
         self._block_layer = block_layer
-        self.per_layer = policy.name == "dynamic-layer"
+        self.per_layer = policy.kind is Kind.PER_LAYER
         self.last: Plan | None = None
         if self.per_layer:  # the planner's "blocks" are whole layers: one width each
             n_layers = len(self.layers)
@@ -82,7 +82,7 @@ class WidthAllocator:
                 PlannerConfig(use_router_stats=False),
             )
             return
-        config = STATIC if policy.name == "static" else PlannerConfig.from_policy(policy)
+        config = STATIC if policy.kind is Kind.STATIC else PlannerConfig.from_policy(policy)
         self.planner = Planner(
             cost,
             damage,

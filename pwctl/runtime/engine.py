@@ -23,7 +23,7 @@ import torch
 
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
-from pwctl.policy import Budget, BudgetArg, Policy
+from pwctl.policy import Budget, BudgetArg, Kind, Policy
 from pwctl.profile import PROFILE_JSON
 from pwctl.runtime import kernels
 from pwctl.runtime.accounting import (
@@ -70,7 +70,7 @@ def experts_for(policy: Policy | None, device: str) -> str:
     (reference weights are not planes); on the CPU the store (the reference path)."""
     if not device.startswith("cuda"):
         return "store"
-    return "dense" if policy is not None and policy.name == "fp16" else "paged"
+    return "dense" if policy is not None and policy.kind is Kind.FP16 else "paged"
 
 
 class Engine:
@@ -143,12 +143,13 @@ class Engine:
         return paged
 
     def _check_paged(self, policy: Policy) -> None:
-        if self.dense is not None and policy.name != "fp16":
+        if self.dense is not None and policy.kind is not Kind.FP16:
             raise PwctlError(
                 f"policy {policy}: the 16-bit experts run only fp16; use Engine(..., "
                 "experts='paged') for bit-plane policies"
             )
-        if self.paged is not None and (policy.name == "fp16" or self.store.has_variant(policy)):
+        fp16 = policy.kind is Kind.FP16
+        if self.paged is not None and (fp16 or self.store.has_variant(policy)):
             raise PwctlError(
                 f"policy {policy}: not expressible in bit planes, so the paged experts cannot "
                 "run it; use Engine(..., experts='store')"

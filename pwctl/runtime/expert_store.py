@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 from pwctl.bitplanes import dequantize
 from pwctl.errors import PwctlError
 from pwctl.pack import Fault, Pack
-from pwctl.policy import FP16_WIDTH, Policy
+from pwctl.policy import FP16_WIDTH, Kind, Policy
 
 VARIANT_BASE = 100  # width codes of registered variants (baselines), above any real width
 log = logging.getLogger("pwctl")
@@ -110,9 +110,9 @@ class ExpertStore:
         """Set every block's width for a fixed policy (fp16, uniform:B or a variant)."""
         if policy.name in self._variants:
             self.widths[:] = self._variants[policy.name][0]
-        elif policy.name == "fp16":
+        elif policy.kind is Kind.FP16:
             self.widths[:] = FP16_WIDTH
-        elif policy.name == "uniform":
+        elif policy.kind is Kind.FIXED and policy.bits is not None:
             if not self.min_bits <= policy.bits <= self.max_bits:
                 capped = self.max_bits < self.pack.manifest.max_bits
                 raise PwctlError(

@@ -17,15 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pwctl.errors import PwctlError
-from pwctl.policy import Policy
+from pwctl.policy import Kind, Policy
 from pwctl.runtime.page_table import PageTable
 
-ABLATIONS = {  # policy name -> the signal it switches off
-    "pagedweight-router": "use_router_stats",
-    "pagedweight-residual": "use_residual",
-    "pagedweight-paging": "dynamic_paging",
-    "pagedweight-sensitivity": "global_sensitivity",
-}
 MASK32 = np.uint64(0xFFFFFFFF)
 FAR = np.float32(1e30)  # damage given to points outside a hull's width range
 BIG = np.float32(1e38)  # slope bounds before any point is seen
@@ -53,9 +47,9 @@ class PlannerConfig:
     @classmethod
     def from_policy(cls, policy: Policy, **kw) -> PlannerConfig:
         """pagedweight, or an ablation: the suffix names the signal switched OFF."""
-        if policy.name != "pagedweight" and policy.name not in ABLATIONS:
+        if policy.kind is not Kind.DYNAMIC:
             raise PwctlError(f"policy {policy.name} does not use the PagedWeight planner")
-        off = {ABLATIONS[policy.name]: False} if policy.name in ABLATIONS else {}
+        off = {policy.switched_off: False} if policy.switched_off else {}
         return cls(**off, **kw)
 
 
