@@ -130,7 +130,7 @@ def run_profile(engine: Engine, ids: torch.Tensor, method: str, progress=None) -
     m = pack.manifest
     widths = list(range(m.min_bits, m.max_bits + 1))
     n_seq, seq_len = ids.shape
-    store.widths[:] = m.max_bits
+    store.plan.set(m.max_bits)
     with MoETap(engine.model) as tap:
         base_logits = engine.logits(ids)
     features, share = _features(engine, tap, n_seq, seq_len)
@@ -150,14 +150,14 @@ def run_profile(engine: Engine, ids: torch.Tensor, method: str, progress=None) -
     else:
         store.apply(parse_policy("fp16"))
         ref = torch.log_softmax(engine.logits(ids), -1)
-        store.widths[:] = m.max_bits
+        store.plan.set(m.max_bits)
         base = _kl_per_seq(ref, base_logits)
         damage_seq = np.zeros((len(pack.blocks), len(widths), n_seq))
         for i in range(len(pack.blocks)):
             for wi, w in enumerate(widths[:-1]):
-                store.widths[i] = w
+                store.plan.set(w, i)
                 damage_seq[i, wi] = (_kl_per_seq(ref, engine.logits(ids)) - base).cpu().numpy()
-            store.widths[i] = m.max_bits
+            store.plan.set(m.max_bits, i)
             if progress:
                 progress(i + 1, len(pack.blocks))
         meta["baseline_kl"] = float(base.mean())

@@ -569,7 +569,7 @@ def test_torch_path_matches_expert_store(packs, arch):
     dt = DeviceTable(table, torch.from_numpy(backend.arena), pack.blocks)
     moe = FusedMoE(spec, dt, pack.index)
     store = ExpertStore(pack)
-    store.widths[:] = table.width
+    store.plan.set(table.width)
     gen = torch.Generator().manual_seed(1)
     layer = m.moe_layers[0]
     x = torch.randn(7, spec.hidden, generator=gen)

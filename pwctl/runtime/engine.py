@@ -188,7 +188,7 @@ class Engine:
                 cost = None if self.paged is None else self.paged.table.cost_at
                 self._allocators[key] = WidthAllocator(self.pack, policy, cost, self.store.max_bits)
             self.allocator = self._allocators[key]
-            self.store.widths[:] = self.allocator.widths(headroom)
+            self.store.plan.set(self.allocator.widths(headroom))
 
     def _settle_paged(self) -> None:
         """The store's widths are the plan: the paged backend runs them from the next forward

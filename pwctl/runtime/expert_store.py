@@ -1,8 +1,9 @@
 """Expert weights of a pack at per-block widths: the CPU reference execution path.
 
-Widths live in one int array (one entry per block, FP16_WIDTH for the reference weights); the
-page table of the runtime issue takes this role on the GPU. Dequantized weights are cached per
-(block, width), so switching between a few policies costs one dequantization each.
+Widths live in a WidthPlan (one entry per block, FP16_WIDTH for the reference weights; its
+`set` is the only writer); the pager's page table holds what the GPU kernels read. Dequantized
+weights are cached per (block, width), so switching between a few policies costs one
+dequantization each.
 
 Every plane and reference tensor is checked against its CRC before its first use (`Pack.verify`
 at start, or the read that loads it). A block with a bad plane serves no wider than the planes
@@ -23,6 +24,7 @@ from pwctl.bitplanes import dequantize
 from pwctl.errors import PwctlError
 from pwctl.pack import Fault, Pack
 from pwctl.policy import FP16_WIDTH, Kind, Policy
+from pwctl.runtime.width_plan import WidthPlan
 
 VARIANT_BASE = 100  # width codes of registered variants (baselines), above any real width
 log = logging.getLogger("pwctl")
@@ -39,7 +41,7 @@ class ExpertStore:
         self.dtype = dtype
         m = pack.manifest
         self.min_bits, self.max_bits = m.min_bits, m.max_bits
-        self.widths = np.full(len(pack.blocks), m.max_bits, dtype=np.int64)
+        self.plan = WidthPlan(len(pack.blocks), m.max_bits)  # the one writer of widths
         self.act = ACT2FN[m.spec["act"]]
         self._planes: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
         self._reference: dict[str, torch.Tensor] | None = None
@@ -83,6 +85,11 @@ class ExpertStore:
             raise BlockUnavailable(f"{name}: plane {good} failed its checksum, no good width")
         return min(width, good)
 
+    @property
+    def widths(self) -> np.ndarray:
+        """Every block's planned width (read-only: `plan.set` changes them)."""
+        return self.plan.widths
+
     def add_variant(self, name: str, weights: dict[int, torch.Tensor], nbytes: int) -> None:
         """Register externally quantized weights of every block (a baseline such as RTN)
         under a policy name of its own, so benches run it through the same engine."""
@@ -100,7 +107,7 @@ class ExpertStore:
                 f"--max-bits {max_bits}: this pack holds widths {m.min_bits}..{m.max_bits}"
             )
         self.max_bits = max_bits
-        self.widths[:] = max_bits
+        self.plan.set(max_bits)
 
     def has_variant(self, policy: Policy) -> bool:
         """Whether `policy` names a registered variant (weights outside the pack's planes)."""
@@ -109,9 +116,9 @@ class ExpertStore:
     def apply(self, policy: Policy) -> None:
         """Set every block's width for a fixed policy (fp16, uniform:B or a variant)."""
         if policy.name in self._variants:
-            self.widths[:] = self._variants[policy.name][0]
+            self.plan.set(self._variants[policy.name][0])
         elif policy.kind is Kind.FP16:
-            self.widths[:] = FP16_WIDTH
+            self.plan.set(FP16_WIDTH)
         elif policy.kind is Kind.FIXED and policy.bits is not None:
             if not self.min_bits <= policy.bits <= self.max_bits:
                 capped = self.max_bits < self.pack.manifest.max_bits
@@ -119,7 +126,7 @@ class ExpertStore:
                     f"policy {policy}: this pack {'serves' if capped else 'holds'} widths "
                     f"{self.min_bits}..{self.max_bits}{' (--max-bits)' if capped else ''}"
                 )
-            self.widths[:] = policy.bits
+            self.plan.set(policy.bits)
         else:
             raise PwctlError(f"policy {policy}: budgeted policies are set by Engine.set_policy")
 

@@ -131,7 +131,7 @@ class MemoryBudget:
         before = self.planes
         self.moves.demotions += int(down.sum())
         self.moves.promotions += int(up.sum())
-        self.widths[:] = new
+        self.store.plan.set(new)
         self.planes = self._plane_bytes()
         freed = self._moved_bytes(down, up, before)
         self.moves.demoted_bytes += freed[0]
