@@ -34,6 +34,19 @@ if TYPE_CHECKING:
     from pwctl.runtime.paged_experts import PagedExperts
 
 
+@dataclass(frozen=True)
+class PromotionRule:
+    """When plane memory the KV cache left free goes back to the planes (demotions stay on
+    demand and immediate): only once the spare bytes stay above `watermark` x the arena for
+    `hold` steps in a row (a free-memory signal wavering around the mark moves widths at most
+    once a crossing), and at most `cap` x the arena a step (the pager's copies spread over
+    steps; the KV cache can take bytes back at once either way)."""
+
+    watermark: float = 0.02
+    hold: int = 4
+    cap: float = 0.125
+
+
 @dataclass
 class WidthMoves:
     """Width changes made for the KV cache (each counts blocks whose width moved)."""
@@ -54,6 +67,7 @@ class MemoryBudget:
         allocator: WidthAllocator | None = None,
         on_widths: Callable[[np.ndarray], None] | None = None,
         paged: PagedExperts | None = None,
+        promotion: PromotionRule | None = None,
     ):
         """Changes `store.widths` in place (`on_widths` is called after each change: the GPU
         path hands them to the pager). `allocator`: the policy's, if it is budgeted. `paged`:
@@ -69,6 +83,8 @@ class MemoryBudget:
         self.allocator = allocator if allocator is not None and allocator.dynamic else None
         self.on_widths = on_widths
         self.moves = WidthMoves()
+        self.promotion = promotion or PromotionRule()
+        self._spare_steps = 0  # steps in a row the spare bytes stayed above the watermark
         self.planes = self._plane_bytes()
         if self.allocator is not None:
             self._set(self.allocator.replan(self.space))
@@ -102,20 +118,25 @@ class MemoryBudget:
 
     def rebalance(self, kv_wanted: int) -> None:
         """After a step: planes may take what `kv_wanted` blocks (those in use plus what the
-        queue and the next decodes need) leave free; promotes only (demotion is on demand).
-        A plan that would not fit the spare bytes (floors coming back after a squeeze) is not
-        taken: the planner keeps the widths in use."""
+        queue and the next decodes need) leave free, as `promotion` allows; promotes only
+        (demotion is on demand). A plan that would not fit the spare bytes (floors coming back
+        after a squeeze) is not taken: the planner keeps the widths in use."""
         if self.allocator is None:
             return
         spare = self.space - kv_wanted * self.kv.block_bytes
         self.allocator.unsqueeze(spare)
-        if spare > self.planes:
-            new = self.allocator.fit(spare)
-            if self._cost(new) > spare:
-                self.allocator.adopt(self.widths)
-                return
-            self._set(new)
-            self._update_limit()
+        rule = self.promotion
+        above = spare - self.planes > rule.watermark * self.space
+        self._spare_steps = self._spare_steps + 1 if above else 0
+        if self._spare_steps < rule.hold:
+            return
+        target = min(spare, self.planes + int(rule.cap * self.space))
+        new = self.allocator.fit(target)
+        if self._cost(new) > spare:
+            self.allocator.adopt(self.widths)
+            return
+        self._set(new)
+        self._update_limit()
 
     def widths_per_layer(self) -> dict[int, float]:
         """Mean width (bits) of each MoE layer's blocks."""

@@ -343,7 +343,10 @@ class Planner:
         spare = int(spare_bytes) - self._raise_floors()
         added, value, ok = self._segments(up=True)
         recent = self.step - self.last_free < cfg.cooldown
-        ok &= value > (self.last_rate * (1 + cfg.margin) if recent else 0.0)
+        # while a demotion is recent a promotion must beat its rate; otherwise any promotion
+        # the spare bytes allow, worthless ones last (zero-damage segments included: after a
+        # burst, blocks go back to the widest width the memory allows)
+        ok &= value > self.last_rate * (1 + cfg.margin) if recent else value >= 0.0
         ok &= (self.step - self.demoted_at >= cfg.cooldown)[None, :]
         bits = np.float32(np.inf).view(np.uint32) - value.view(np.uint32)  # descending value
         taken, last, skipped, _ = _select(
