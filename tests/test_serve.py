@@ -568,3 +568,16 @@ def test_an_engine_error_mid_stream_is_an_openai_error_event(served, monkeypatch
         for _ in server.client().completions.create(model="m", prompt=PROMPTS[5], max_tokens=20,
                                                     stream=True):  # fmt: skip
             pass
+
+
+def test_metrics_exposition_names_what_serves(bundled_pack):
+    """/metrics' text (prometheus-client's): counters end in _total, each MoE layer's width and
+    the serving policy, device and backend are labelled."""
+    from pwctl.runtime.server import prometheus
+
+    engine = Engine(Pack(bundled_pack))
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=1))
+    text = prometheus(batcher.metrics())
+    assert 'pwctl_serving_info{device="cpu",experts="store",policy="uniform:4"} 1.0' in text
+    assert "pwctl_width_demotions_total 0.0" in text
+    assert 'pwctl_layer_width_bits{layer="0"} 4.0' in text

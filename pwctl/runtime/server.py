@@ -25,7 +25,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -33,6 +33,9 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException
 
 from pwctl.errors import PwctlError
@@ -470,18 +473,35 @@ COUNTERS = {
 
 
 def prometheus(m: dict[str, Any]) -> str:
-    """Prometheus text exposition of a Batcher.metrics() snapshot."""
-    lines = []
-    for kind, table, suffix in (("gauge", GAUGES, ""), ("counter", COUNTERS, "_total")):
-        for name, doc in table.items():
-            metric = f"pwctl_{name}{suffix}"
-            lines += [f"# HELP {metric} {doc}", f"# TYPE {metric} {kind}", f"{metric} {m[name]}"]
-    if m.get("info"):  # what serves, as labels of a constant gauge
-        labels = ",".join(f'{k}="{v}"' for k, v in sorted(m["info"].items()))
-        lines += ["# HELP pwctl_serving_info the policy, device and expert backend serving"]
-        lines += ["# TYPE pwctl_serving_info gauge", f"pwctl_serving_info{{{labels}}} 1"]
-    lines += ["# HELP pwctl_layer_width_bits mean expert width per MoE layer"]
-    lines += ["# TYPE pwctl_layer_width_bits gauge"]
-    for layer, bits in m["widths_per_layer"].items():
-        lines.append(f'pwctl_layer_width_bits{{layer="{layer}"}} {bits:g}')
-    return "\n".join(lines) + "\n"
+    """Prometheus text exposition of a Batcher.metrics() snapshot (prometheus-client's)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(m))
+    return generate_latest(registry).decode()
+
+
+class _Snapshot(Collector):
+    """One snapshot's metric families: gauges, counters (exposed with `_total`), each MoE
+    layer's mean width and what serves (policy, device, experts) as an info-style gauge."""
+
+    def __init__(self, m: dict[str, Any]):
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        for name, doc in GAUGES.items():
+            yield GaugeMetricFamily(f"pwctl_{name}", doc, value=m[name])
+        for name, doc in COUNTERS.items():
+            yield CounterMetricFamily(f"pwctl_{name}", doc, value=m[name])
+        if m.get("info"):
+            labels = sorted(m["info"])
+            info = GaugeMetricFamily(
+                "pwctl_serving_info", "the policy, device and expert backend serving", labels=labels
+            )
+            info.add_metric([str(m["info"][k]) for k in labels], 1)
+            yield info
+        widths = GaugeMetricFamily(
+            "pwctl_layer_width_bits", "mean expert width per MoE layer", labels=["layer"]
+        )
+        for layer, bits in m["widths_per_layer"].items():
+            widths.add_metric([str(layer)], bits)
+        yield widths
