@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py pwctl/__init__.py  # the package layout: an editable install maps it
 	$(PY) -m venv $(VENV)
 	# CPU torch first (a local wheel here); an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0

@@ -9,13 +9,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from importlib.metadata import PackageNotFoundError  # noqa: E402
-from importlib.metadata import version as package_version  # noqa: E402
 from typing import Annotated  # noqa: E402
 
 import typer  # noqa: E402
 
 # light modules only: each command imports torch / transformers in its body (commands/common.py)
+from pwctl import __version__  # noqa: E402
 from pwctl.commands import bench, convert, demo, fit_residual, generate, profile, serve  # noqa: E402
 
 app = typer.Typer(
@@ -27,10 +26,7 @@ app = typer.Typer(
 
 
 def version() -> str:
-    try:
-        return package_version("pwctl")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
+    return __version__
 
 
 def _print_version(show: bool) -> None:
