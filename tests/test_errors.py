@@ -257,11 +257,7 @@ def test_generate_verifies_every_plane_even_under_fp16(packs, tmp_path):
     """fp16 reads only the reference weights, yet a corrupt plane fails generate (it exited 0);
     --no-verify skips the check explicitly."""
     pack_dir = copy(packs[("mixtral", "fused")], tmp_path / "pack")
-    block = Pack(pack_dir).blocks[5]
-    page = pack_dir / block.file
-    data = bytearray(page.read_bytes())
-    data[block.planes[2].offset + 3] ^= 0xFF
-    page.write_bytes(bytes(data))
+    block = _flip_plane_byte(pack_dir, 5, 2)
     args = ["generate", str(pack_dir), "--prompt", "The earth", "--max-tokens", "2"]
     args += ["--policy", "fp16"]  # reads only the reference weights
     r = runner.invoke(app, args)
@@ -294,11 +290,7 @@ def test_a_bad_plane_found_on_first_use_caps_its_block(packs, tmp_path):
     from pwctl.runtime.engine import Engine
 
     pack_dir = copy(packs[("olmoe", "fused")], tmp_path / "pack")
-    block = Pack(pack_dir).blocks[2]
-    page = pack_dir / block.file
-    data = bytearray(page.read_bytes())
-    data[block.planes[5].offset + 3] ^= 0xFF
-    page.write_bytes(bytes(data))
+    block = _flip_plane_byte(pack_dir, 2, 5)
     engine = Engine(Pack(pack_dir))
     engine.set_policy(parse_policy("uniform:7"))
     assert torch.equal(engine.store.weight(2), engine.store.weight_at(2, 5))
@@ -306,3 +298,13 @@ def test_a_bad_plane_found_on_first_use_caps_its_block(packs, tmp_path):
     assert engine.store.served_width(2) == 5 and engine.store.served_width(3) == 7
     with pytest.raises(PwctlError, match="bad checksum"):
         engine.store.weight_at(2, 6)
+
+
+def _flip_plane_byte(pack_dir, index: int, plane: int):
+    """Corrupt one byte of plane `plane` of block `index` in its page file; the block."""
+    block = Pack(pack_dir).blocks[index]
+    page = pack_dir / block.file
+    data = bytearray(page.read_bytes())
+    data[block.planes[plane].offset + 3] ^= 0xFF
+    page.write_bytes(bytes(data))
+    return block
