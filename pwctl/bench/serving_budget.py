@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pwctl.pack import Pack
@@ -60,9 +59,7 @@ class BudgetCalculator:
         store.apply(policy)
         if self.experts(planes) != "paged":
             return store.expert_bytes()
-        t = self.table()
-        widths = np.minimum(store.widths, t.max_bits)
-        return int(t.cost_at[np.arange(t.n_blocks), widths].sum())
+        return int(self.table().cost_of(store.widths).sum())
 
     def block_bytes(self, planes: str, cfg: BatchConfig) -> int:
         engine = self.engine()

@@ -264,7 +264,7 @@ class Engine:
         dynamic = self.allocator is not None and self.allocator.dynamic
         layout = KVLayout.from_config(self.model.config, self.dtype)
         max_len = self.max_len(cfg)
-        total, fixed, capacity = self._split_budget(memory_budget, cfg, layout, max_len, dynamic)
+        total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
         if self.paged is not None:  # one arena for planes and KV blocks: total - fixed
             self.paged.rebuild(total - fixed)
         kv = KVCache(layout, capacity, cfg.block_size, self.device, self.paged)
@@ -313,23 +313,16 @@ class Engine:
         return on_widths
 
     def _split_budget(
-        self,
-        text: str | int | None,
-        cfg: BatchConfig,
-        layout: KVLayout,
-        max_len: int,
-        dynamic: bool,
+        self, text: str | int | None, cfg: BatchConfig, dynamic: bool
     ) -> tuple[int, int, int]:
         """(total, fixed, KV capacity in blocks) for the memory budget `text`. On the paged
         backend planes and KV blocks count in whole slabs of its arena. A dynamic policy's
         planes may go down to the narrowest widths under pressure (BUDGET gives way before a
         request is cut short), so its KV cache may grow to what those leave."""
-        slab = None if self.paged is None else self.paged.slab_bytes
-        block_bytes = KVCache.block_bytes_of(layout, cfg.block_size, slab)
-        fixed = self.fixed_bytes(cfg)
-        floor = self.narrowest_plane_bytes() if dynamic else self.plane_bytes()
+        block_bytes, one_seq = self._block_bytes(cfg), self._seq_blocks(cfg)
+        fixed, floor = self.fixed_bytes(cfg), self._floor_bytes(dynamic)
         widest = self.widest_plane_bytes() if dynamic else floor
-        most_kv = cfg.max_seqs * -(-max_len // cfg.block_size)
+        most_kv = cfg.max_seqs * one_seq
         arg = BudgetArg.parse(text)
         total = fixed + widest + most_kv * block_bytes
         if arg is not None:
@@ -341,15 +334,15 @@ class Engine:
                     f"{'GPU' if self.device.startswith('cuda') else 'machine'} has "
                     f"({has / 1e9:.2f} GB)"
                 )
-        one_seq = -(-max_len // cfg.block_size)
         capacity = min(most_kv, MemoryBudget.kv_capacity(total, fixed, floor, block_bytes))
         if capacity < one_seq:
             need = self._smallest(fixed, floor, one_seq * block_bytes)
             raise PwctlError(
                 f"--memory-budget {text}: {total / 1e6:.2f} MB cannot hold the rest of the model "
                 f"and its workspace ({fixed / 1e6:.2f} MB), the experts at their narrowest "
-                f"({floor / 1e6:.2f} MB) and one sequence of {max_len} tokens; the smallest "
-                f"budget that starts is {need}b ({need / 1e6:.2f} MB), or lower --max-model-len"
+                f"({floor / 1e6:.2f} MB) and one sequence of {self.max_len(cfg)} tokens; the "
+                f"smallest budget that starts is {need}b ({need / 1e6:.2f} MB), or lower "
+                "--max-model-len"
             )
         return total, fixed, capacity
 
@@ -359,10 +352,7 @@ class Engine:
         sequence's KV is in); without one, uniform at the widest width that leaves that room.
         Front ends cap the widest width at AUTO_MAX_BITS unless --max-bits says otherwise (4 bits
         is the fastest decode width on the GPU: README)."""
-        layout = KVLayout.from_config(self.model.config, self.dtype)
-        slab = None if self.paged is None else self.paged.slab_bytes
-        one_seq = -(-self.max_len(cfg) // cfg.block_size)
-        kv = one_seq * KVCache.block_bytes_of(layout, cfg.block_size, slab)
+        kv = self._seq_blocks(cfg) * self._block_bytes(cfg)
         fixed = self.fixed_bytes(cfg)
         arg = BudgetArg.parse(memory_budget)
         widest = self.widest_plane_bytes()
@@ -381,17 +371,28 @@ class Engine:
         """The smallest `--memory-budget` (bytes) that starts `policy` with `cfg`: the fixed
         part, the planes at their floor and one full-length sequence."""
         self._apply_policy(policy)
-        dynamic = self.allocator is not None and self.allocator.dynamic
-        layout = KVLayout.from_config(self.model.config, self.dtype)
-        slab = None if self.paged is None else self.paged.slab_bytes
-        block_bytes = KVCache.block_bytes_of(layout, cfg.block_size, slab)
-        floor = self.narrowest_plane_bytes() if dynamic else self.plane_bytes()
-        one_seq = -(-self.max_len(cfg) // cfg.block_size)
-        return self._smallest(self.fixed_bytes(cfg), floor, one_seq * block_bytes)
+        floor = self._floor_bytes(self.allocator is not None and self.allocator.dynamic)
+        kv = self._seq_blocks(cfg) * self._block_bytes(cfg)
+        return self._smallest(self.fixed_bytes(cfg), floor, kv)
 
     def _smallest(self, fixed: int, floor: int, kv: int) -> int:
         """fixed + floor + kv, with a slab to spare for the arena's rounding."""
         return fixed + floor + kv + (0 if self.paged is None else self.paged.slab_bytes)
+
+    def _block_bytes(self, cfg: BatchConfig) -> int:
+        """Bytes of one KV block (whole slabs on the paged backend)."""
+        layout = KVLayout.from_config(self.model.config, self.dtype)
+        slab = None if self.paged is None else self.paged.slab_bytes
+        return KVCache.block_bytes_of(layout, cfg.block_size, slab)
+
+    def _seq_blocks(self, cfg: BatchConfig) -> int:
+        """KV blocks of one full-length sequence."""
+        return -(-self.max_len(cfg) // cfg.block_size)
+
+    def _floor_bytes(self, dynamic: bool) -> int:
+        """The fewest plane bytes the policy just applied can take: the narrowest widths for a
+        dynamic one (its floors give way before a request is cut short), else its own."""
+        return self.narrowest_plane_bytes() if dynamic else self.plane_bytes()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         return self._batching().add(prompt_ids, params)

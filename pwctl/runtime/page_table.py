@@ -79,6 +79,10 @@ class PageTable:
         self.expert = np.arange(n, dtype=np.int64) if expert is None else np.asarray(expert)
         self.shared = np.zeros(n, bool) if shared is None else np.asarray(shared, bool)
 
+    def cost_of(self, widths: np.ndarray) -> np.ndarray:
+        """Device bytes of each block at `widths` (bits), in whole slabs."""
+        return self.cost_at[np.arange(self.n_blocks), np.asarray(widths, dtype=np.int64)]
+
     @classmethod
     def from_pack(cls, pack: Pack, budget_bytes: int, slab_bytes: int | None = None) -> PageTable:
         blocks = pack.blocks

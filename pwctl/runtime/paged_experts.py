@@ -109,8 +109,7 @@ class PagedExperts:
 
     def plane_cost(self, widths: np.ndarray) -> int:
         """Device bytes of planes at `widths`: whole slabs (PageTable.cost_at)."""
-        t = self.table
-        return int(t.cost_at[np.arange(t.n_blocks), np.asarray(widths, dtype=np.int64)].sum())
+        return int(self.table.cost_of(widths).sum())
 
     def committed_bytes(self, widths: np.ndarray) -> int:
         """Device bytes planes hold or will hold: per block the larger of its cost at `widths`
@@ -118,7 +117,7 @@ class PagedExperts:
         of cancelled copies that are still writing."""
         t = self.table
         held = np.add.reduceat((t.slab_map >= 0).astype(np.int64), t.slab_off[:, 0])
-        plan = t.cost_at[np.arange(t.n_blocks), np.asarray(widths, dtype=np.int64)]
+        plan = t.cost_of(widths)
         cancelled = self.pager.cancelled_slabs()
         return int(np.maximum(plan, held * t.slab_bytes).sum()) + cancelled * t.slab_bytes
 
