@@ -132,7 +132,7 @@ class MemoryBudget:
             return
         target = min(spare, self.planes + int(rule.cap * self.space))
         new = self.allocator.fit(target)
-        if self._cost(new) > spare:
+        if self.allocator.planner.bytes() > spare:  # the plan's bytes, as `_plane_bytes` counts
             self.allocator.adopt(self.widths)
             return
         self._set(new)
@@ -171,13 +171,6 @@ class MemoryBudget:
         if self.paged is None:
             return self.store.expert_bytes()
         return self.paged.plane_cost(self.widths)
-
-    def _cost(self, widths: np.ndarray) -> int:
-        """Bytes of the planes at `widths` (as `_plane_bytes` counts them)."""
-        if self.paged is not None:
-            return self.paged.plane_cost(np.asarray(widths))
-        blocks = self.store.pack.blocks
-        return sum(b.bytes_at(int(w)) for b, w in zip(blocks, widths, strict=True))
 
     def _update_limit(self) -> None:
         planes = self.planes
