@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pwctl.bench.plotting import pyplot
 from pwctl.bench.throughput import fresh_batcher, kv_bytes_in_use
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
@@ -225,12 +226,7 @@ def _mb(mean: float, peak: int) -> str:
 def plot_scores(points: list[Point], path: Path, score: str) -> None:
     """Score against mean memory (planes + KV), a line per policy family (uniform:2..8 make
     one line, pagedweight:0.3 and :0.5 another), written as a PNG."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise PwctlError("--plot needs matplotlib: pip install 'pwctl[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     families: dict[str, list[tuple[float, float, str]]] = {}
     for policy, value, m in points:

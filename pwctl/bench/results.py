@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pwctl.bench.plotting import pyplot
 from pwctl.bench.ppl import PplResult, run_ppl
 from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE
 from pwctl.convert import ConvertOptions, convert
@@ -91,12 +92,7 @@ def feasible_budgets(pack: Pack) -> tuple[list[float], float]:
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise PwctlError("bench --results needs matplotlib: pip install 'pwctl[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("bench --results")
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
     for ax, (model, res) in zip(axes[0], results.items(), strict=True):

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pwctl.bench.plotting import pyplot
 from pwctl.errors import PwctlError
 from pwctl.policy import Kind, Policy
 from pwctl.runtime.accounting import SLACK, DevicePeak, over_budget
@@ -746,18 +747,6 @@ def plot(results: list[ThroughputResult], path: Path, window_s: float | None = N
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend, or PwctlError when the plot extra is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PwctlError("--plot needs matplotlib: pip install -e '.[plot]'") from None
-    return plt
 
 
 def _rate(t: np.ndarray, tokens: np.ndarray, window: float) -> np.ndarray:

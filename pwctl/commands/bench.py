@@ -158,6 +158,7 @@ def run(
     from pwctl.bench import synthetic_tasks as syn
     from pwctl.bench.longctx import EnginePool, RunSpec, memory_table, plot_scores
     from pwctl.bench.planner import run_planner_bench
+    from pwctl.bench.plotting import pyplot
     from pwctl.bench.ppl import run_ppl
     from pwctl.bench.quantizer import GROUP, add_rtn_variant, as_dicts, run_quantizer_bench
     from pwctl.checkpoint import EVAL_SAMPLE
@@ -280,7 +281,7 @@ def run(
         if pack is None:
             raise PwctlError("bench --throughput needs a PACK")
         if plot is not None:
-            tp.pyplot()  # the extra is missing: say so before the runs
+            pyplot()  # the extra is missing: say so before the runs
         policies = [policy_or_auto(p) for p in (policy or tp.DEFAULT_POLICIES)]
         context = checks.model_context(_open(pack, max_bits).manifest.config)
         if input_len + output_len > context:  # before the model loads

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pwctl.runtime.kv_cache import KVLayout
+
 SLACK = 0.02  # a run's peak may pass its budget by this fraction (allocator rounding)
 DECODE_COPIES = 4  # decode attention: gathered K and V, and SDPA's copies of them
 PREFILL_HIDDEN = 24  # hidden-sized temporaries a prefill token holds at once in a layer
@@ -58,18 +60,17 @@ class ModelShape:
 
     @classmethod
     def of(cls, config: object, spec: dict, dtype: torch.dtype) -> ModelShape:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv = KVLayout.from_config(config, dtype)  # its head counts, as the KV cache reads them
         dense = getattr(config, "intermediate_size", 0) or 0
         return cls(
             hidden=config.hidden_size,
             intermediate=max(int(spec["intermediate"]), int(dense)),
             top_k=int(spec["top_k"]),
-            q_heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
+            q_heads=config.num_attention_heads,
+            kv_heads=kv.kv_heads,
+            head_dim=kv.head_dim,
             vocab=config.vocab_size,
-            elem=torch.empty(0, dtype=dtype).element_size(),
+            elem=kv.elem_bytes,
         )
 
 
