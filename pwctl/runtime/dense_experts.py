@@ -4,13 +4,13 @@ baseline (`--policy fp16`): the same scheduler, KV cache, attention, sampler and
 as the paged policies, with experts a serious 16-bit engine would run (vLLM's fused MoE sorts
 pairs by expert the same way).
 
-Every step of a call stays on the device (argsort, a scatter-add count, cumsum for the group
-offsets; torch.bincount would read the largest id on the host), so
-no call syncs the host and a decode step replays from a CUDA graph. `torch._grouped_mm` runs
-its fused kernel for bf16 on Hopper (torch 2.11); for fp16 it falls back to a loop that reads
-the offsets on the host, so on CUDA this backend runs in bf16 (the same bytes as fp16) and the
-engine runs the whole model in bf16 with it. On the CPU it runs in the engine's dtype (the
-reference path's float32): the CPU twin the tests compare with the store.
+Every step of a call stays on the device (the pairs sorted as the fused MoE sorts them:
+`fused_moe.sort_by_expert`), so no call syncs the host and a decode step replays from a CUDA
+graph. `torch._grouped_mm` runs its fused kernel for bf16 on Hopper (torch 2.11); for fp16 it
+falls back to a loop that reads the offsets on the host, so on CUDA this backend runs in bf16
+(the same bytes as fp16) and the engine runs the whole model in bf16 with it. On the CPU it
+runs in the engine's dtype (the reference path's float32): the CPU twin the tests compare with
+the store.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from transformers.activations import ACT2FN
 from pwctl.errors import PwctlError
 from pwctl.pack import Pack
 from pwctl.recipe import MoESpec
-
-PROJ = ("gate", "up", "down")
+from pwctl.runtime.fused_moe import sort_by_expert
 
 
 def dense_dtype(device: str) -> torch.dtype:
@@ -90,12 +89,8 @@ class DenseExperts:
             raise PwctlError(f"layer {layer} has no dense experts")
         xd = x.to(self.dtype)
         T, k = index.shape
-        flat = index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tok = order // k
-        counts = torch.zeros(self.spec.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync the host
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        order, _, ends = sort_by_expert(index, self.spec.num_experts)
+        tok, offs = order // k, ends.to(torch.int32)
         gu = torch._grouped_mm(xd[tok], d.gate_up.transpose(1, 2), offs=offs)
         h = self.act(gu[:, : d.inter]) * gu[:, d.inter :]
         y = torch._grouped_mm(h, d.down.transpose(1, 2), offs=offs)

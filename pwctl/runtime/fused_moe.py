@@ -63,15 +63,23 @@ class Pairs:
         return self.slot_args() + (kernels.ptr(block_ids), np.int32(block_ids.shape[0]))
 
 
-def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs:
-    """Pairs of a routing result, sorted by expert, without a host sync: the slot count is the
-    bound min(E, T*k); slots past the number of active experts are empty."""
-    T, k = index.shape
+def sort_by_expert(
+    index: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A routing result's (token, slot) pairs in expert order, without a host sync: the order
+    into the flattened pairs, each expert's pair count and the running ends of those counts."""
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=index.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync (graph capture)
-    ends = counts.cumsum(0)
+    return order, counts, counts.cumsum(0)
+
+
+def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs:
+    """Pairs of a routing result, sorted by expert, without a host sync: the slot count is the
+    bound min(E, T*k); slots past the number of active experts are empty."""
+    T, k = index.shape
+    order, counts, ends = sort_by_expert(index, num_experts)
     active = torch.argsort((counts == 0).to(torch.int8), stable=True)[: min(num_experts, T * k)]
     n_active = (counts > 0).sum()
     live = torch.arange(active.numel(), device=index.device) < n_active
