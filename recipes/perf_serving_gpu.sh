@@ -13,7 +13,9 @@
 #       pagedweight (--max-bits 4) at uniform:3's plane bytes, with served-token KL to fp16
 #   (d) the serving-time cap: batch 1 with memory to spare, with and without --max-bits 4
 #   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16
+#   (p) issue 58's host-bound check: GPU busy share of a 32-sequence decode step, fp16 / uniform:4
 #   (o) batch-1 decode step profile (recipes/profile_engine_step.py) per policy, SDPA backends
+#   merge: every JSON written so far into $OUT/serving.json (`all` ends with it)
 #   all: prep, b, c, a in one call (~10 min on an H100: prep 100-150 s, a ~180, b ~190, c ~110;
 #       give it the whole 600 s), then every JSON merged into $OUT/serving.json (the device tool
 #       returns at most 8 files)
@@ -88,6 +90,9 @@ all)
     bash "$0" "$S"
     echo "== stage $S: $(($(date +%s) - start)) s"
   done
+  bash "$0" merge
+  ;;
+merge)  # every stage's JSON so far into $OUT/serving.json, and one line a row
   python3 - "$JSON" "$OUT/serving.json" <<'PY'
 import json, sys, pathlib
 src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
@@ -99,7 +104,11 @@ for name, doc in merged.items():
               f"out {r['output_tok_s']:8.1f} tok/s  TPOT {1e3 * (r['tpot_mean_s'] or 0):6.2f} ms  "
               f"peak {r['peak_memory_bytes'] / 1e9:6.3f} / {r['memory_budget_bytes'] / 1e9:6.3f} GB  "
               f"done {r['output_tokens']}/{r['requested_tokens']}  preempt {r['preemptions']}  "
-              f"moves {r['demotions']}/{r['promotions']}")
+              f"moves {r['demotions']}/{r['promotions']}  TTFT {r['ttft_mean_s'] or 0:.2f} s  "
+              f"bits {r.get('bits_mean') or 0:.2f}  KL {r.get('kl_mean')}")
+        growth = r.get("peak_growth") or []
+        if r["over_budget"] and growth:  # where the reserved mark rose: the last few steps
+            print("    peak growth (last 6):", growth[-6:])
     if "tpot_s" in doc:
         print(f"{name:16s} transformers generate {doc['dtype']}: TPOT {1e3 * doc['tpot_s']:.2f} ms")
 PY
@@ -132,6 +141,16 @@ g)
       pwctl bench "$PACK" --throughput --device cuda "${G[@]}" --policy "$P" "--$MODE" \
         --json "$OUT/serve_g_${MODE}_${P%%:*}.json"
     done
+  done
+  ;;
+p)
+  # issue 58: at 32 concurrent, is any step host-bound? GPU busy share of a decode step's wall
+  # time, 32 sequences of 2048 tokens decoding (torch.profiler's kernel time over wall time)
+  for P in fp16 uniform:4; do
+    timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 \
+      --prompt-len 2048 >"/tmp/step32_${P%%:*}.log" 2>&1
+    echo "[p $P] rc $?"
+    grep -E "decode graphs|decode step wall|profiled" "/tmp/step32_${P%%:*}.log"
   done
   ;;
 o)

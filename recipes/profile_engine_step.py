@@ -1,11 +1,12 @@
-"""Where one decode step of the serving engine goes: wall time a step (one sequence, GPU synced
-after each step), the GPU's busy time in the same steps (torch.profiler, kernel time summed), and
+"""Where one decode step of the serving engine goes: wall time a step (`--seqs` sequences, GPU
+synced after each step), the GPU's busy time in the same steps (torch.profiler, kernel time summed), and
 cProfile's top functions. Wall time past the GPU's is host time (decode steps replay CUDA graphs
 unless --eager). `--graph-sdpa BACKEND` captures the graphs with one SDPA backend instead of
 torch's choice (cuDNN on the H200, whose plan per new shape is most of a capture: an experiment,
 see `decode_graph_capture_s` in the printed stats). Usage (GPU machine; any pack, e.g. `pwctl
 convert tiny-mixtral PACK`):
-  python3 recipes/profile_engine_step.py PACK POLICY [STEPS] [--max-bits B] [--device D] [--eager]
+  python3 recipes/profile_engine_step.py PACK POLICY [STEPS] [--seqs N] [--max-bits B] [--device D]
+      [--eager]
       [--graph-sdpa cudnn|efficient|math]
 """
 
@@ -50,16 +51,16 @@ def synced(device: str) -> float:
 
 def decoding_engine(
     pack: str, policy_text: str, device: str, max_bits: int | None, prompt_len: int, tokens: int,
-    cuda_graphs: bool = True,
+    cuda_graphs: bool = True, seqs: int = 1,
 ) -> Engine:  # fmt: skip
-    """The serving engine of `pack` at `policy_text` with one sequence queued: a `prompt_len`-
-    token window of the bundled eval text that will decode `tokens` tokens."""
+    """The serving engine of `pack` at `policy_text` with `seqs` sequences queued: each a
+    `prompt_len`-token window of the bundled eval text that will decode `tokens` tokens."""
     policy = parse_policy(policy_text)
     experts = experts_for(policy, device)
     engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
-    engine.start_batching(policy, None, BatchConfig(max_seqs=1, cuda_graphs=cuda_graphs))
-    (ids,) = prompt_windows(engine.tokenizer, EVAL_SAMPLE, 1, prompt_len)
-    engine.add_request(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    engine.start_batching(policy, None, BatchConfig(max_seqs=seqs, cuda_graphs=cuda_graphs))
+    for ids in prompt_windows(engine.tokenizer, EVAL_SAMPLE, seqs, prompt_len):
+        engine.add_request(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
     return engine
 
 
@@ -71,15 +72,17 @@ def main() -> None:
     ap.add_argument("--max-bits", type=int)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--seqs", type=int, default=1, help="sequences decoding in each step")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--graph-sdpa", choices=sorted(GRAPH_SDPA))
     a = ap.parse_args()
     if a.graph_sdpa:
         capture_with(GRAPH_SDPA[a.graph_sdpa])
     engine = decoding_engine(
-        a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8, not a.eager
+        a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8, not a.eager,
+        a.seqs,
     )
-    for _ in range(a.steps):  # prefill, then warm decode steps
+    for _ in range(a.steps + a.seqs):  # prefills, then warm decode steps
         engine.step()
     t = []
     for _ in range(a.steps):
@@ -101,8 +104,9 @@ def main() -> None:
         events = prof.key_averages()
         gpu = sum(e.self_device_time_total for e in events) / a.steps
         launches = sum(e.count for e in events if e.self_device_time_total > 0) / a.steps
-        print(f"profiled: wall {wall / a.steps * 1e3:.2f} ms a step, GPU kernels {gpu / 1e3:.2f} ms"
-              f" a step, {launches:.0f} GPU ops a step")  # fmt: skip
+        print(f"profiled ({a.seqs} sequences): wall {wall / a.steps * 1e3:.2f} ms a step, GPU "
+              f"kernels {gpu / 1e3:.2f} ms a step ({gpu / 1e6 / wall * a.steps:.0%} busy), "
+              f"{launches:.0f} GPU ops a step")  # fmt: skip
         print(events.table(sort_by="self_device_time_total", row_limit=12))
     prof_py = cProfile.Profile()
     prof_py.enable()

@@ -248,7 +248,7 @@ def test_quality_sample_and_plot_end_to_end(bundled_pack, tmp_path):
     (r,) = report["results"]
     assert r["kl_samples"] == 2 and r["kl_mean"] > 0 and r["kl_seconds"] > 0
     ref = report["quality_reference"]
-    assert ref["path"].startswith("cpu store engine") and ref["load_s"] > 0
+    assert ref["path"].startswith("store engine on cpu") and ref["load_s"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

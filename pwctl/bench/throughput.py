@@ -324,6 +324,7 @@ class _Timeline:
                 "prompt_tokens": b.counters.prompt_tokens,
                 "captures": graphs.captures if graphs is not None else 0,
                 "reserved_mb": round(high / 1e6, 1),
+                "max_allocated_mb": round(torch.cuda.max_memory_allocated() / 1e6, 1),
                 "grew_mb": round((high - self._high) / 1e6, 1),
             })  # fmt: skip
         self._high = max(self._high, high)
