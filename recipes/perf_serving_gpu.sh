@@ -106,6 +106,9 @@ for name, doc in merged.items():
               f"done {r['output_tokens']}/{r['requested_tokens']}  preempt {r['preemptions']}  "
               f"moves {r['demotions']}/{r['promotions']}  TTFT {r['ttft_mean_s'] or 0:.2f} s  "
               f"bits {r.get('bits_mean') or 0:.2f}  KL {r.get('kl_mean')}")
+        fx = r.get("fixed_parts") or {}
+        if fx.get("measured_step") is not None:
+            print("    fixed MB:", {k: round((v or 0) / 1e6) for k, v in fx.items()})
         growth = r.get("peak_growth") or []
         if r["over_budget"] and growth:  # where the reserved mark rose: the last few steps
             print("    peak growth (last 6):", growth[-6:])

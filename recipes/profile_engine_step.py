@@ -79,8 +79,7 @@ def main() -> None:
     if a.graph_sdpa:
         capture_with(GRAPH_SDPA[a.graph_sdpa])
     engine = decoding_engine(
-        a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8, not a.eager,
-        a.seqs,
+        a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8, not a.eager, a.seqs
     )
     for _ in range(a.steps + a.seqs):  # prefills, then warm decode steps
         engine.step()

@@ -88,6 +88,50 @@ def test_the_calculator_and_the_engine_agree_and_n_sequences_run_unpreempted(bun
     assert batcher.scheduler.preemptions == 0
 
 
+def test_the_largest_step_runs_over_one_sequences_blocks_and_gives_them_back(bundled_pack):
+    engine = Engine(Pack(bundled_pack))
+    cfg = BatchConfig(max_seqs=3, max_batch_tokens=16, max_model_len=48)
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, cfg)
+    free = batcher.kv.available
+    batcher.runner.largest_step(cfg.max_seqs, cfg.max_batch_tokens, 48)
+    assert batcher.kv.available == free and batcher.kv.used == 0
+    with pytest.raises(RuntimeError, match="no room in the KV cache for 4800 tokens"):
+        batcher.runner.largest_step(cfg.max_seqs, cfg.max_batch_tokens, 4800)
+
+
+def test_a_step_larger_than_the_formula_shrinks_the_arena(bundled_pack, monkeypatch):
+    """Where the device measures steps (CUDA), start-up runs the largest step once; if it took
+    more than the formula's workspace, the KV cache gives up those bytes and the fixed part
+    keeps the measured figure (the next start-up of the same shape measures nothing)."""
+    import pwctl.runtime.engine as engine_module
+
+    engine = Engine(Pack(bundled_pack))
+    cfg = BatchConfig(max_seqs=8, max_batch_tokens=16, max_model_len=48)  # 3 blocks a sequence
+    engine.set_policy(parse_policy("uniform:4"))
+    formula = engine.fixed_part(cfg)
+    budget = formula.total + engine.plane_bytes() + 30 * engine._block_bytes(cfg)
+    before = engine.start_batching(parse_policy("uniform:4"), budget, cfg).kv.pool.capacity
+    assert before == 24  # 8 sequences' blocks: the most it would ever use
+    extra = 20 * engine._block_bytes(cfg)
+    runs = []
+
+    def measured(device, run):
+        run()
+        runs.append(device)
+        return formula.parts["step"] + extra
+
+    monkeypatch.setattr(engine_module, "measures_steps", lambda device: True)
+    monkeypatch.setattr(engine_module, "step_bytes", measured)
+    batcher = engine.start_batching(parse_policy("uniform:4"), budget, cfg)
+    assert runs == ["cpu"]
+    assert batcher.memory.fixed == formula.total + extra
+    assert engine.fixed_part(cfg).measured == formula.parts["step"] + extra
+    assert batcher.kv.pool.capacity == 30 - 20
+    assert batcher.memory.total == budget and batcher.kv.used == 0
+    engine.start_batching(parse_policy("uniform:4"), budget, cfg)
+    assert runs == ["cpu"]  # measured once a shape
+
+
 def test_budget_gives_way_rather_than_refusing_or_cutting_short(bundled_pack):
     """pagedweight at a BUDGET above what the memory budget leaves planes: it starts (the
     narrowest widths fit), and under KV pressure its planes go below BUDGET (floors relaxed)

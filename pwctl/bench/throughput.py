@@ -258,6 +258,9 @@ class ThroughputResult:
     kl_p90: float | None = None
     kl_max: float | None = None
     kl_seconds: float | None = None  # the reference pass over this row's samples
+    # the engine's fixed part by part (accounting.FixedPart: weights, workspace parts, and on
+    # CUDA the largest step as measured at start-up)
+    fixed_parts: dict[str, int | None] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -421,9 +424,8 @@ def _run_one(
     engine: Engine, policy: Policy, spec: ThroughputSpec, mode: str, load: int,
     prompts: list[list[int]], arrivals: list[Arrival],
 ) -> tuple[ThroughputResult, QualitySamples]:  # fmt: skip
-    batcher = fresh_batcher(
-        engine, policy, spec.memory_budget, spec.batch_config(load, len(prompts))
-    )
+    cfg = spec.batch_config(load, len(prompts))
+    batcher = fresh_batcher(engine, policy, spec.memory_budget, cfg)
     if spec.warmup:
         _warm_up(batcher, prompts[0])
     before = batcher.metrics()
@@ -439,7 +441,10 @@ def _run_one(
     label = f"{policy} max-bits {top}" if capped else str(policy)
     if engine.device.startswith("cuda") and batcher.runner.graphs is None:
         label += " eager"  # decode steps launched op by op, not replayed from graphs
-    return _result(label, mode, load, spec, seqs, timeline, before, batcher.metrics()), got
+    result = _result(label, mode, load, spec, seqs, timeline, before, batcher.metrics())
+    fixed = engine.fixed_part(cfg)
+    result.fixed_parts = {"weights": fixed.weights, **fixed.parts, "measured_step": fixed.measured}
+    return result, got
 
 
 def fresh_batcher(engine: Engine, policy: Policy, budget: str | None, cfg: BatchConfig) -> Batcher:

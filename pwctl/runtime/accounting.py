@@ -18,13 +18,17 @@ blocks) can take the rest at start-up:
 
 The decode gather dominates at long contexts (Qwen1.5-MoE-shaped, 32 rows x 4096 rows: 2.1 GB):
 that is the price of attending through a gather rather than a paged-attention kernel, and the
-budget says so rather than hiding it. `DevicePeak.read` is what every check compares with the
+budget says so rather than hiding it. On CUDA the engine confirms the formula at start-up: it
+runs the largest eager step once (`ModelRunner.largest_step`, measured by `step_bytes`) and, if
+that took more than the formula's step, sizes the arena from the measured figure instead (and
+logs by how much the formula fell short). `DevicePeak.read` is what every check compares with the
 budget: `torch.cuda.max_memory_reserved()` (the caching allocator's high-water mark, the
 arena and graph pools included) plus CuPy's pool, with NVML's per-process figure beside it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -107,10 +111,19 @@ def workspace(
 
 @dataclass(frozen=True)
 class FixedPart:
-    """Device bytes outside planes and KV blocks, by part (`total` is their sum)."""
+    """Device bytes outside planes and KV blocks, by part (`total` is their sum). `measured`:
+    what the largest eager step took on the device at start-up (`step_bytes`), None until
+    measured; the "step" part is the larger of it and the formula's."""
 
     weights: int
     parts: dict[str, int] = field(default_factory=dict)
+    measured: int | None = None
+
+    def confirmed(self, measured: int) -> FixedPart:
+        """This part with the step's workspace no smaller than `measured`."""
+        parts = dict(self.parts)
+        parts["step"] = max(parts.get("step", 0), int(measured))
+        return FixedPart(self.weights, parts, int(measured))
 
     @property
     def workspace(self) -> int:
@@ -162,6 +175,27 @@ class DevicePeak:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # reserved then starts from what is live, not a past run
             torch.cuda.reset_peak_memory_stats(torch.device(device))
+
+
+def measures_steps(device: str) -> bool:
+    """Whether `step_bytes` can measure on `device` (the CPU's RSS holds caches a GPU would not:
+    there the formula stands alone)."""
+    return device.startswith("cuda")
+
+
+def step_bytes(device: str, run: Callable[[], object]) -> int:
+    """Device bytes `run()` takes above what is live when it starts: the caching allocator's
+    reserved high-water mark past what it held before, plus the growth of CuPy's pool. Resets
+    torch's peak statistics (the engine calls it at start-up, before any run is measured)."""
+    dev = torch.device(device)
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()  # reserved then is what is live
+    torch.cuda.reset_peak_memory_stats(dev)
+    before, pool = torch.cuda.memory_reserved(dev), _cupy_pool_bytes()
+    run()
+    torch.cuda.synchronize(dev)
+    grown = torch.cuda.max_memory_reserved(dev) - before
+    return int(grown + max(0, _cupy_pool_bytes() - pool))
 
 
 def configure_allocator() -> None:

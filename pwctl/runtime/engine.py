@@ -15,6 +15,7 @@ the batcher calls at each step boundary (set_policy settles at once: no step is 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from pwctl.runtime.accounting import (
     configure_allocator,
     device_capacity,
     fixed_part,
+    measures_steps,
+    step_bytes,
 )
 from pwctl.runtime.allocator import WidthAllocator
 from pwctl.runtime.batcher import BatchConfig, Batcher
@@ -44,6 +47,8 @@ from pwctl.runtime.moe import MoEBlock, MoETap
 from pwctl.runtime.paged_experts import PagedExperts
 from pwctl.runtime.runner import ModelRunner
 from pwctl.runtime.scheduler import SamplingParams, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
 
 
 def open_pack(name_or_path: str | Path) -> Pack:
@@ -103,6 +108,8 @@ class Engine:
         self._tokenizer = None
         self._allocators: dict[str, WidthAllocator] = {}
         self.allocator: WidthAllocator | None = None
+        # bytes the largest eager step of each shape took on the device (`_confirm_fixed`)
+        self._measured: dict[StepShape, int] = {}
 
     @property
     def experts(self) -> str:
@@ -262,16 +269,13 @@ class Engine:
         self.batcher = None  # the previous batcher's KV blocks go with its arena
         self._apply_policy(policy)
         dynamic = self.allocator is not None and self.allocator.dynamic
-        layout = KVLayout.from_config(self.model.config, self.dtype)
         max_len = self.max_len(cfg)
         total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
-        if self.paged is not None:  # one arena for planes and KV blocks: total - fixed
-            self.paged.rebuild(total - fixed)
-        kv = KVCache(layout, capacity, cfg.block_size, self.device, self.paged)
-        memory = MemoryBudget(
-            total, fixed, self.store, kv, self.allocator, self._on_widths(on_widths), self.paged
-        )
-        self._settle_paged()  # the budget's first plan runs from the first step
+        kv, memory = self._arena(total, fixed, capacity, cfg, on_widths)
+        if self._confirm_fixed(cfg, kv, fixed):  # the formula fell short: a smaller arena
+            del kv, memory
+            total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
+            kv, memory = self._arena(total, fixed, capacity, cfg, on_widths)
         sched = Scheduler(kv, cfg.max_batch_tokens, cfg.max_seqs, cfg.max_queue, memory.make_room)
         runner = ModelRunner(self.model, kv, self.device, self._decode_graphs(cfg, kv))
         self.batcher = Batcher(
@@ -281,6 +285,48 @@ class Engine:
         )  # fmt: skip
         self.batcher.info = {"policy": str(policy), "device": self.device, "experts": self.experts}
         return self.batcher
+
+    def _arena(
+        self,
+        total: int,
+        fixed: int,
+        capacity: int,
+        cfg: BatchConfig,
+        on_widths: Callable[[np.ndarray], None] | None,
+    ) -> tuple[KVCache, MemoryBudget]:
+        """The KV cache of `capacity` blocks and the memory budget over it, the planes of the
+        budget's first plan resident (on the paged backend one arena of `total - fixed` holds
+        planes and KV blocks)."""
+        if self.paged is not None:
+            self.paged.rebuild(total - fixed)
+        layout = KVLayout.from_config(self.model.config, self.dtype)
+        kv = KVCache(layout, capacity, cfg.block_size, self.device, self.paged)
+        memory = MemoryBudget(
+            total, fixed, self.store, kv, self.allocator, self._on_widths(on_widths), self.paged
+        )
+        self._settle_paged()  # the budget's first plan runs from the first step
+        return kv, memory
+
+    def _confirm_fixed(self, cfg: BatchConfig, kv: KVCache, fixed: int) -> bool:
+        """CUDA: run the largest eager step once and keep what it took (`fixed_part` counts
+        it from then on); whether the fixed part is now larger than `fixed`. A formula that
+        fell short is logged: the calculator (`serving_budget`) has only the formula."""
+        step = self._step_shape(cfg)
+        if not measures_steps(self.device) or step in self._measured:
+            return False
+        runner = ModelRunner(self.model, kv, self.device)
+        self._measured[step] = step_bytes(
+            self.device, lambda: runner.largest_step(step.max_seqs, step.max_batch_tokens,
+                                                     step.max_len)
+        )  # fmt: skip
+        confirmed = self.fixed_bytes(cfg)
+        if confirmed > fixed:
+            log.warning(
+                "the largest step took %.1f MB more than the workspace formula counts; the "
+                "arena gives up that much (please report: the calculator will be short too)",
+                (confirmed - fixed) / 1e6,
+            )
+        return confirmed > fixed
 
     def max_len(self, cfg: BatchConfig) -> int:
         """The longest sequence (prompt + output) the batching path serves."""
@@ -418,12 +464,19 @@ class Engine:
         return self.fixed_part(cfg).total
 
     def fixed_part(self, cfg: BatchConfig) -> FixedPart:
-        step = StepShape(cfg.max_seqs, cfg.max_batch_tokens, self.max_len(cfg), cfg.block_size)
+        """The accounting module's formula, confirmed by the measured largest step once
+        `start_batching` has run it (CUDA)."""
+        step = self._step_shape(cfg)
         staging = 0
         if self.paged is not None:  # the CUDA backend's staging buffer (outside the slab pool)
             staging = getattr(self.paged.backend, "workspace_bytes", 0)
         graphs = self._graphs_on(cfg)
-        return fixed_part(self.model, self.pack.manifest.spec, self.dtype, step, staging, graphs)
+        part = fixed_part(self.model, self.pack.manifest.spec, self.dtype, step, staging, graphs)
+        measured = self._measured.get(step)
+        return part if measured is None else part.confirmed(measured)
+
+    def _step_shape(self, cfg: BatchConfig) -> StepShape:
+        return StepShape(cfg.max_seqs, cfg.max_batch_tokens, self.max_len(cfg), cfg.block_size)
 
     def _graphs_on(self, cfg: BatchConfig) -> bool:
         """Whether decode steps replay CUDA graphs (the paged or 16-bit experts on CUDA)."""
