@@ -11,6 +11,8 @@
 #   (e) issue 59's bursty load (4 x 512/128, 32 x 2048/256, 4 x 512/128) at a budget where
 #       uniform:3 holds the long phase and uniform:4 cannot: uniform:3 / uniform:4 / static and
 #       pagedweight (--max-bits 4) at uniform:3's plane bytes, with served-token KL to fp16
+#   (n) issue 59's no-pressure ratio: uniform:4 and pagedweight --max-bits 4 at batch 1, 4 and 32
+#       concurrent, 15% over the calculator's budget
 #   (d) the serving-time cap: batch 1 with memory to spare, with and without --max-bits 4
 #   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16
 #   (p) issue 58's host-bound check: GPU busy share of a 32-sequence decode step, fp16 / uniform:4
@@ -53,6 +55,10 @@ case "${1:-}" in
 prep)
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  if [ -f "$PACK/profile.json" ] && [ -f "$CK/config.json" ]; then
+    echo "prep: $PACK is there (a warm machine keeps /tmp between calls)"
+    exit 0
+  fi
   python3 -m pwctl.bench.synthetic "$CK" --shape "$SHAPE" --layers "$LAYERS"
   pwctl convert "$CK" "$PACK" --device cuda --force --json "$JSON/convert.json" | tail -3
   # budgeted policies need a profile; proxy = no KL sweep (the weights are synthetic anyway)
@@ -154,6 +160,18 @@ p)
       --prompt-len 2048 >"/tmp/step32_${P%%:*}.log" 2>&1
     echo "[p $P] rc $?"
     grep -E "decode graphs|decode step wall|profiled" "/tmp/step32_${P%%:*}.log"
+  done
+  ;;
+n)
+  # issue 59's no-pressure ratio: room to spare (15% over the calculator's budget for 32 x
+  # 2304 tokens), pagedweight at uniform:4's plane bytes capped at 4 bits against uniform:4
+  PLANES4=$(budget --what planes --planes uniform:4)
+  MEM_N=$(budget --planes uniform:4 --seqs 32 --tokens 2304 --max-seqs 32)
+  MEM_N=$((${MEM_N%b} * 115 / 100))b
+  echo "(n) memory budget $MEM_N, BUDGET $PLANES4"
+  for P in uniform:4 "pagedweight:$PLANES4"; do
+    tp "n_${P%%:*}" --batch 1 --batch 4 --concurrency 32 --requests 64 --max-seqs 32 \
+      --memory-budget "$MEM_N" --policy "$P" --max-bits 4
   done
   ;;
 o)
