@@ -157,9 +157,9 @@ p)
   # time, 32 sequences of 2048 tokens decoding (torch.profiler's kernel time over wall time)
   for P in fp16 uniform:4; do
     timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 \
-      --prompt-len 2048 >"/tmp/step32_${P%%:*}.log" 2>&1
+      --prompt-len 2048 >"$OUT/step32_${P%%:*}.log" 2>&1
     echo "[p $P] rc $?"
-    grep -E "decode graphs|decode step wall|profiled" "/tmp/step32_${P%%:*}.log"
+    grep -E "decode graphs|decode step wall|profiled" "$OUT/step32_${P%%:*}.log"
   done
   ;;
 n)

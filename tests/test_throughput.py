@@ -258,3 +258,14 @@ def test_plot_without_matplotlib_says_so(bundled_pack, tmp_path, monkeypatch):
         app, ["bench", str(bundled_pack), "--throughput", *SIZES, "--plot", str(tmp_path / "p")]
     )
     assert r.exit_code == 2 and "--plot needs matplotlib" in r.output, r.output
+
+
+def test_throughput_runs_without_longbench_libraries(bundled_pack, tmp_path, monkeypatch):
+    """The GPU machine has no jieba / rouge / fuzzywuzzy / datasets: only LongBench's modes
+    import them."""
+    for name in ("jieba", "rouge", "fuzzywuzzy", "datasets"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)  # importing it fails
+    for name in ("pwctl.bench.metrics", "pwctl.bench.longbench_data", "pwctl.bench.longbench"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    report = bench(bundled_pack, tmp_path, "--batch", "1", "--policy", "uniform:4")
+    assert report["results"][0]["output_tokens"] == 8

@@ -154,9 +154,6 @@ def run(
     device = parse_device(device)
     import torch
 
-    from pwctl.bench import longbench as lb
-    from pwctl.bench import synthetic_tasks as syn
-    from pwctl.bench.longctx import EnginePool, RunSpec, memory_table, plot_scores
     from pwctl.bench.planner import run_planner_bench
     from pwctl.bench.plotting import pyplot
     from pwctl.bench.ppl import run_ppl
@@ -195,6 +192,12 @@ def run(
             json, {"rows": rows, "cols": cols, "device": device, "results": as_dicts(results)}
         )
         return
+    if predictions is not None or longbench or synthetic:
+        # LongBench's metric libraries (jieba, rouge, fuzzywuzzy) only for its modes: the GPU
+        # machine serves without them
+        from pwctl.bench import longbench as lb
+        from pwctl.bench import synthetic_tasks as syn
+        from pwctl.bench.longctx import EnginePool, RunSpec, memory_table, plot_scores
     if predictions is not None:
         results = lb.run_predictions(predictions)
         print_table(f"LongBench scores of {predictions.name}", *lb.table(results))
