@@ -132,6 +132,26 @@ def test_a_step_larger_than_the_formula_shrinks_the_arena(bundled_pack, monkeypa
     assert runs == ["cpu"]  # measured once a shape
 
 
+def test_the_largest_step_finds_room_under_a_dynamic_policys_first_plan(
+    bundled_pack, monkeypatch
+):
+    """pagedweight's first plan may leave the KV cache less than one sequence at start-up: the
+    step demotes planes for its sequence (as a request would), then the arena is planned
+    afresh, and serving starts with no move counted."""
+    import pwctl.runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "measures_steps", lambda device: True)
+    monkeypatch.setattr(engine_module, "step_bytes", lambda device, run: run() or 0)
+    engine = Engine(Pack(bundled_pack))
+    cfg = BatchConfig(max_seqs=4, max_batch_tokens=32, block_size=4, max_model_len=64)
+    policy = parse_policy("pagedweight:0.6")
+    batcher = engine.start_batching(policy, engine.smallest_budget(policy, cfg) + 4096, cfg)
+    assert batcher.kv.used == 0 and batcher.memory.moves.demotions == 0
+    ids = engine.tokenizer("In the beginning").input_ids
+    (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert len(seq.output_ids) == 40
+
+
 def test_budget_gives_way_rather_than_refusing_or_cutting_short(bundled_pack):
     """pagedweight at a BUDGET above what the memory budget leaves planes: it starts (the
     narrowest widths fit), and under KV pressure its planes go below BUDGET (floors relaxed)

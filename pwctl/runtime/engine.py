@@ -272,7 +272,7 @@ class Engine:
         max_len = self.max_len(cfg)
         total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
         kv, memory = self._arena(total, fixed, capacity, cfg, on_widths)
-        if self._confirm_fixed(cfg, kv, fixed):  # the formula fell short: a smaller arena
+        if self._confirm_fixed(cfg, kv, memory, fixed):  # a smaller arena, or widths moved
             del kv, memory
             total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
             kv, memory = self._arena(total, fixed, capacity, cfg, on_widths)
@@ -307,13 +307,20 @@ class Engine:
         self._settle_paged()  # the budget's first plan runs from the first step
         return kv, memory
 
-    def _confirm_fixed(self, cfg: BatchConfig, kv: KVCache, fixed: int) -> bool:
+    def _confirm_fixed(
+        self, cfg: BatchConfig, kv: KVCache, memory: MemoryBudget, fixed: int
+    ) -> bool:
         """CUDA: run the largest eager step once and keep what it took (`fixed_part` counts
-        it from then on); whether the fixed part is now larger than `fixed`. A formula that
-        fell short is logged: the calculator (`serving_budget`) has only the formula."""
+        it from then on). Whether the arena must be built again: the fixed part grew past
+        `fixed`, or the step's full-length sequence demoted planes (a dynamic policy's first
+        plan may leave the KV cache less than one sequence; a fresh budget plans again). A
+        formula that fell short is logged: the calculator (`serving_budget`) has only it."""
         step = self._step_shape(cfg)
         if not measures_steps(self.device) or step in self._measured:
             return False
+        short = kv.blocks_for(step.max_len) - kv.available
+        if short > 0:
+            memory.make_room(short, urgent=True)
         runner = ModelRunner(self.model, kv, self.device)
         self._measured[step] = step_bytes(
             self.device, lambda: runner.largest_step(step.max_seqs, step.max_batch_tokens,
@@ -326,7 +333,7 @@ class Engine:
                 "arena gives up that much (please report: the calculator will be short too)",
                 (confirmed - fixed) / 1e6,
             )
-        return confirmed > fixed
+        return short > 0 or confirmed > fixed
 
     def max_len(self, cfg: BatchConfig) -> int:
         """The longest sequence (prompt + output) the batching path serves."""
