@@ -1,5 +1,6 @@
-"""Where one decode step of the serving engine goes: wall time a step (`--seqs` sequences, GPU
-synced after each step), the GPU's busy time in the same steps (torch.profiler, kernel time summed), and
+"""Where one decode step of the serving engine goes: wall time a step (`--seqs` sequences, all
+decoding, GPU synced after each step), the GPU's busy time in the same steps (torch.profiler: the
+union of its kernels' intervals, against the unprofiled step's wall time), and
 cProfile's top functions. Wall time past the GPU's is host time (decode steps replay CUDA graphs
 unless --eager). `--graph-sdpa BACKEND` captures the graphs with one SDPA backend instead of
 torch's choice (cuDNN on the H200, whose plan per new shape is most of a capture: an experiment,
@@ -18,6 +19,7 @@ import pstats
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pwctl.bench.throughput import prompt_windows
@@ -64,6 +66,23 @@ def decoding_engine(
     return engine
 
 
+def gpu_busy_us(prof: torch.profiler.profile) -> tuple[float, int]:
+    """Microseconds the GPU ran anything (the union of its kernels' and copies' intervals, so
+    overlapping streams count once) and how many ran. Summing `key_averages()` rows would count
+    each kernel twice: under the op that launched it and as a row of its own."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    )
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy, len(spans)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("pack")
@@ -81,7 +100,10 @@ def main() -> None:
     engine = decoding_engine(
         a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8, not a.eager, a.seqs
     )
-    for _ in range(a.steps + a.seqs):  # prefills, then warm decode steps
+    decoding: set[int] = set()
+    while len(decoding) < a.seqs:  # every prompt prefilled (chunks of max_batch_tokens)
+        decoding |= {s.seq_id for s in engine.step()}
+    for _ in range(a.steps):  # warm decode steps (graph captures)
         engine.step()
     t = []
     for _ in range(a.steps):
@@ -100,13 +122,12 @@ def main() -> None:
             for _ in range(a.steps):
                 engine.step()
             wall = synced(a.device) - t0
-        events = prof.key_averages()
-        gpu = sum(e.self_device_time_total for e in events) / a.steps
-        launches = sum(e.count for e in events if e.self_device_time_total > 0) / a.steps
+        busy, kernels = gpu_busy_us(prof)
+        busy, median = busy / a.steps / 1e3, t[len(t) // 2] * 1e3  # ms a step
         print(f"profiled ({a.seqs} sequences): wall {wall / a.steps * 1e3:.2f} ms a step, GPU "
-              f"kernels {gpu / 1e3:.2f} ms a step ({gpu / 1e6 / wall * a.steps:.0%} busy), "
-              f"{launches:.0f} GPU ops a step")  # fmt: skip
-        print(events.table(sort_by="self_device_time_total", row_limit=12))
+              f"busy {busy:.2f} ms a step ({busy / median:.0%} of the unprofiled median step), "
+              f"{kernels / a.steps:.0f} GPU ops a step")  # fmt: skip
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
     prof_py = cProfile.Profile()
     prof_py.enable()
     for _ in range(a.steps):
