@@ -42,6 +42,7 @@ mkdir -p "$OUT"
 JSON=${JSON:-/tmp/serving-json}
 mkdir -p "$JSON"
 
+# --measure: the engine's fixed part, confirmed by its start-up step (decision 043)
 budget() { python3 -m pwctl.bench.serving_budget "$PACK" --device cuda "$@"; }
 tp() {  # name, then bench arguments: one bench process, its rc printed
   local name=$1
@@ -67,7 +68,7 @@ prep)
   ;;
 a)
   PLANES4=$(budget --what planes --planes uniform:4)
-  MEM_A=$(budget --planes uniform:4 --seqs 4 --tokens 2304 --max-seqs 4)
+  MEM_A=$(budget --planes uniform:4 --seqs 4 --tokens 2304 --max-seqs 4 --measure)
   echo "(a) memory budget $MEM_A, pagedweight BUDGET $PLANES4"
   for P in uniform:4 "pagedweight:$PLANES4"; do
     tp "a_${P%%:*}" --batch 1 --batch 4 --max-seqs 4 --memory-budget "$MEM_A" --policy "$P"
@@ -75,7 +76,7 @@ a)
   ;;
 b)
   PLANES4=$(budget --what planes --planes uniform:4)
-  MEM_B=$(budget --planes fp16 --seqs 4 --tokens 2304 --max-seqs 32)
+  MEM_B=$(budget --planes fp16 --seqs 4 --tokens 2304 --max-seqs 32 --measure)
   echo "(b) memory budget $MEM_B (16-bit weights + KV of 4 x 2304 tokens), BUDGET $PLANES4"
   for P in fp16 uniform:4 "pagedweight:$PLANES4"; do
     tp "b_${P%%:*}" --concurrency 32 --requests 64 --max-seqs 32 --memory-budget "$MEM_B" \
@@ -126,7 +127,7 @@ e)
   # issue 59's bursty load at a budget where uniform:3 holds the long phase's KV (32 x 2304
   # tokens) and uniform:4, whose planes take ~0.5 GB more on this model, cannot
   PLANES3=$(budget --what planes --planes uniform:3)
-  MEM_E=$(budget --planes uniform:3 --seqs 32 --tokens 2304 --max-seqs 32)
+  MEM_E=$(budget --planes uniform:3 --seqs 32 --tokens 2304 --max-seqs 32 --measure)
   echo "(e) memory budget $MEM_E, BUDGET $PLANES3 (uniform:3's planes)"
   B=(--load bursty --burst-phases 3 --max-seqs 32 --memory-budget "$MEM_E" --quality-sample 64)
   for P in uniform:3 uniform:4 "static:$PLANES3" "pagedweight:$PLANES3"; do
@@ -166,7 +167,7 @@ n)
   # issue 59's no-pressure ratio: room to spare (15% over the calculator's budget for 32 x
   # 2304 tokens), pagedweight at uniform:4's plane bytes capped at 4 bits against uniform:4
   PLANES4=$(budget --what planes --planes uniform:4)
-  MEM_N=$(budget --planes uniform:4 --seqs 32 --tokens 2304 --max-seqs 32)
+  MEM_N=$(budget --planes uniform:4 --seqs 32 --tokens 2304 --max-seqs 32 --measure)
   MEM_N=$((${MEM_N%b} * 115 / 100))b
   echo "(n) memory budget $MEM_N, BUDGET $PLANES4"
   for P in uniform:4 "pagedweight:$PLANES4"; do

@@ -4,6 +4,7 @@ admitting N sequences, the too-small-budget error naming a budget that then star
 request cut short under tight budgets (BUDGET and the planner's floors give way first)."""
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from pwctl.runtime.accounting import (
     workspace,
 )
 from pwctl.runtime.batcher import BatchConfig
+from pwctl.runtime.decode_graphs import DecodeGraphs
 from pwctl.runtime.engine import Engine
 from pwctl.runtime.scheduler import SamplingParams
 
@@ -92,9 +94,16 @@ def test_the_largest_step_runs_over_one_sequences_blocks_and_gives_them_back(bun
     engine = Engine(Pack(bundled_pack))
     cfg = BatchConfig(max_seqs=3, max_batch_tokens=16, max_model_len=48)
     batcher = engine.start_batching(parse_policy("uniform:4"), None, cfg)
-    free = batcher.kv.available
-    batcher.runner.largest_step(cfg.max_seqs, cfg.max_batch_tokens, 48)
-    assert batcher.kv.available == free and batcher.kv.used == 0
+    kv, runner = batcher.kv, batcher.runner
+    runner.graphs = DecodeGraphs(engine.model, kv, cfg.max_seqs, capture=False)
+    free, tables, give_back = kv.available, {}, kv.free
+    kv.free = lambda seq: tables.setdefault(seq, list(kv.tables[seq])) and give_back(seq)
+    assert not kv.k[0].any()  # nothing has run
+    runner.largest_step(cfg.max_seqs, cfg.max_batch_tokens, 48)
+    assert kv.available == free and kv.used == 0
+    (table,) = tables.values()
+    last = kv.block_rows(torch.tensor(table), torch.tensor([47]))  # every row wrote there
+    assert kv.k[0][last].any() and kv.v[-1][last].any()
     with pytest.raises(RuntimeError, match="no room in the KV cache for 4800 tokens"):
         batcher.runner.largest_step(cfg.max_seqs, cfg.max_batch_tokens, 4800)
 
@@ -132,9 +141,31 @@ def test_a_step_larger_than_the_formula_shrinks_the_arena(bundled_pack, monkeypa
     assert runs == ["cpu"]  # measured once a shape
 
 
-def test_the_largest_step_finds_room_under_a_dynamic_policys_first_plan(
-    bundled_pack, monkeypatch
-):
+def test_the_calculator_measures_as_the_engine_does(bundled_pack, monkeypatch):
+    """`serving_budget --measure`: the fixed part is the engine's own after its start-up step,
+    so a budget for N sequences holds N where the formula fell short."""
+    import pwctl.runtime.engine as engine_module
+
+    pack = Pack(bundled_pack)
+    cfg = BatchConfig(max_seqs=3, max_batch_tokens=32, max_model_len=48)
+    formula = BudgetCalculator(pack, "cpu")
+    assert BudgetCalculator(pack, "cpu", measure=True).fixed_bytes("uniform:4", cfg) == (
+        formula.fixed_bytes("uniform:4", cfg)
+    )  # nothing measured on the CPU: the formula stands
+    extra = 7 * formula.block_bytes("uniform:4", cfg)
+    step = Engine(pack).fixed_part(cfg).parts["step"]
+    monkeypatch.setattr(engine_module, "measures_steps", lambda device: True)
+    monkeypatch.setattr(engine_module, "step_bytes", lambda device, run: run() or step + extra)
+    measured = BudgetCalculator(pack, "cpu", measure=True)
+    assert measured.fixed_bytes("uniform:4", cfg) == formula.fixed_bytes("uniform:4", cfg) + extra
+    engine = Engine(pack)
+    batcher = engine.start_batching(
+        parse_policy("uniform:4"), measured.budget("uniform:4", cfg, 3, 48), cfg
+    )
+    assert batcher.kv.pool.capacity >= 3 * batcher.kv.blocks_for(48)
+
+
+def test_the_largest_step_finds_room_under_a_dynamic_policys_first_plan(bundled_pack, monkeypatch):
     """pagedweight's first plan may leave the KV cache less than one sequence at start-up: the
     step demotes planes for its sequence (as a request would), then the arena is planned
     afresh, and serving starts with no move counted."""

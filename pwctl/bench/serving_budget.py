@@ -10,11 +10,14 @@ sequences of 2304 tokens" are stated this way; this prints them as sizes `--memo
 and KV blocks in whole slabs of its arena, plus its staging buffer), fp16 on the 16-bit experts
 (bf16, KV blocks of their own). Only the non-expert weights load (on the CPU), so it is quick
 even for a large pack, and no GPU is needed to compute a GPU budget. The sequences' length is
-also the engine's `--max-model-len` (as bench --throughput sets it: input + output)."""
+also the engine's `--max-model-len` (as bench --throughput sets it: input + output). With
+`--measure` (on the GPU machine) the fixed part is the engine's own, confirmed by the largest
+step it runs at start-up (docs/decisions/043-start-up-confirms-the-workspace.md)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
 import torch
@@ -30,11 +33,20 @@ from pwctl.runtime.pager import STAGING_BYTES
 
 
 class BudgetCalculator:
-    """The engine's accounting of a pack on `device`, without its experts on any device."""
+    """The engine's accounting of a pack on `device`, without its experts on any device unless
+    `measure`: then the fixed part is the engine's own on `device`, confirmed by its start-up
+    step (runtime/accounting.py; a GPU is needed, and the formula stands where it measures
+    nothing, e.g. on the CPU)."""
 
-    def __init__(self, pack: Pack, device: str = "cuda", dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        pack: Pack,
+        device: str = "cuda",
+        dtype: torch.dtype | None = None,
+        measure: bool = False,
+    ):
         self.pack, self.device = pack, device
-        self.dtype = dtype
+        self.dtype, self.measure = dtype, measure
         self._engine: Engine | None = None
         self._table: PageTable | None = None
 
@@ -72,6 +84,8 @@ class BudgetCalculator:
         return self.dtype or serving_dtype(self.device, self.experts(planes))
 
     def fixed_bytes(self, planes: str, cfg: BatchConfig) -> int:
+        if self.measure:
+            return self._engine_fixed(planes, cfg)
         engine = self.engine()
         step = StepShape(cfg.max_seqs, cfg.max_batch_tokens, engine.max_len(cfg), cfg.block_size)
         staging = 0
@@ -82,6 +96,19 @@ class BudgetCalculator:
         graphs = cfg.cuda_graphs and self.device.startswith("cuda")
         spec = self.pack.manifest.spec
         return fixed_part(engine.model, spec, dtype, step, staging, graphs).total
+
+    def _engine_fixed(self, planes: str, cfg: BatchConfig) -> int:
+        """The serving engine's fixed part for `planes` and `cfg`, after its start-up on
+        `device` (its default budget: the widest planes and `cfg.max_seqs` full sequences)."""
+        experts = self.experts(planes)
+        engine = Engine(self.pack, self.device, self.serving_dtype(planes), experts)
+        engine.start_batching(parse_policy(planes), None, cfg)
+        fixed = engine.fixed_bytes(cfg)
+        del engine
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return fixed
 
     def budget(self, planes: str, cfg: BatchConfig, seqs: int, tokens: int) -> int:
         """fixed + planes of `planes` + the KV of `seqs` x `tokens`: a `--memory-budget`."""
@@ -102,13 +129,18 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=256, help="as bench (workspace)")
     ap.add_argument("--device", default="cuda", help="the device whose engine counts (cuda, cpu)")
     ap.add_argument(
+        "--measure",
+        action="store_true",
+        help="on the device: the engine's fixed part confirmed by its start-up step",
+    )
+    ap.add_argument(
         "--what",
         choices=("budget", "planes"),
         default="budget",
         help="budget: the whole --memory-budget; planes: a pagedweight BUDGET",
     )
     a = ap.parse_args()
-    calc = BudgetCalculator(open_pack(a.pack), a.device)
+    calc = BudgetCalculator(open_pack(a.pack), a.device, measure=a.measure)
     cfg = BatchConfig(
         max_seqs=a.max_seqs, max_batch_tokens=a.max_batch_tokens, max_model_len=a.tokens
     )

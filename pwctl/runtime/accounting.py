@@ -120,9 +120,11 @@ class FixedPart:
     measured: int | None = None
 
     def confirmed(self, measured: int) -> FixedPart:
-        """This part with the step's workspace no smaller than `measured`."""
+        """This part with the largest step's workspace and the decode graphs' pool together no
+        smaller than `measured` (what the eager step and the largest graph's capture took)."""
         parts = dict(self.parts)
-        parts["step"] = max(parts.get("step", 0), int(measured))
+        counted = parts.get("step", 0) + parts.get("decode_graph_pool", 0)
+        parts["step"] = parts.get("step", 0) + max(0, int(measured) - counted)
         return FixedPart(self.weights, parts, int(measured))
 
     @property

@@ -160,6 +160,22 @@ class DecodeGraphs:
             tap.seen = {layer: tuple(t[:S] for t in v) for layer, v in seen.items()}
         return logits[:S]
 
+    def largest_step(self, table: list[int], length: int) -> None:
+        """Run the largest decode step (a graph captured and replayed where graphs are on), for
+        its memory's sake: `max_seqs` rows, each `length` tokens long over one block table
+        `table` (the engine's start-up; every row writes the same cache row)."""
+        nb = max(MIN_BLOCKS, bucket(self.kv.blocks_for(length)))
+        inputs = DecodeInputs.new(self.max_seqs, nb, self.device)
+        ids, pos, blocks = inputs.views(inputs.host)
+        vocab = self.model.config.vocab_size
+        ids.copy_(torch.randint(vocab, ids.shape))
+        pos.fill_(length - 1)
+        blocks[:] = table[0]
+        blocks[:, : min(nb, len(table))] = torch.tensor(table[:nb])
+        inputs.device.copy_(inputs.host)
+        if not (self.capture and self._replay(inputs, None)):
+            self._run(inputs)
+
     def _tap(self) -> MoETap | None:
         observer = self.blocks[0].observer if self.blocks else None
         if observer is not None and not isinstance(observer, MoETap):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -310,22 +311,25 @@ class Engine:
     def _confirm_fixed(
         self, cfg: BatchConfig, kv: KVCache, memory: MemoryBudget, fixed: int
     ) -> bool:
-        """CUDA: run the largest eager step once and keep what it took (`fixed_part` counts
-        it from then on). Whether the arena must be built again: the fixed part grew past
-        `fixed`, or the step's full-length sequence demoted planes (a dynamic policy's first
-        plan may leave the KV cache less than one sequence; a fresh budget plans again). A
-        formula that fell short is logged: the calculator (`serving_budget`) has only it."""
+        """CUDA: run the largest eager step and the largest decode graph once and keep what
+        they took (`fixed_part` counts it from then on). Whether the arena must be built
+        again: the fixed part grew past `fixed`, or the step's full-length sequence demoted
+        planes (a dynamic policy's first plan may leave the KV cache less than one sequence; a
+        fresh budget plans again). A formula that fell short is logged: the calculator
+        (`serving_budget`) has only it."""
         step = self._step_shape(cfg)
         if not measures_steps(self.device) or step in self._measured:
             return False
         short = kv.blocks_for(step.max_len) - kv.available
         if short > 0:
             memory.make_room(short, urgent=True)
-        runner = ModelRunner(self.model, kv, self.device)
-        self._measured[step] = step_bytes(
-            self.device, lambda: runner.largest_step(step.max_seqs, step.max_batch_tokens,
-                                                     step.max_len)
-        )  # fmt: skip
+        runner = ModelRunner(self.model, kv, self.device, self._decode_graphs(cfg, kv))
+        largest = partial(runner.largest_step, step.max_seqs, step.max_batch_tokens, step.max_len)
+        self._measured[step] = step_bytes(self.device, largest)
+        del largest
+        del runner  # its graphs' pool goes before serving's graphs make their own
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
         confirmed = self.fixed_bytes(cfg)
         if confirmed > fixed:
             log.warning(

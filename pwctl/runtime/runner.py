@@ -79,8 +79,9 @@ class ModelRunner:
         """Run the largest eager step the scheduler can form, for its memory's sake (the
         engine measures what it holds at start-up): every decode row but one over a full-length
         cache, beside a prefill chunk of the remaining tokens at the end of a full-length
-        sequence. All rows read and write one sequence's blocks (the cache must have room for
-        one full-length sequence), given back after; the token ids are random."""
+        sequence; then the largest decode step of the graphs, if any (their pool's share). All
+        rows read and write one sequence's blocks (the cache must have room for one full-length
+        sequence), given back after; the token ids are random."""
         seq = WARM_UP_SEQ
         if not self.kv.grow(seq, max_len):
             raise RuntimeError(f"warm-up: no room in the KV cache for {max_len} tokens")
@@ -98,5 +99,7 @@ class ModelRunner:
             paged = PagedBatch(self.kv, slots.to(dev), spans)
             self._packed(ids, torch.tensor([positions], device=dev), paged,
                          list(range(decodes)) + [decodes + n - 1])  # fmt: skip
+            if self.graphs is not None:
+                self.graphs.largest_step(self.kv.tables[seq], max_len)
         finally:
             self.kv.free(seq)
