@@ -11,6 +11,8 @@
 #   (e) issue 59's bursty load (4 x 512/128, 32 x 2048/256, 4 x 512/128) at a budget where
 #       uniform:3 holds the long phase and uniform:4 cannot: uniform:3 / uniform:4 / static and
 #       pagedweight (--max-bits 4) at uniform:3's plane bytes, with served-token KL to fp16
+#   pager: issue 60's promotion bandwidth, decode slowdown beside a promotion and commit CPU
+#       (python -m pwctl.bench.pager; no pack needed)
 #   (n) issue 59's no-pressure ratio: uniform:4 and pagedweight --max-bits 4 at batch 1, 4 and 32
 #       concurrent, 15% over the calculator's budget
 #   (d) the serving-time cap: batch 1 with memory to spare, with and without --max-bits 4
@@ -162,6 +164,10 @@ p)
     echo "[p $P] rc $?"
     grep -E "decode graphs|decode step wall|profiled" "$OUT/step32_${P%%:*}.log"
   done
+  ;;
+pager)
+  # issue 60: promotions against a pinned copy, and a decode-like step beside one
+  timeout 200 python3 -m pwctl.bench.pager --json "$JSON/pager.json"
   ;;
 n)
   # issue 59's no-pressure ratio: room to spare (15% over the calculator's budget for 32 x

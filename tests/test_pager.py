@@ -311,100 +311,39 @@ def test_cuda_backend_matches_pack(packs):
     pack = Pack(packs[("qwen2_moe", "per_expert")])
     full = sum(b.bytes_at(pack.manifest.max_bits) for b in pack.blocks)
     table = PageTable.from_pack(pack, budget_bytes=full // 2)
-    backend = CudaBackend.from_pack(pack, table, staging_bytes=4 * table.slab_bytes)  # pieces
+    backend = CudaBackend.from_pack(pack, table)
     churn_and_compare(pack, table, backend, lambda: torch.ones(1 << 20, device="cuda").sum())
 
 
 @pytest.mark.gpu
 def test_cuda_promotion_bandwidth_and_interference():
-    """Promotion vs a pinned host-to-device copy of the same bytes on the same stream, in the
-    same run (target >= 90%), for whole blocks (0 -> 8 bits) and single planes (3 -> 4 bits);
-    and a decode-like GEMV loop with and without a promotion running (target <= 5% slower).
-    Prints the figures (run with -s); asserts only loose floors."""
-    import time
+    """The pager benchmark (pwctl.bench.pager; its figures against issue 60's targets go in
+    docs/PERF.md) runs, and its promotions are not far off a pinned copy. Floors only: speed
+    targets live in the benchmark, not in a timed test."""
+    from pwctl.bench.pager import run_pager_bench
 
-    import torch
+    f = run_pager_bench()
+    print(f.as_dict())
+    assert f.whole_block_share >= 0.5 and f.single_plane_share >= 0.3
+    assert f.decode_slowdown <= 0.5
 
-    from pwctl.bench.planner import synthetic_table
-    from pwctl.runtime.pager import CudaBackend
 
-    table = synthetic_table(layers=1, budget=1.0)  # 384 Qwen3-MoE blocks, ~0.95 GB at 8 bits
-    host = torch.empty(table.host_bytes, dtype=torch.uint8, pin_memory=True)
-    host.fill_(0x5A)
-    backend = CudaBackend(host, table.n_slabs, table.slab_bytes)
-    pager = Pager(table, backend)
-    copy = backend.stream
-    n = table.n_blocks
+def test_copy_runs_join_adjacent_host_bytes_bound_for_adjacent_slabs():
+    from pwctl.runtime.pager import Copy, copy_runs
 
-    def gpu_seconds(fn) -> tuple[float, float]:
-        """GPU time of the copies `fn` enqueues on the copy stream (held by a sleep kernel
-        while the CPU enqueues them, so CPU gaps do not count), and fn's CPU time."""
-        with torch.cuda.stream(copy):
-            torch.cuda._sleep(200_000_000)  # ~100 ms
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(copy)
-        t0 = time.perf_counter()
-        fn()
-        cpu = time.perf_counter() - t0
-        end.record(copy)
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3, cpu
-
-    def raw_copy(nbytes: int) -> float:
-        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-
-        def go() -> None:
-            with torch.cuda.stream(copy):
-                dev.copy_(host[:nbytes], non_blocking=True)
-
-        gpu_seconds(go)  # warm
-        return nbytes / gpu_seconds(go)[0]
-
-    def promote(width_from: int, width_to: int) -> tuple[float, float, int]:
-        pager.request(np.full(n, width_from))
-        pager.settle()
-        pager.request(np.full(n, width_to))
-        gpu, cpu = gpu_seconds(pager.commit)
-        pager.settle()
-        assert (table.width == width_to).all()
-        nbytes = int((table.cost_at[:, width_to] - table.cost_at[:, width_from]).sum())
-        return nbytes / gpu, cpu, nbytes
-
-    full_bw, full_cpu, full_bytes = promote(0, 8)
-    full_raw = raw_copy(full_bytes)
-    plane_bw, plane_cpu, plane_bytes = promote(3, 4)
-    plane_raw = raw_copy(plane_bytes)
-    # interference: fp16 GEMV on the compute stream (a Mixtral expert, 4 tokens)
-    w = torch.randn(14336, 4096, device="cuda", dtype=torch.float16)
-    x = torch.randn(4096, 4, device="cuda", dtype=torch.float16)
-
-    def step_ms(steps: int = 300) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            w @ x
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / steps
-
-    step_ms()
-    alone = step_ms()
-    pager.request(np.zeros(n, int))
-    pager.settle()
-    pager.request(np.full(n, 8))
-    pager.commit()  # ~0.95 GB of copies now run beside the GEMVs
-    busy = step_ms()
-    pager.settle()
-    print(
-        f"\nslab {table.slab_bytes} B; whole blocks: {full_bytes / 1e6:.0f} MB at "
-        f"{full_bw / 1e9:.1f} GB/s vs pinned copy {full_raw / 1e9:.1f} GB/s "
-        f"({100 * full_bw / full_raw:.0f}%), commit CPU {1e3 * full_cpu:.1f} ms; "
-        f"single planes: {plane_bytes / 1e6:.0f} MB at {plane_bw / 1e9:.1f} GB/s vs "
-        f"{plane_raw / 1e9:.1f} ({100 * plane_bw / plane_raw:.0f}%), commit CPU "
-        f"{1e3 * plane_cpu:.1f} ms; GEMV step {1e3 * alone:.1f} us alone, "
-        f"{1e3 * busy:.1f} us beside a promotion ({100 * (busy / alone - 1):+.1f}%)"
-    )
-    assert full_bw >= 0.5 * full_raw
+    S = 10
+    copies = [
+        Copy(0, np.array([4, 5, 6, 9])),  # a break in the slabs
+        Copy(40, np.array([10, 11])),  # continues the last run on both sides
+        Copy(100, np.array([12])),  # adjacent slab, not adjacent host bytes
+        Copy(110, np.array([], dtype=np.int32)),
+        Copy(110, np.array([2, 3])),
+    ]
+    assert copy_runs(copies, S) == [(0, 4, 3), (30, 9, 3), (100, 12, 1), (110, 2, 2)]
+    # every slab's bytes come from where its copy said: the runs cover each slab once
+    got = {dst + i: src + i * S for src, dst, m in copy_runs(copies, S) for i in range(m)}
+    want = {int(s): c.host_offset + i * S for c in copies for i, s in enumerate(c.slab_ids)}
+    assert got == want
 
 
 def test_lent_slabs_come_from_reclaimed_planes_and_return_behind_a_fence():

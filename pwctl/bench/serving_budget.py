@@ -7,7 +7,7 @@ sequences of 2304 tokens" are stated this way; this prints them as sizes `--memo
     python -m pwctl.bench.serving_budget PACK --planes fp16 --seqs 4 --tokens 2304 --max-seqs 32
 
 `--device cuda` counts as the engine does there: bit-plane policies on the paged backend (planes
-and KV blocks in whole slabs of its arena, plus its staging buffer), fp16 on the 16-bit experts
+and KV blocks in whole slabs of its arena), fp16 on the 16-bit experts
 (bf16, KV blocks of their own). Only the non-expert weights load (on the CPU), so it is quick
 even for a large pack, and no GPU is needed to compute a GPU budget. The sequences' length is
 also the engine's `--max-model-len` (as bench --throughput sets it: input + output). With
@@ -29,7 +29,6 @@ from pwctl.runtime.batcher import BatchConfig
 from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
 from pwctl.runtime.kv_cache import KVCache, KVLayout
 from pwctl.runtime.page_table import PageTable
-from pwctl.runtime.pager import STAGING_BYTES
 
 
 class BudgetCalculator:
@@ -88,14 +87,10 @@ class BudgetCalculator:
             return self._engine_fixed(planes, cfg)
         engine = self.engine()
         step = StepShape(cfg.max_seqs, cfg.max_batch_tokens, engine.max_len(cfg), cfg.block_size)
-        staging = 0
-        if self.experts(planes) == "paged" and self.device.startswith("cuda"):
-            slab = self.table().slab_bytes
-            staging = max(1, STAGING_BYTES // slab) * slab
         dtype = self.serving_dtype(planes)
         graphs = cfg.cuda_graphs and self.device.startswith("cuda")
         spec = self.pack.manifest.spec
-        return fixed_part(engine.model, spec, dtype, step, staging, graphs).total
+        return fixed_part(engine.model, spec, dtype, step, graphs).total
 
     def _engine_fixed(self, planes: str, cfg: BatchConfig) -> int:
         """The serving engine's fixed part for `planes` and `cfg`, after its start-up on

@@ -14,7 +14,7 @@ blocks) can take the rest at start-up:
   copies SDPA makes of them and the mask; the logits of S rows;
 - a prefill chunk of `max_batch_tokens` tokens: its hidden-state temporaries (norms, q/k/v,
   the MoE's gathered pairs and intermediate) and, per layer, the keys and values it attends to;
-- the sampler's probabilities (S x vocab, fp32, a few copies) and the kernels' staging buffers.
+- the sampler's probabilities (S x vocab, fp32, a few copies).
 
 The decode gather dominates at long contexts (Qwen1.5-MoE-shaped, 32 rows x 4096 rows: 2.1 GB):
 that is the price of attending through a gather rather than a paged-attention kernel, and the
@@ -82,9 +82,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def workspace(
-    m: ModelShape, s: StepShape, kernel_staging: int = 0, graphs: bool = False
-) -> dict[str, int]:
+def workspace(m: ModelShape, s: StepShape, graphs: bool = False) -> dict[str, int]:
     """Bytes of each transient a step holds at its peak (see the module docstring). With
     decode graphs, the largest decode step's temporaries live in the graphs' private pool,
     apart from the eager steps' (prefill chunks, and the decodes that run beside them)."""
@@ -103,10 +101,7 @@ def workspace(
     parts = {"step": max(decode, prefill)}
     if graphs:
         parts["decode_graph_pool"] = decode
-    return parts | {
-        "logits_and_sampler": logits,
-        "kernel_staging": int(kernel_staging),
-    }
+    return parts | {"logits_and_sampler": logits}
 
 
 @dataclass(frozen=True)
@@ -141,7 +136,6 @@ def fixed_part(
     spec: dict,
     dtype: torch.dtype,
     step: StepShape,
-    kernel_staging: int = 0,
     graphs: bool = False,
 ) -> FixedPart:
     """Non-expert weights and the workspace of `step` (`graphs`: decode steps replay CUDA
@@ -149,7 +143,7 @@ def fixed_part(
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
     m = ModelShape.of(model.config, spec, dtype)
-    return FixedPart(weights, workspace(m, step, kernel_staging, graphs))
+    return FixedPart(weights, workspace(m, step, graphs))
 
 
 @dataclass(frozen=True)

@@ -478,11 +478,8 @@ class Engine:
         """The accounting module's formula, confirmed by the measured largest step once
         `start_batching` has run it (CUDA)."""
         step = self._step_shape(cfg)
-        staging = 0
-        if self.paged is not None:  # the CUDA backend's staging buffer (outside the slab pool)
-            staging = getattr(self.paged.backend, "workspace_bytes", 0)
         graphs = self._graphs_on(cfg)
-        part = fixed_part(self.model, self.pack.manifest.spec, self.dtype, step, staging, graphs)
+        part = fixed_part(self.model, self.pack.manifest.spec, self.dtype, step, graphs)
         measured = self._measured.get(step)
         return part if measured is None else part.confirmed(measured)
 

@@ -172,9 +172,9 @@ class PagedExperts:
         self.dt.sync()
 
     def device_bytes(self) -> int:
-        """Device bytes this backend holds: the slab pool plus the CUDA staging buffer."""
+        """Device bytes this backend holds: its slab pool."""
         t = self.table
-        return t.n_slabs * t.slab_bytes + getattr(self.backend, "workspace_bytes", 0)
+        return t.n_slabs * t.slab_bytes
 
     def _copied_bytes(self, c: Commit) -> int:
         """Bytes of the copies a commit submitted: the in-flight planes of the blocks it

@@ -149,26 +149,37 @@ class CpuBackend:
         self.finish()
 
 
-STAGING_BYTES = 64 << 20  # the CUDA backend's staging buffer (outside the slab pool)
+def copy_runs(copies: list[Copy], slab_bytes: int) -> list[tuple[int, int, int]]:
+    """(host offset, first slab, slabs) of each run of adjacent host bytes going to adjacent
+    slabs, in order: one device copy each. A copy's host bytes are contiguous, and the pool
+    hands out low ids first, so a block's planes, and consecutive blocks, are mostly one run."""
+    runs: list[tuple[int, int, int]] = []
+    for c in copies:
+        ids = c.slab_ids.astype(np.int64)
+        if not ids.size:
+            continue
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, ids.size], strict=True):
+            src, dst, m = c.host_offset + int(lo) * slab_bytes, int(ids[lo]), int(hi - lo)
+            if runs:
+                rsrc, rdst, rm = runs[-1]
+                if rsrc + rm * slab_bytes == src and rdst + rm == dst:  # continues the last run
+                    runs[-1] = (rsrc, rdst, rm + m)
+                    continue
+            runs.append((src, dst, m))
+    return runs
 
 
 class CudaBackend:
     """Pinned host planes (read once from the pack), one preallocated device arena split into
-    slabs and a staging buffer, its own copy stream; CUDA events are the fences. A submit copies
-    host -> staging (one copy per run of adjacent host bytes: a block's missing planes are
-    contiguous, and so are whole consecutive blocks), then scatters staging -> slabs with one
-    index_copy_ per staging fill (device bandwidth, ~2% of the transfer time). Slabs handed to
-    a copy are free (their old readers' fences passed), so the copy stream never waits on
-    compute, and a promotion is read only after its event completed."""
+    slabs, its own copy stream; CUDA events are the fences. A submit copies each run of adjacent
+    host bytes bound for adjacent slabs straight into them (`copy_runs`): the copy engine moves
+    the bytes, no kernel on the SMs does (a staging buffer and an `index_copy_` scatter did, and
+    decode steps beside a promotion ran 16-20% slower: issue 60). Slabs handed to a copy are
+    free (their old readers' fences passed), so the copy stream never waits on compute, and a
+    promotion is read only after its event completed."""
 
-    def __init__(
-        self,
-        host: torch.Tensor,
-        n_slabs: int,
-        slab_bytes: int,
-        device: str = "cuda",
-        staging_bytes: int = STAGING_BYTES,
-    ):
+    def __init__(self, host: torch.Tensor, n_slabs: int, slab_bytes: int, device: str = "cuda"):
         import torch
 
         if not host.is_pinned():
@@ -176,9 +187,6 @@ class CudaBackend:
         self.torch, self.host, self.slab_bytes = torch, host, slab_bytes
         self.device = torch.device(device)
         self.slabs = torch.empty((n_slabs, slab_bytes), dtype=torch.uint8, device=self.device)
-        n_stage = max(1, staging_bytes // slab_bytes)
-        self.staging = torch.empty((n_stage, slab_bytes), dtype=torch.uint8, device=self.device)
-        self.workspace_bytes = n_stage * slab_bytes  # device bytes outside the slab pool
         self.stream = torch.cuda.Stream(self.device)
         self._events: dict[int, torch.cuda.Event] = {}  # tickets and fences, popped when done
         self._next = 0
@@ -196,41 +204,15 @@ class CudaBackend:
         self._next += n
         return ids
 
-    def _flush(self, ids: list[np.ndarray], runs: list[tuple[int, int, int]]) -> None:
-        """Host -> staging, one copy per run of adjacent host bytes, then staging -> slabs."""
-        torch, S = self.torch, self.slab_bytes
-        for src, dst, m in runs:
-            dst_view = self.staging[dst : dst + m].view(-1)
-            dst_view.copy_(self.host[src : src + m * S], non_blocking=True)
-        # a fresh pinned index tensor per scatter: torch's caching host allocator keeps it alive
-        # until its non-blocking upload has run, so nothing is overwritten under the copy
-        idx = torch.from_numpy(np.concatenate(ids).astype(np.int64)).pin_memory()
-        idx = idx.to(self.device, non_blocking=True)
-        used = runs[-1][1] + runs[-1][2]
-        self.slabs.index_copy_(0, idx, self.staging[:used])
-
     def submit(self, copies: list[Copy]) -> list[int]:
         if not copies:
             return []
-        torch, S, n_stage = self.torch, self.slab_bytes, self.staging.shape[0]
+        torch, S = self.torch, self.slab_bytes
         with torch.cuda.stream(self.stream):
-            used, ids, runs = 0, [], []  # runs: (host offset, staging slab, slabs)
-            for c in copies:
-                k, done = c.slab_ids.size, 0
-                while done < k:  # a copy larger than the staging buffer goes in pieces
-                    m = min(k - done, n_stage - used)
-                    src = c.host_offset + done * S
-                    if runs and runs[-1][0] + runs[-1][2] * S == src:  # adjacent: one copy
-                        runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + m)
-                    else:
-                        runs.append((src, used, m))
-                    ids.append(c.slab_ids[done : done + m])
-                    used, done = used + m, done + m
-                    if used == n_stage:
-                        self._flush(ids, runs)
-                        used, ids, runs = 0, [], []
-            if runs:
-                self._flush(ids, runs)
+            for src, dst, m in copy_runs(copies, S):
+                self.slabs[dst : dst + m].view(-1).copy_(
+                    self.host[src : src + m * S], non_blocking=True
+                )
             event = torch.cuda.Event()
             event.record(self.stream)
         tickets = self._ids(len(copies))
