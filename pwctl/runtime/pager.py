@@ -153,21 +153,16 @@ def copy_runs(copies: list[Copy], slab_bytes: int) -> list[tuple[int, int, int]]
     """(host offset, first slab, slabs) of each run of adjacent host bytes going to adjacent
     slabs, in order: one device copy each. A copy's host bytes are contiguous, and the pool
     hands out low ids first, so a block's planes, and consecutive blocks, are mostly one run."""
-    runs: list[tuple[int, int, int]] = []
-    for c in copies:
-        ids = c.slab_ids.astype(np.int64)
-        if not ids.size:
-            continue
-        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-        for lo, hi in zip(np.r_[0, breaks], np.r_[breaks, ids.size], strict=True):
-            src, dst, m = c.host_offset + int(lo) * slab_bytes, int(ids[lo]), int(hi - lo)
-            if runs:
-                rsrc, rdst, rm = runs[-1]
-                if rsrc + rm * slab_bytes == src and rdst + rm == dst:  # continues the last run
-                    runs[-1] = (rsrc, rdst, rm + m)
-                    continue
-            runs.append((src, dst, m))
-    return runs
+    copies = [c for c in copies if c.slab_ids.size]
+    if not copies:
+        return []
+    dst = np.concatenate([c.slab_ids for c in copies]).astype(np.int64)
+    src = np.concatenate(
+        [c.host_offset + slab_bytes * np.arange(c.slab_ids.size, dtype=np.int64) for c in copies]
+    )
+    breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != slab_bytes)) + 1
+    starts, stops = np.r_[0, breaks], np.r_[breaks, dst.size]
+    return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts, stops, strict=True)]
 
 
 class CudaBackend:
