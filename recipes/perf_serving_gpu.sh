@@ -19,15 +19,16 @@
 #   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16
 #   (p) issue 58's host-bound check: GPU busy share of a 32-sequence decode step, fp16 / uniform:4
 #   (o) batch-1 decode step profile (recipes/profile_engine_step.py) per policy, SDPA backends
-#   merge: every JSON written so far into $OUT/serving.json (`all` ends with it)
-#   all: prep, b, c, a in one call (~10 min on an H100: prep 100-150 s, a ~180, b ~190, c ~110;
-#       give it the whole 600 s), then every JSON merged into $OUT/serving.json (the device tool
-#       returns at most 8 files)
+#   merge: every JSON written so far into $OUT/serving.json (the device tool returns at most 8
+#       files; the call groups end with it)
+#   call1 (= all): prep, a, c; call2: b, n; call3: e, p, pager: three device calls of <= 570 s
+#       each (H100 times, 2026-12-06: prep 130-180 s, a ~230, b ~280, e ~300), the second and
+#       third made right after the one before, while the machine is warm
 # Every figure is `pwctl bench --throughput` on the serving engine, one process per policy, so
 # each row's peak (torch's reserved high-water mark + CuPy's pool) is that policy's alone; bench
 # exits non-zero when a row's peak passes its budget by 2% or a request is cut short (the rc is
 # printed). pagedweight's BUDGET is uniform:4's plane bytes (equal expert memory at peak).
-# Usage (device tool): bash recipes/perf_serving_gpu.sh all   (or one stage: prep, a, b, ...)
+# Usage (device tool): bash recipes/perf_serving_gpu.sh call1, then call2, call3 (or one stage)
 # SHAPE (default qwen-moe; mixtral, qwen3-moe: pwctl.bench.synthetic.SHAPES).
 # LAYERS (default 8): Qwen1.5-MoE has 24; 24 layers need ~62 GB of disk (bf16 checkpoint + 8-bit
 # planes + fp16 reference), too close to the 1-GPU machine's 64 GB.
@@ -93,12 +94,16 @@ c)
   timeout 200 python3 recipes/perf_hf_generate.py "$CK" "${IO[@]}" --dtype bfloat16 \
     --json "$JSON/c_hf_generate.json" | tail -4
   ;;
-all)
-  for S in prep b c a; do  # the headline (b) and the baselines (c) first: ~10 min in all
-    start=$(date +%s)
-    bash "$0" "$S"
-    echo "== stage $S: $(($(date +%s) - start)) s"
-  done
+all | call1 | call2 | call3)
+  # one device call each (<= 570 s, merged after every stage so a cut call keeps its rows);
+  # call2 and call3 right after the one before (a warm machine keeps /tmp: prep is a no-op)
+  case "$1" in
+  all | call1) STAGES="prep a c" ;;  # ~180 + ~230 + ~110 s
+  call2) STAGES="prep b n" ;;  # ~280 + ~150 s
+  call3) STAGES="prep e p pager" ;;  # ~300 + ~80 + ~30 s
+  esac
+  timeout "${CALL_S:-570}" bash -c "for S in $STAGES; do start=\$(date +%s); bash '$0' \$S;
+    echo \"== stage \$S: \$((\$(date +%s) - start)) s\"; bash '$0' merge >/dev/null; done"
   bash "$0" merge
   ;;
 merge)  # every stage's JSON so far into $OUT/serving.json, and one line a row
