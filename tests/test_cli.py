@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pwctl import tiny
+from pwctl.build import tiny
 from pwctl.cli import app
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 
 runner = CliRunner()
 
@@ -117,7 +117,7 @@ def _loaded(*args, **kwargs):
 
 @pytest.fixture
 def small_pack(packs, monkeypatch) -> Path:
-    for target in ("pwctl.runtime.engine.Engine", "pwctl.runtime.server.run_server"):
+    for target in ("pwctl.runtime.engine.engine.Engine", "pwctl.runtime.serve.server.run_server"):
         monkeypatch.setattr(target, _loaded)
     return packs[("mixtral", "fused")]
 

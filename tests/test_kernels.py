@@ -25,13 +25,16 @@ from pwctl.bench.kernels import (
     random_routing,
     synthetic_layer,
 )
-from pwctl.bitplanes import pack_planes
-from pwctl.pack import Pack
-from pwctl.recipe import MoESpec
-from pwctl.runtime import fused_moe, kernels, popc
-from pwctl.runtime.device_table import DeviceTable
-from pwctl.runtime.expert_store import ExpertStore
-from pwctl.runtime.fused_moe import (
+from pwctl.format.bitplanes import pack_planes
+from pwctl.format.pack import Pack
+from pwctl.format.recipe import MoESpec
+from pwctl.runtime import kernels, popc
+from pwctl.runtime.memory.device_table import DeviceTable
+from pwctl.runtime.memory.expert_store import ExpertStore
+from pwctl.runtime.memory.page_table import PageTable
+from pwctl.runtime.memory.pager import CpuBackend, Pager
+from pwctl.runtime.moe import fused
+from pwctl.runtime.moe.fused import (
     FusedMoE,
     Pairs,
     XPieces,
@@ -46,10 +49,8 @@ from pwctl.runtime.fused_moe import (
     wgmma_order,
     wgmma_tiles,
 )
-from pwctl.runtime.page_table import PageTable
-from pwctl.runtime.pager import CpuBackend, Pager
+from pwctl.runtime.moe.router import route
 from pwctl.runtime.popc import popc_matvec, quantize, step_words, subset_coefficients
-from pwctl.runtime.router import route
 
 
 def test_group_sorts_pairs_by_expert():
@@ -174,7 +175,7 @@ SPAN_CASES = [(832, 264, 56), (768, 264, 56), (128, 264, 22), (1, 4, 3), (9, 4, 
 
 @pytest.mark.parametrize("units, sk, chunks", [*SPAN_CASES, (264, 264, 5)])
 def test_down_spans_cover_each_chunk_once_and_even_out_the_last_wave(units, sk, chunks):
-    spans = fused_moe.down_spans(units, sk, chunks)
+    spans = fused.down_spans(units, sk, chunks)
     assert spans[0][0] == 0 and spans[-1][1] == units * chunks
     # contiguous: each chunk once
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
@@ -190,10 +191,10 @@ def test_down_spans_cover_each_chunk_once_and_even_out_the_last_wave(units, sk, 
 def test_shared_expert_tiles_are_its_slots_plan(T):
     """The shared expert's cached plan (one slot of every token) is `tile_plan`'s: its live tiles
     and, the bound being exact for one slot, the one dead tile that ends every plan."""
-    shared = fused_moe.all_tokens(T, None, 8, torch.device("cpu"))
+    shared = fused.all_tokens(T, None, 8, torch.device("cpu"))
     want = tile_plan(shared).info
     assert want[-1].tolist() == [-1, -(-T // 128)] and want[:-1, 0].eq(0).all()
-    assert torch.equal(fused_moe._one_slot_tiles(T, torch.device("cpu")), want)
+    assert torch.equal(fused._one_slot_tiles(T, torch.device("cpu")), want)
 
 
 def test_wgmma_order_matches_the_kernels_a_registers():
@@ -439,10 +440,10 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     layer.set_widths(np.full(layer.table.n_blocks, 5))
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_p1b5", "popc_planes", "down_p1b5"]
-    monkeypatch.setattr(fused_moe, "POPC_B5", False)  # off: 5 bits past the 4-bit build
+    monkeypatch.setattr(fused, "POPC_B5", False)  # off: 5 bits past the 4-bit build
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
-    monkeypatch.setattr(fused_moe, "POPC_B5", True)
+    monkeypatch.setattr(fused, "POPC_B5", True)
     layer.set_widths(np.full(layer.table.n_blocks, 6))
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
@@ -465,23 +466,21 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     p1b5 = ["gate_up_p1b5", "popc_planes", "down_p1b5"]
     span = moe._widths(0)
     assert span.gate_up_wide > span.wide > 0 == span.gate_up_wider  # expert 0's gate alone
-    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", span.wide + 0.01)
+    monkeypatch.setattr(fused, "MID_P1_UNTIL_WIDE", span.wide + 0.01)
     assert [n for n, _, _ in decode(1, None)][1:] == p1
-    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", span.wide)
+    monkeypatch.setattr(fused, "MID_P1_UNTIL_WIDE", span.wide)
     assert [n for n, _, _ in decode(1, None)][1:] == split
     # on a large layer (`_popc_pays`): p1b5 from P1B5_FROM_WIDE of its weights past 4 bits
     # while under P1B5_UNTIL_WIDER are past 5; else p1 while under P1_UNTIL_GATE_UP_WIDE of its
     # gate and up weights are past 4 bits and under P1_UNTIL_GATE_UP_WIDER past 5
     monkeypatch.setitem(moe._popc_pays, 0, True)
-    assert moe._widths(0).wide < fused_moe.P1B5_FROM_WIDE
-    assert moe._widths(0).gate_up_wide < fused_moe.P1_UNTIL_GATE_UP_WIDE
+    assert moe._widths(0).wide < fused.P1B5_FROM_WIDE
+    assert moe._widths(0).gate_up_wide < fused.P1_UNTIL_GATE_UP_WIDE
     assert [n for n, _, _ in decode(1, None)][1:] == p1
     downs = np.full(n, 4)
     downs[blocks[2::3]] = 8  # every down past 5 bits, the shared expert's too: still p1
     layer.set_widths(downs)
-    assert (
-        moe._widths(0).gate_up_wide == 0 < fused_moe.P1_UNTIL_GATE_UP_WIDER < moe._widths(0).wider
-    )
+    assert moe._widths(0).gate_up_wide == 0 < fused.P1_UNTIL_GATE_UP_WIDER < moe._widths(0).wider
     assert [n for n, _, _ in decode(1, None)][1:] == p1
     layer.set_widths(widths)
     widths[blocks[:3]] = 5  # expert 0's gate, up and down
@@ -500,35 +499,35 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     everything, gate_up = expert_0(("gate", "up", "down")), expert_0(("gate", "up"))
     want = (4, 5, pytest.approx(everything), 0.0, pytest.approx(gate_up), 0.0)
     assert moe._widths(0) == want
-    monkeypatch.setattr(fused_moe, "P1B5_FROM_WIDE", moe._widths(0).wide)
+    monkeypatch.setattr(fused, "P1B5_FROM_WIDE", moe._widths(0).wide)
     assert [n for n, _, _ in decode(1, None)][1:] == p1b5
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
-    monkeypatch.setattr(fused_moe, "POPC_B5", False)  # off: p1
+    monkeypatch.setattr(fused, "POPC_B5", False)  # off: p1
     assert [n for n, _, _ in decode(1, None)][1:] == p1
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDE", moe._widths(0).gate_up_wide)
+    monkeypatch.setattr(fused, "P1_UNTIL_GATE_UP_WIDE", moe._widths(0).gate_up_wide)
     assert [n for n, _, _ in decode(1, None)][1:] == split
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDE", 0.5)
-    monkeypatch.setattr(fused_moe, "POPC_B5", True)
+    monkeypatch.setattr(fused, "P1_UNTIL_GATE_UP_WIDE", 0.5)
+    monkeypatch.setattr(fused, "POPC_B5", True)
     widths[blocks[1]] = 6
     layer.set_widths(widths)
     wider = moe._widths(0).wider
     assert 0 < wider < moe._widths(0).wide
-    monkeypatch.setattr(fused_moe, "P1B5_UNTIL_WIDER", wider + 0.01)
+    monkeypatch.setattr(fused, "P1B5_UNTIL_WIDER", wider + 0.01)
     assert [n for n, _, _ in decode(1, None)][1:] == p1b5  # p1b5 reads the 6-bit one's lookup
-    monkeypatch.setattr(fused_moe, "P1B5_UNTIL_WIDER", wider)
+    monkeypatch.setattr(fused, "P1B5_UNTIL_WIDER", wider)
     assert [n for n, _, _ in decode(1, None)][1:] == p1
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDER", moe._widths(0).gate_up_wider)
+    monkeypatch.setattr(fused, "P1_UNTIL_GATE_UP_WIDER", moe._widths(0).gate_up_wider)
     # past P1_UNTIL_GATE_UP_WIDER the split build: the lookup gate_up, the popc down (POPC_DOWN)
     split_launches = decode(1, None)
     assert [n for n, _, _ in split_launches][1:] == split
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
-    monkeypatch.setattr(fused_moe, "POPC_DOWN", False)
+    monkeypatch.setattr(fused, "POPC_DOWN", False)
     lookup = decode(1, None)
     assert [n for n, _, _ in lookup][1:] == ["gate_up_n1", "down_n1"]
-    monkeypatch.setattr(fused_moe, "POPC_DOWN", True)
-    monkeypatch.setattr(fused_moe, "POPC_B5", False)
+    monkeypatch.setattr(fused, "POPC_DOWN", True)
+    monkeypatch.setattr(fused, "POPC_B5", False)
     p1_launches = decode(1, True)  # p1: the launches the split one takes after its gate_up
-    monkeypatch.setattr(fused_moe, "POPC_B5", True)
+    monkeypatch.setattr(fused, "POPC_B5", True)
     assert split_launches[0][1] == lookup[0][1]  # the prep builds no x pieces for the lookup
     assert split_launches[1] == lookup[1] and split_launches[2:] == p1_launches[2:]  # grids
     # no block the popc down's mma reads: the split build still (its lookup of wide blocks)
@@ -541,7 +540,7 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     for b in blocks[3:-1]:
         widths[b] = 8
         layer.set_widths(widths)
-        pn = moe._widths(0).wide < fused_moe.PN_UNTIL_WIDE
+        pn = moe._widths(0).wide < fused.PN_UNTIL_WIDE
         seen.add(pn)
         assert [n for n, _, _ in decode(2, None)][1] == ("gate_up_pn" if pn else "gate_up_n1")
         assert [n for n, _, _ in decode(2, True)][1] == "gate_up_pn"
@@ -857,7 +856,7 @@ DECODE_PREP_CASES = [(1, 2, 8), (3, 4, 60), (4, 8, 128), (16, 2, 8), (8, 8, 128)
 @pytest.mark.parametrize("T, k, E", DECODE_PREP_CASES)
 def test_decode_prep_matches_torch(T, k, E):
     """One launch: `group`'s pairs, x in fragment order, and the output zeroed (poisoned first)."""
-    from pwctl.runtime.fused_moe import prepare_decode
+    from pwctl.runtime.moe.fused import prepare_decode
 
     spec = MoESpec(E, k, 64, 64, "softmax_topk", False, 1.0, 0, False, "silu")
     gen = torch.Generator(device="cuda").manual_seed(T)
@@ -979,7 +978,7 @@ def test_route_prep_matches_torch_router(E, k, order, norm, scaling, shared, H, 
     prepares the decode: logits within fp16 rounding of torch's linear, top-k and weights as
     `route` gives them from those logits, pairs as `group`, x laid out, out zeroed. Twice: the
     kernel's completion counter must be back at zero for the second launch."""
-    from pwctl.runtime.fused_moe import prepare_routed
+    from pwctl.runtime.moe.fused import prepare_routed
 
     spec = MoESpec(E, k, 64, H, order, norm, scaling, 64 if shared else 0, shared, "silu")
     gen = torch.Generator(device="cuda").manual_seed(E + T)
@@ -1065,7 +1064,7 @@ def test_routed_decode_matches_reference(shape, T):
 
 @pytest.mark.gpu
 def test_token_tiles_kernel_matches_wgmma_tiles():
-    from pwctl.runtime.fused_moe import token_tiles
+    from pwctl.runtime.moe.fused import token_tiles
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(40, 300, generator=gen, device="cuda")
@@ -1279,7 +1278,7 @@ def _kernel_params(name: str) -> list[str]:
 def test_route_slices_bound_a_lanes_loads(H):
     """A router dot product takes the fewest warps (a power of two, at most a block's) that
     leave each lane ROUTE_LOADS 16-byte loads or fewer, and every warp of it some columns."""
-    from pwctl.runtime.fused_moe import ROUTE_LOADS, route_slices
+    from pwctl.runtime.moe.fused import ROUTE_LOADS, route_slices
 
     s, warps = route_slices(H), kernels.PREP_THREADS // 32
     assert s & (s - 1) == 0 and 1 <= s <= warps and warps % s == 0
@@ -1293,7 +1292,7 @@ def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
     """route_prep's launch keeps its buffers and takes x, the router's weights, the shared gate's
     and out at each call: its holes must be those parameters of the kernel (cuda/moe.cu), and
     it must pass as many arguments as the kernel declares."""
-    from pwctl.runtime.fused_moe import route_launch, routing_buffers
+    from pwctl.runtime.moe.fused import route_launch, routing_buffers
 
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)
     cpu = torch.device("cpu")
@@ -1621,8 +1620,8 @@ def test_popc_kernels_by_default_on_a_layer_large_enough(monkeypatch, shared):
     reads = 2 * 3 * 768 * 4096 + (3 * 768 * 256 if shared else 0)  # hidden 768
     cpu = torch.device("cpu")
     for one, few in ((reads, reads), (reads, reads + 1), (reads + 1, reads + 1)):
-        monkeypatch.setattr(fused_moe, "P1_MIN_WEIGHTS", one)
-        monkeypatch.setattr(fused_moe, "POPC_MIN_WEIGHTS", few)
+        monkeypatch.setattr(fused, "P1_MIN_WEIGHTS", one)
+        monkeypatch.setattr(fused, "POPC_MIN_WEIGHTS", few)
         layer = synthetic_layer(spec, device="cpu", seed=0)
         layer.set_widths(np.full(layer.table.n_blocks, 4))  # blocks the binary mma reads
         moe = layer.moe

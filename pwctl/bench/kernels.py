@@ -17,16 +17,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pwctl.bitplanes import bits_nbytes, words_per_row
-from pwctl.convert import ConvertOptions, rows_per_table
+from pwctl.build.convert import ConvertOptions, rows_per_table
 from pwctl.errors import PwctlError
-from pwctl.pack import BlockInfo, PlaneInfo
-from pwctl.recipe import MoESpec
-from pwctl.runtime.device_table import DeviceTable
-from pwctl.runtime.fused_moe import FusedMoE
+from pwctl.format.bitplanes import bits_nbytes, words_per_row
+from pwctl.format.pack import BlockInfo, PlaneInfo
+from pwctl.format.recipe import MoESpec
 from pwctl.runtime.kernels import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
-from pwctl.runtime.page_table import GPU, PageTable, choose_slab, min_slab
-from pwctl.runtime.router import route
+from pwctl.runtime.memory.device_table import DeviceTable
+from pwctl.runtime.memory.page_table import GPU, PageTable, choose_slab, min_slab
+from pwctl.runtime.moe.fused import FusedMoE
+from pwctl.runtime.moe.router import route
 
 
 def _spec(hidden, inter, experts, top_k, shared=0, order="softmax_topk", norm=False) -> MoESpec:

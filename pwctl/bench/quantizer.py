@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pwctl.convert import rows_per_table
+from pwctl.build.convert import rows_per_table
+from pwctl.build.quantize import quantize_nested
 from pwctl.policy import Policy
-from pwctl.quantize import quantize_nested
 
 GROUP = 128
 

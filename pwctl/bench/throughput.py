@@ -35,10 +35,10 @@ import torch
 from pwctl.bench.plotting import pyplot
 from pwctl.errors import PwctlError
 from pwctl.policy import Kind, Policy
-from pwctl.runtime.accounting import SLACK, DevicePeak, over_budget
-from pwctl.runtime.batcher import BatchConfig, Batcher
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.scheduler import SamplingParams, Sequence
+from pwctl.runtime.engine.batcher import BatchConfig, Batcher
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
+from pwctl.runtime.memory.accounting import SLACK, DevicePeak, over_budget
 from pwctl.text import read_texts
 
 DEFAULT_POLICIES = ["fp16", "uniform:4"]
@@ -661,7 +661,7 @@ def _stat(values: np.ndarray, which: str | int) -> float | None:
 
 
 def _peak_memory(tl: _Timeline) -> tuple[int, str, int | None]:
-    """CUDA: what the process really held (runtime/accounting.py's DevicePeak: the caching
+    """CUDA: what the process really held (runtime/memory/accounting.py's DevicePeak: the caching
     allocator's reserved high-water mark + CuPy's pool; NVML's figure beside it); CPU: the
     engine's own accounting (fixed weights and workspace + planes + KV blocks in use), since
     process RSS includes caches the GPU path would not hold."""

@@ -161,8 +161,8 @@ def run(
     from pwctl.bench.plotting import pyplot
     from pwctl.bench.ppl import run_ppl
     from pwctl.bench.quantizer import GROUP, add_rtn_variant, as_dicts, run_quantizer_bench
-    from pwctl.checkpoint import EVAL_SAMPLE
-    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.build.checkpoint import EVAL_SAMPLE
+    from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
     from pwctl.text import token_windows
 
     if results:
@@ -356,7 +356,7 @@ def _one_mode(chosen: list[str]) -> None:
 
 def _open(pack: Path, max_bits: int | None):
     """The pack, its --max-bits checked against it (before the model loads)."""
-    from pwctl.runtime.engine import open_pack
+    from pwctl.runtime.engine.engine import open_pack
 
     opened = open_pack(pack)
     checks.max_bits(max_bits, opened.manifest.min_bits, opened.manifest.max_bits)

@@ -73,7 +73,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
 
 def write_json(path: Path | None, obj: Any) -> None:
     if path is not None:
-        from pwctl.pack import write_atomic  # imports torch: not at CLI start
+        from pwctl.format.pack import write_atomic  # imports torch: not at CLI start
 
         write_atomic(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
         console.print(f"wrote {path}")

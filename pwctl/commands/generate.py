@@ -46,9 +46,9 @@ def run(
     checks.at_least("--max-tokens", max_tokens, 1)
     BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
     device = parse_device(device)
-    from pwctl.runtime.batcher import BatchConfig
-    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-    from pwctl.runtime.scheduler import SamplingParams
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.runtime.engine.scheduler import SamplingParams
 
     opened = open_pack(pack)
     m = opened.manifest

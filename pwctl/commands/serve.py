@@ -57,10 +57,10 @@ def run(
         checks.at_least(name, value, 1)
     device = parse_device(device)
     checks.port_free(host, port)
-    from pwctl.runtime.batcher import BatchConfig
-    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-    from pwctl.runtime.server import run_server
-    from pwctl.runtime.worker import EngineWorker
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.runtime.serve.server import run_server
+    from pwctl.runtime.serve.worker import EngineWorker
 
     opened = open_pack(pack)
     m = opened.manifest

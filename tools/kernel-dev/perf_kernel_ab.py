@@ -8,10 +8,10 @@ one-token gate_up's persistent grid; 0: one CTA a tile), down_split = K (CTAs sh
 tile's columns), and the synthetic layers paged over slabs of S bytes instead of the pager's
 choice; `@popc=1` puts decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels,
 `@popc=0` on the lookup (FusedMoE.popc_decode; without it, the launcher's rule); `@b5=0` keeps
-one-token layers with blocks wider than 4 bits off the 5-bit popc build (fused_moe.POPC_B5);
-`@dwave=0` turns off down's one-wave plan beside a shared expert (fused_moe.DOWN_ONE_WAVE);
+one-token layers with blocks wider than 4 bits off the 5-bit popc build (fused.POPC_B5);
+`@dwave=0` turns off down's one-wave plan beside a shared expert (fused.DOWN_ONE_WAVE);
 `@sk=1` / `@sk=0` puts the sm_90a prefill's down on its stream-K wave or one CTA a unit
-(fused_moe.DOWN_STREAM_K).
+(fused.DOWN_STREAM_K).
 Usage (GPU machine):
   python3 tools/kernel-dev/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
@@ -26,7 +26,8 @@ import torch
 
 from pwctl.bench import kernels as bench
 from pwctl.bench.kernels import run_kernel_bench
-from pwctl.runtime import fused_moe, kernels
+from pwctl.runtime import kernels
+from pwctl.runtime.moe import fused
 
 SYNTHETIC = bench.synthetic_layer
 
@@ -40,13 +41,13 @@ def main() -> None:
         for v in variants:
             path, *knobs = v.split("@")
             knob = dict(k.split("=") for k in knobs)
-            fused_moe.GATE_UP_RUNS = int(knob["runs"]) if "runs" in knob else None
-            fused_moe.DOWN_SPLIT = int(knob["down"]) if "down" in knob else None
-            fused_moe.DOWN_ONE_WAVE = knob.get("dwave", "1") != "0"
-            fused_moe.DOWN_STREAM_K = {"1": True, "0": False}.get(knob.get("sk", ""))
+            fused.GATE_UP_RUNS = int(knob["runs"]) if "runs" in knob else None
+            fused.DOWN_SPLIT = int(knob["down"]) if "down" in knob else None
+            fused.DOWN_ONE_WAVE = knob.get("dwave", "1") != "0"
+            fused.DOWN_STREAM_K = {"1": True, "0": False}.get(knob.get("sk", ""))
             slab = int(knob["slab"]) if "slab" in knob else None
-            fused_moe.POPC_DECODE = {"1": True, "0": False}.get(knob.get("popc", ""))
-            fused_moe.POPC_B5 = knob.get("b5", "1") != "0"
+            fused.POPC_DECODE = {"1": True, "0": False}.get(knob.get("popc", ""))
+            fused.POPC_B5 = knob.get("b5", "1") != "0"
             bench.synthetic_layer = functools.partial(SYNTHETIC, slab_bytes=slab)
             if path.endswith(".cubin"):
                 os.environ["PWCTL_CUBIN"] = str(Path(path).resolve())

@@ -22,7 +22,8 @@ import torch
 from perf_wide_blocks import ONE_TOKEN, mean_times, use_build, wide_widths
 
 from pwctl.bench.kernels import SHAPES, random_routing, routed_on, synthetic_layer
-from pwctl.runtime import fused_moe, kernels
+from pwctl.runtime import kernels
+from pwctl.runtime.moe import fused
 
 PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0, 1, 2]}
 
@@ -65,7 +66,7 @@ def wave_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> floa
     try:
         return mean_times(layer, 1, widths_of, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]
     finally:
-        moe.gate_up_runs = fused_moe.GATE_UP_RUNS
+        moe.gate_up_runs = fused.GATE_UP_RUNS
         moe.forget_launches()
 
 

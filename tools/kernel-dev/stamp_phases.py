@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from pwctl.bench.kernels import capture_graph, decode_calls, l2_flush, routed_call
-from pwctl.runtime import fused_moe, kernels
+from pwctl.runtime import kernels
+from pwctl.runtime.moe import fused
 
 CTAS = 16384  # STAMP_CTAS
 KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc gate_up streams
@@ -137,7 +138,7 @@ def main() -> None:
     shares, chain = "shares" in sys.argv[3:], "chain" in sys.argv[3:]
     popc = True if "popc" in sys.argv[3:] else False if "lookup" in sys.argv[3:] else None
     runs = [int(a[5:]) for a in sys.argv[3:] if a.startswith("runs=")]
-    fused_moe.GATE_UP_RUNS = runs[0] if runs else None
+    fused.GATE_UP_RUNS = runs[0] if runs else None
     buf, smid = stamps()
     flush = l2_flush()
     for name, T, call in decode_calls(shapes, tokens, path="prefill" if prefill else "decode"):
