@@ -70,8 +70,9 @@ def _bundled(name: str, root: Path, profile: bool) -> Path:
     from filelock import FileLock
 
     from pwctl.build.checkpoint import CALIB_SAMPLE
-    from pwctl.build.profile import PROFILE_JSON, run_profile
+    from pwctl.build.profile import run_profile
     from pwctl.format.pack import Pack
+    from pwctl.format.profile import PROFILE_JSON
     from pwctl.runtime.engine.engine import Engine
     from pwctl.text import spread_windows
 

@@ -160,7 +160,7 @@ def test_each_steps_router_ids_reach_the_planner_once_a_step_late(bundled_pack):
 def test_one_token_steps_keep_the_last_residual(bundled_pack):
     # a usable residual model reads the std of a step's token norms: undefined for one token,
     # so a one-token step keeps the factor of the last step that had more
-    from pwctl.build.residual import ResidualModel
+    from pwctl.format.residual import ResidualModel
     from pwctl.runtime.moe.block import MoETap
 
     engine = Engine(Pack(bundled_pack))

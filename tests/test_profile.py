@@ -9,11 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 from pwctl.build import tiny
-from pwctl.build.profile import Profile, lower_hull
-from pwctl.build.residual import ResidualModel
 from pwctl.cli import app
 from pwctl.errors import PwctlError
 from pwctl.format.pack import Pack
+from pwctl.format.profile import Profile, lower_hull
+from pwctl.format.residual import ResidualModel
 
 runner = CliRunner()
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from pwctl.build.convert import rows_per_table
-from pwctl.build.residual import ResidualModel
+from pwctl.format.residual import ResidualModel
 from pwctl.runtime.memory.page_table import PageTable
 from pwctl.runtime.widths.allocator import router_counts
 from pwctl.runtime.widths.planner import Planner, PlannerConfig

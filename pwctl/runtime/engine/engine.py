@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pwctl.build.profile import PROFILE_JSON
 from pwctl.errors import PwctlError
 from pwctl.format.pack import Pack
+from pwctl.format.profile import PROFILE_JSON
 from pwctl.policy import Budget, BudgetArg, Kind, Policy
 from pwctl.runtime import kernels
 from pwctl.runtime.engine.batcher import BatchConfig, Batcher

@@ -14,7 +14,7 @@ from torch import nn
 
 from pwctl.format.recipe import MoESpec
 from pwctl.runtime.memory.expert_store import ExpertStore
-from pwctl.runtime.moe.fused import can_route
+from pwctl.runtime.moe.prep import can_route
 from pwctl.runtime.moe.router import route
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ as the paged policies, with experts a serious 16-bit engine would run (vLLM's fu
 pairs by expert the same way).
 
 Every step of a call stays on the device (the pairs sorted as the fused MoE sorts them:
-`fused.sort_by_expert`), so no call syncs the host and a decode step replays from a CUDA
+`pairs.sort_by_expert`), so no call syncs the host and a decode step replays from a CUDA
 graph. `torch._grouped_mm` runs its fused kernel for bf16 on Hopper (torch 2.11); for fp16 it
 falls back to a loop that reads the offsets on the host, so on CUDA this backend runs in bf16
 (the same bytes as fp16) and the engine runs the whole model in bf16 with it. On the CPU it
@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 from pwctl.errors import PwctlError
 from pwctl.format.pack import Pack
 from pwctl.format.recipe import MoESpec
-from pwctl.runtime.moe.fused import sort_by_expert
+from pwctl.runtime.moe.pairs import sort_by_expert
 
 
 def dense_dtype(device: str) -> torch.dtype:

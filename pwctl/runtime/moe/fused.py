@@ -10,572 +10,40 @@ every path."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pwctl.format import bitplanes
 from pwctl.format.recipe import MoESpec
 from pwctl.runtime import kernels, popc
 from pwctl.runtime.memory.device_table import DeviceTable
+from pwctl.runtime.moe.dispatch import (
+    ONE_TOKEN_BITS,
+    DispatchRules,
+    WidthSpan,
+    builds,
+    is_popc,
+    past_mma,
+)
+from pwctl.runtime.moe.layouts import TILE_TOKENS, Proj, fragment_order, one_slot_tiles, token_tiles
+from pwctl.runtime.moe.pairs import Pairs, all_tokens, decode_buffers, group
+from pwctl.runtime.moe.prep import (
+    Routing,
+    XPieces,
+    prepare_decode,
+    prepare_prefill,
+    route_launch,
+    routed_pointers,
+    routing_buffers,
+)
 from pwctl.runtime.moe.router import route
-
-
-@dataclass(frozen=True)
-class Proj:
-    """Static layout of one projection of a layer (all experts of the layer share it)."""
-
-    rows: int
-    cols: int
-    words: int
-    rows_per_table: int
-
-    @property
-    def bits_nbytes(self) -> int:
-        return bitplanes.bits_nbytes(self.rows, self.words)
-
-    @property
-    def wpad(self) -> int:
-        """Plane words per row as the kernels' activation layout holds them (a multiple of 8)."""
-        return -(-self.words // 8) * 8
-
-
-@dataclass
-class Pairs:
-    """(token, expert) pairs sorted by expert, and the slots (one per active expert) over them."""
-
-    token: torch.Tensor  # int32 [pairs]
-    weight: torch.Tensor  # float32 [pairs]
-    expert: torch.Tensor  # int32 [slots]: expert of each slot (block_ids row)
-    lo: torch.Tensor  # int32 [slots]
-    hi: torch.Tensor  # int32 [slots]; hi == lo: empty slot
-
-    def slot_args(self) -> tuple:
-        p = kernels.ptr
-        return (p(self.expert), p(self.lo), p(self.hi), p(self.token), p(self.weight))
-
-    def kernel_args(self, block_ids: torch.Tensor) -> tuple:
-        return self.slot_args() + (kernels.ptr(block_ids), np.int32(block_ids.shape[0]))
-
-
-def sort_by_expert(
-    index: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A routing result's (token, slot) pairs in expert order, without a host sync: the order
-    into the flattened pairs, each expert's pair count and the running ends of those counts."""
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=index.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync (graph capture)
-    return order, counts, counts.cumsum(0)
-
-
-def group(index: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Pairs:
-    """Pairs of a routing result, sorted by expert, without a host sync: the slot count is the
-    bound min(E, T*k); slots past the number of active experts are empty."""
-    T, k = index.shape
-    order, counts, ends = sort_by_expert(index, num_experts)
-    active = torch.argsort((counts == 0).to(torch.int8), stable=True)[: min(num_experts, T * k)]
-    n_active = (counts > 0).sum()
-    live = torch.arange(active.numel(), device=index.device) < n_active
-    lo = torch.where(live, ends[active] - counts[active], 0)
-    hi = torch.where(live, ends[active], 0)
-    i32 = torch.int32
-    return Pairs(
-        token=(order // k).to(i32),
-        weight=weights.reshape(-1)[order].float(),
-        expert=active.to(i32),
-        lo=lo.to(i32),
-        hi=hi.to(i32),
-    )
-
-
-def pair_buffers(n: int, slots: int, device: torch.device) -> Pairs:
-    """Uninitialized pairs and slots, for a prep launch to fill."""
-    i32 = torch.int32
-    return Pairs(
-        token=torch.empty(n, dtype=i32, device=device),
-        weight=torch.empty(n, dtype=torch.float32, device=device),
-        expert=torch.empty(slots, dtype=i32, device=device),
-        lo=torch.empty(slots, dtype=i32, device=device),
-        hi=torch.empty(slots, dtype=i32, device=device),
-    )
-
-
-def decode_buffers(
-    T: int, k: int, num_experts: int, wpad: int, device: torch.device
-) -> tuple[Pairs, torch.Tensor]:
-    """What `prepare_decode` fills for T tokens of top-k routing: pairs, slots, x in fragment
-    order (uninitialized)."""
-    pairs = pair_buffers(T * k, min(num_experts, T * k), device)
-    return pairs, torch.empty(T, wpad, 32, dtype=torch.float16, device=device)
-
-
-def prepare_prefill(
-    index: torch.Tensor, weights: torch.Tensor, num_experts: int, out: torch.Tensor
-) -> tuple[Pairs, torch.Tensor]:
-    """One launch for what a prefill call needs before its kernels (CUDA): `group`'s pairs and
-    slots, the token tiles' (slot, pass) (`tile_plan(pairs).info`; no host sync) and `out`
-    zeroed. In torch these were ~30 small launches, and eager prefill waited on the host."""
-    T, k = index.shape
-    n, slots = T * k, min(num_experts, T * k)
-    pairs = pair_buffers(n, slots, index.device)
-    info = torch.empty(tile_bound(n, slots), 2, dtype=torch.int32, device=index.device)
-    idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
-    blocks = 1 + min(2 * kernels.sm_count(), -(-out.numel() // (4 * kernels.PREP_THREADS)))
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
-        "prefill_prep",
-        (blocks,),
-        (kernels.PREP_THREADS,),
-        (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
-        + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
-        + (p(info), i(info.shape[0]), p(out), np.int64(out.numel())),
-        shared_mem=kernels.group_smem(num_experts, n),
-    )
-    return pairs, info
-
-
-@dataclass(frozen=True)
-class XPieces:
-    """Where a prep launch writes T tokens' x pieces for the popc kernels (cuda/moe.cu
-    `x_piece`): a buffer of popc.pieces(words) pieces a token, words = the gate rows' words.
-    Made once and reused: the prep kernels' arguments are fixed with it."""
-
-    buf: torch.Tensor | None  # None: no pieces (`_NO_X_PIECES`)
-    args: tuple  # the prep kernels' trailing arguments: words, the buffer, `blocks`
-    blocks: int  # prep blocks that build the pieces (POPC_SPLIT a piece and token)
-
-    @classmethod
-    def over(cls, buf: torch.Tensor, words: int, T: int) -> XPieces:
-        """Pieces of T tokens of `words` words into `buf`."""
-        blocks = popc.pieces(words) * T * kernels.POPC_SPLIT
-        return cls(buf, (np.int32(words), kernels.ptr(buf), np.int32(blocks)), blocks)
-
-
-_NO_X_PIECES = XPieces(None, (np.int32(0), np.uint64(0), np.int32(0)), 0)
-
-
-def prepare_decode(
-    x: torch.Tensor,
-    index: torch.Tensor,
-    weights: torch.Tensor,
-    num_experts: int,
-    wpad: int,
-    out: torch.Tensor,
-    buffers: tuple[Pairs, torch.Tensor] | None = None,
-    pieces: XPieces | None = None,
-) -> tuple[Pairs, torch.Tensor]:
-    """One launch for what a decode call needs before its kernels: `group`'s pairs and slots (no
-    host sync), x in fragment order (`fragment_order(x, wpad)`), `out` (float32) zeroed and,
-    when given, x's `pieces`. Into `buffers` (`decode_buffers`) when given, else into new ones."""
-    T, k = index.shape
-    n, slots = T * k, min(num_experts, T * k)
-    pairs, xf = buffers or decode_buffers(T, k, num_experts, wpad, index.device)
-    idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
-    xh = x.half().contiguous()
-    blocks = 1 + min(64, -(-max(xf.numel(), out.numel()) // 1024))  # block 0 groups
-    px = pieces or _NO_X_PIECES
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
-        "decode_prep",
-        (blocks + px.blocks,),
-        (kernels.PREP_THREADS,),
-        (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
-        + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
-        + (p(xh), i(T), i(x.shape[1]), i(wpad), p(xf), p(out), i(out.numel()))
-        + px.args,
-        shared_mem=kernels.group_smem(num_experts),
-    )
-    return pairs, xf
-
-
-class WidthSpan(NamedTuple):
-    """A layer's blocks at the widths the kernels read: what the launcher's rule looks at."""
-
-    narrowest: int
-    widest: int
-    wide: float  # the share of the layer's weights in blocks wider than kernels.POPC_MAX_BITS
-    wider: float  # the share in blocks wider than 5 bits (past p1b5's binary mma)
-    gate_up_wide: float  # the same two shares of its gate and up weights alone: where the
-    gate_up_wider: float  # one-token builds p1 and n1p1 differ on a large layer (the same down)
-
-
-@dataclass
-class Routing:
-    """What `prepare_routed` writes besides the pairs: each token's top-k and the shared expert's
-    gate, and the router logits they came from (fp16 values held as fp32)."""
-
-    index: torch.Tensor  # int64 [T, k]
-    weights: torch.Tensor  # float32 [T, k]
-    scale: torch.Tensor | None  # float32 [T]: sigmoid of the shared expert's gate (None: none)
-    logits: torch.Tensor  # float32 [T, experts (+ 1: the shared gate's)]
-
-
-def routing_buffers(T: int, spec: MoESpec, shared_gate: bool, device: torch.device) -> Routing:
-    rows = spec.num_experts + shared_gate
-    return Routing(
-        index=torch.empty(T, spec.top_k, dtype=torch.int64, device=device),
-        weights=torch.empty(T, spec.top_k, dtype=torch.float32, device=device),
-        scale=torch.empty(T, dtype=torch.float32, device=device) if shared_gate else None,
-        logits=torch.empty(T, rows, dtype=torch.float32, device=device),
-    )
-
-
-ROUTE_MAX_EXPERTS, ROUTE_MAX_K = 256, 8  # cuda/moe.cu route_prep
-ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
-ROUTE_LOADS = 4  # cuda/moe.cu slice_dot: 16-byte loads a lane issues together, on each row
-
-
-def route_slices(H: int) -> int:
-    """Warps of one router dot product over H (cuda/moe.cu router_logits): the fewest, a power
-    of two up to a block's warps, that leave each lane at most ROUTE_LOADS loads a row."""
-    slices, warps = 1, kernels.PREP_THREADS // 32
-    while slices < warps and -(-H // (8 * slices)) > 32 * ROUTE_LOADS:
-        slices *= 2
-    return slices
-
-
-def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
-    """Whether `FusedMoE.routed` takes this call: always on the CPU (torch's router); on CUDA
-    when `prepare_routed` does, a decode of fp16 tokens and router, rows a multiple of 8 values
-    starting 16-byte aligned (the dot products load 16 bytes at a time), at most 256 experts and
-    top-8."""
-    if not x.is_cuda:
-        return True
-    return (
-        x.shape[0] <= kernels.DECODE_MAX_TOKENS
-        and x.dtype == gate_weight.dtype == torch.float16
-        and x.shape[1] % 8 == 0
-        and x.data_ptr() % 16 == 0
-        and gate_weight.data_ptr() % 16 == 0
-        and spec.num_experts <= ROUTE_MAX_EXPERTS
-        and spec.top_k <= ROUTE_MAX_K
-        and spec.order in ROUTE_ORDERS
-    )
-
-
-def prepare_routed(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    shared_gate_weight: torch.Tensor | None,
-    spec: MoESpec,
-    wpad: int,
-    out: torch.Tensor,
-    done: torch.Tensor,
-    buffers: tuple[Pairs, torch.Tensor] | None = None,
-    routing: Routing | None = None,
-    pieces: XPieces | None = None,
-) -> tuple[Pairs, torch.Tensor, Routing]:
-    """`prepare_decode` with the router folded into its launch: logits (x @ gate_weight.T, fp16
-    values), each token's top-k in the recipe's order, the shared expert's gate, then the pairs,
-    x in fragment order, `out` zeroed and x's `pieces`. x, gate weights: fp16 (`can_route`).
-    `done`: an int32 counter, zero between launches (the kernel's last block resets it)."""
-    T, H = x.shape
-    shared = shared_gate_weight is not None
-    pairs, xf = buffers or decode_buffers(T, spec.top_k, spec.num_experts, wpad, x.device)
-    routing = routing or routing_buffers(T, spec, shared, x.device)
-    launch = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces)
-    launch(*routed_pointers(x, gate_weight, shared_gate_weight, out))
-    return pairs, xf, routing
-
-
-def routed_pointers(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    shared_gate_weight: torch.Tensor | None,
-    out: torch.Tensor,
-) -> tuple[int, int, int, int]:
-    """What a `route_launch` takes at each call: x, the router's and the shared gate's weights
-    (0: none), out."""
-    sgw = 0 if shared_gate_weight is None else shared_gate_weight.contiguous().data_ptr()
-    return x.contiguous().data_ptr(), gate_weight.contiguous().data_ptr(), sgw, out.data_ptr()
-
-
-def route_launch(
-    T: int,
-    H: int,
-    spec: MoESpec,
-    shared: bool,
-    wpad: int,
-    done: torch.Tensor,
-    pairs: Pairs,
-    xf: torch.Tensor,
-    routing: Routing,
-    pieces: XPieces | None,
-) -> kernels.Prepared:
-    """`prepare_routed`'s launch for T tokens of H into these buffers: `routed_pointers` fill
-    its holes (x, router weights, shared gate weights, out [T, H] float32) at each call."""
-    E, k = spec.num_experts, spec.top_k
-    slots, units, slices = min(E, T * k), max(xf.numel(), T * H), route_slices(H)
-    warps = T * (E + shared) * slices
-    blocks = min(
-        2 * kernels.sm_count(), max(-(-warps // (kernels.PREP_THREADS // 32)), -(-units // 1024))
-    )
-    px = pieces or _NO_X_PIECES
-    p, i, hole = kernels.ptr, np.int32, np.uint64(0)
-    head = (
-        (hole, i(T), i(H), hole, i(E), hole, i(k))  # x, its shape, router and shared gate
-        + (i(ROUTE_ORDERS[spec.order]), i(spec.norm_topk_prob), np.float32(spec.routed_scaling))
-        + (p(routing.logits), p(done), p(routing.index), p(routing.weights))
-        + (np.uint64(routing.scale.data_ptr() if shared else 0), i(slots))
-        + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
-        + (i(wpad), p(xf))
-    )
-    args = head + (hole, i(T * H)) + px.args + (i(slices),)  # out
-    holes = (0, 3, 5, len(head))
-    grid, smem = (blocks + px.blocks,), kernels.group_smem(E)
-    return kernels.Prepared("route_prep", grid, (kernels.PREP_THREADS,), args, holes, smem)
-
-
-@functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
-def _all_tokens(T: int, expert: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    i32 = torch.int32
-    return (
-        torch.arange(T, dtype=i32, device=device),
-        torch.ones(T, device=device),
-        torch.full((1,), expert, dtype=i32, device=device),
-        torch.zeros(1, dtype=i32, device=device),
-        torch.full((1,), T, dtype=i32, device=device),
-    )
-
-
-def all_tokens(T: int, scale: torch.Tensor | None, expert: int, device: torch.device) -> Pairs:
-    """One slot holding every token (the shared expert), weighted by its gate. Its constant
-    tensors are made once per (T, expert, device): no launch and no host copy per call (graphs)."""
-    # under stream capture the fills are only recorded, not run: nothing to cache then
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    make = _all_tokens.__wrapped__ if capturing else _all_tokens
-    token, ones, experts, lo, hi = make(T, expert, device)
-    weight = ones if scale is None else scale.reshape(-1).float()
-    return Pairs(token=token, weight=weight, expert=experts, lo=lo, hi=hi)
-
-
-@functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
-def _one_slot_tiles(T: int, device: torch.device) -> torch.Tensor:
-    """The token tiles of one slot of T pairs (`all_tokens`): `tile_plan`'s, made once per T."""
-    return tile_plan(all_tokens(T, None, 0, device)).info
-
-
-def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
-    """[n, K] -> float16 [n, wpad, 32] (cuda/moe.cu's activation layout), zero-padded to 32*wpad
-    columns: [n, w, 4s + i] holds column 32w + s // 2 + 16 (s % 2) + 4i. View ops only (no index
-    tensor), so CUDA-graph capture works."""
-    # column 32w + 16h + 4i + c, stored as [w][c][h][i] (k-step s = 2c + h)
-    n = x.shape[0]
-    return _half_padded(x, wpad).view(n, wpad, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(n, wpad, 32)
-
-
-def _half_padded(x: torch.Tensor, wpad: int) -> torch.Tensor:
-    """x in fp16 with zero columns up to 32 * wpad (the kernels' activation width)."""
-    xh = x.half()
-    return F.pad(xh, (0, 32 * wpad - x.shape[1])) if 32 * wpad > x.shape[1] else xh
-
-
-TILE_TOKENS = kernels.PREFILL_TOKENS  # tokens of an sm_90a prefill tile (cuda/moe.cu WG_TOKENS)
-
-
-def wgmma_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
-    """[n, K] -> float16 [n, 32 * wpad], zero-padded, columns in the order the sm_90a prefill's
-    lanes hold their weights: per 256-column chunk `it` and k-step s (0..15), the 16 columns of
-    the step, so one token's k-step is 32 contiguous bytes. Position 256 it + 16 s + k holds
-    column 32 w + c + 16 h + 4 j with w = 8 it + 2 (k % 8 // 2) + s // 8, c = s // 2 % 4,
-    h = s % 2, j = k % 2 + 2 (k // 8)."""
-    return _half_padded(x, wpad)[:, _wgmma_columns(wpad, x.device)]
-
-
-@functools.cache
-def _wgmma_columns(wpad: int, device: torch.device) -> torch.Tensor:
-    pos = torch.arange(32 * wpad)
-    it, s, k = pos // 256, pos // 16 % 16, pos % 16
-    w = 8 * it + 2 * (k % 8 // 2) + s // 8
-    return (32 * w + s // 2 % 4 + 16 * (s % 2) + 4 * (k % 2 + 2 * (k // 8))).to(device)
-
-
-def wgmma_tiles(x: torch.Tensor, wpad: int, rows: torch.Tensor) -> torch.Tensor:
-    """Token tiles for the sm_90a prefill: rows [tiles * 128] of x, in wgmma order, each tile
-    laid out as the kernel's shared memory holds it (cuda/moe.cu `tile_pos`): per half-chunk of
-    128 positions, [k-step 8][token group 16][k 0-7 / 8-15][token 8][8 values]."""
-    xw = wgmma_order(x, wpad)[rows]
-    tiles, hc = rows.numel() // TILE_TOKENS, 32 * wpad // 128
-    return xw.view(tiles, 16, 8, hc, 8, 2, 8).permute(0, 3, 4, 1, 5, 2, 6).contiguous()
-
-
-@dataclass
-class TilePlan:
-    """The sm_90a prefill's token tiles: one per (slot, pass), each slot's tiles consecutive. The
-    tile count is a bound known from shapes (pairs / 128 + slots), so planning needs no host sync;
-    tiles past the last real one have slot -1 and their CTAs exit at once. The bound exceeds the
-    live tiles, so a plan ends with a dead tile; a dead tile's pass is the count of live tiles
-    (cuda/moe.cu down_span reads it from the last)."""
-
-    info: torch.Tensor  # int32 [tiles, 2]: (slot, pass) of each tile
-    pair: torch.Tensor  # int64 [tiles * 128]: pair of each tile token (past a slot's end: its last)
-
-    @property
-    def tiles(self) -> int:
-        return self.info.shape[0]
-
-
-def tile_bound(pairs: int, slots: int) -> int:
-    """Token tiles a prefill plans for (no host sync: from shapes): each slot's last tile may be
-    partial."""
-    return -(-pairs // TILE_TOKENS) + slots
-
-
-def tile_plan(pairs: Pairs) -> TilePlan:
-    """Tiles of 128 consecutive pairs of one slot, from device tensors only (no host sync). The
-    reference for `prepare_prefill`'s plan (cuda/moe.cu `plan_tiles`) and `token_tiles`."""
-    lo, hi = pairs.lo.long(), pairs.hi.long()
-    per = (hi - lo).clamp(min=0).add(TILE_TOKENS - 1).div(TILE_TOKENS, rounding_mode="floor")
-    end = per.cumsum(0)
-    bound = tile_bound(pairs.token.numel(), per.numel())
-    tile = torch.arange(bound, device=lo.device)
-    slot = torch.searchsorted(end, tile, right=True).clamp(max=per.numel() - 1)
-    pas = tile - (end - per)[slot]
-    pair = lo[slot, None] + TILE_TOKENS * pas[:, None] + torch.arange(TILE_TOKENS, device=lo.device)
-    pair = torch.minimum(pair, hi[slot, None] - 1).clamp(min=0).reshape(-1)
-    live = tile < end[-1]
-    info = torch.stack([torch.where(live, slot, -1), torch.where(live, pas, end[-1])], 1)
-    info = info.to(torch.int32)
-    return TilePlan(info, pair)
-
-
-def down_spans(units: int, sk: int, chunks: int) -> list[tuple[int, int]]:
-    """CPU twin of cuda/moe.cu `down_span` on its stream-K wave (sk > 0 CTAs): each CTA's range of
-    chunks, in unit order, of `units` live units of `chunks` chunks. CTAs b < D = (units / sk) sk
-    take unit b whole; the next sk CTAs equal shares of the rest (at most half a unit each) if
-    it fills at most half a wave, else whole units too (then D = units and the shares are
-    empty)."""
-    d = units if 2 * (units % sk) > sk else units // sk * sk
-    whole = [(b * chunks, (b + 1) * chunks) for b in range(d)]
-    rest = (units - d) * chunks
-    shares = [d * chunks + j * rest // sk for j in range(sk + 1)]
-    return whole + list(zip(shares, shares[1:], strict=False))
-
-
-def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) -> torch.Tensor:
-    """`wgmma_tiles(x, wpad, pairs.token[tile_plan(pairs).pair])` in one launch (CUDA), flat
-    [tiles, 128 * 32 * wpad], for the tiles `info` plans (`tile_plan(pairs).info`). Tiles past
-    the last real one (slot -1) are left unwritten: no kernel reads them."""
-    xh = x.half().contiguous()
-    tiles = info.shape[0]
-    xt = torch.empty(tiles, TILE_TOKENS * 32 * wpad, dtype=torch.float16, device=x.device)
-    units = wpad // 4 * 2048  # 16-byte units a tile (cuda/moe.cu token_tiles)
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
-        "token_tiles",
-        (min(64, -(-units // 256)), tiles),
-        (256,),
-        (p(xh), i(x.shape[1]), i(wpad), p(pairs.token), p(pairs.lo), p(pairs.hi), p(info), p(xt)),
-    )
-    return xt
-
-
-# The popc kernels save ~15% of a one-token slot's streaming and cost more a call (x's pieces in
-# the prep launch, popc_planes for h). On the H200 one-token calls win on Mixtral and Qwen1.5-MoE
-# (once popc_planes let down launch early: routed, Qwen1.5-MoE 42.5 -> 38.9 us at 3 bits), not
-# on the smaller layers (P1_MIN_WEIGHTS below); calls of 2..POPC_MAX_TOKENS tokens win on
-# Mixtral (~352M expert weights a token; 1.14-1.23x)
-# and lose on Qwen1.5-MoE (69M) and Qwen3-MoE (38M; 2 tokens, routed: 44.3 against 52.2 us at 3
-# bits). So one token takes them from P1_MIN_WEIGHTS a token, a few tokens from POPC_MIN_WEIGHTS
-# (docs/decisions/022-popc-by-layer-size.md), while their blocks are narrow enough
-# (`FusedMoE._popc_kind`).
-POPC_MIN_WEIGHTS = 128 << 20
-# FusedMoE.popc_decode's default (None: by the rule above; tools/kernel-dev/perf_kernel_ab.py's
-# `popc=`)
-POPC_DECODE: bool | None = None
-# One-token calls on a large layer (`_popc_pays`) may take the 5-bit build (`p1b5`: 5-bit blocks
-# on the binary mma too, not the lookup) where its rule says (below); off, they do not
-# (tools/kernel-dev/perf_kernel_ab.py's `b5=0`).
-POPC_B5 = True
-# One token takes the popc kernels on a layer reading at least P1_MIN_WEIGHTS a token, and the
-# lookup kernels below it: on Qwen3-MoE (37.7M) and an OLMoE layer (50.3M: 64 experts, top 8,
-# 1024 x 2048) the lookup kernels were up to 12% faster than `p1` at 2-4 bits (both shapes at 2
-# bits 11-12%, OLMoE at 4 bits 5%) and at most 1.6% slower, and 2-15% faster with wide blocks
-# (H200, docs/decisions/022-popc-by-layer-size.md); on Qwen1.5-MoE (69.2M with its shared
-# expert) and Mixtral
-# `p1` leads by 7-35% at 2-4 bits.
-# With blocks past 4 bits (`FusedMoE._wide_kind`; every build timed on the same draws, `p1` on
-# one CTA a gate_up tile, GATE_UP_RUNS; docs/decisions/034-wide-block-rule.md):
-# - A large layer (POPC_MIN_WEIGHTS, Mixtral) takes `p1b5` from P1B5_FROM_WIDE of its weights
-#   past 4 bits while under P1B5_UNTIL_WIDER are past 5 (every wide block at 5 bits: p1 led to
-#   0.42, p1b5 from 0.5, 173.6 against 177.0 us; half the blocks at 5 and one or two of 24 at 6
-#   or 8: p1b5 3-11% ahead; four at 6: p1 172.1, p1b5 182.7). Else the split build (n1p1, `_kind`:
-#   the lookup gate_up, the popc down) from P1_UNTIL_GATE_UP_WIDE of its gate and up weights past
-#   4 bits or P1_UNTIL_GATE_UP_WIDER past 5, else `p1`. Only gate and up count: both builds run
-#   the same down, and `p1` reads a wide gate or up (and the narrow one beside it) by a lookup on
-#   4 CTAs an SM where `gate_up_n1` runs more (every gate at 5 bits: the split 141.7 against
-#   147.5 us; every down at 6 bits: `p1` 149.5, the split 176.9).
-# - A layer between them (Qwen1.5-MoE) takes `p1` while under MID_P1_UNTIL_WIDE of its weights
-#   are past 4 bits (5-8 bits on 2-8% of the blocks: 1-10% faster than the split), else the split
-#   build (1-11% faster than the lookup kernels in 15 of 19 cells, within 1.2% of them in the
-#   rest); p1b5 was 12-45% slower than the others in every cell. Its downs count too: past 4
-#   bits they cost `p1` more than the split (every down at 8 bits: 68.6 against 63.9 us).
-# A call of 2..POPC_MAX_TOKENS tokens takes the popc kernels below PN_UNTIL_WIDE past 4 bits and
-# the lookup ones from it on (their slots on wide blocks run a lookup slower than the lookup
-# kernels': 8 tokens, three quarters of the blocks at 8 bits, 1032 against 977).
-P1_MIN_WEIGHTS = 56 << 20
-P1B5_FROM_WIDE = 0.45
-P1B5_UNTIL_WIDER = 0.12
-P1_UNTIL_GATE_UP_WIDE = 0.5
-P1_UNTIL_GATE_UP_WIDER = 0.3
-MID_P1_UNTIL_WIDE = 0.1
-PN_UNTIL_WIDE = 0.5
 
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 # gate_up's per-tile grid: no shares (runs, scratch rows, tickets)
 _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))
-# the one-token popc builds (their gate_up on a persistent grid) and the widest block each one's
-# binary mma reads
-_ONE_TOKEN_BITS = {"p1": 4, "p1b3": 3, "p1b5": 5}
-# One token on a layer of P1_MIN_WEIGHTS the rule sends off the popc builds (blocks past 4
-# bits): gate_up on the lookup, down on the popc build after popc_planes ("n1p1", `_builds`),
-# whose down reads its narrow blocks on the binary mma and its wide ones on a lookup of its own,
-# faster than down_n1's (Mixtral: 1.6-8% off the lookup kernels in 7 of 10 cells, 1-3% slower
-# on two budget mixes), also where no block is narrow enough for its mma (every block at 5-8
-# bits or the planner's mixes past budget 0.55: Qwen1.5-MoE 9-11% faster, Mixtral 0-5%;
-# docs/decisions/034-wide-block-rule.md); off, down on the lookup too. A decode kind names one
-# build for both launches but this one.
-POPC_DOWN = True
-_SPLIT_BUILDS = {"n1p1": ("n1", "p1")}
-
-
-def _builds(kind: str) -> tuple[str, str]:
-    """(gate_up's build, down's build) of a decode kind."""
-    return _SPLIT_BUILDS.get(kind, (kind, kind))
-
-
-def _popc(build: str) -> bool:
-    """Whether a build is one of the popc kernels' (x's or h's pieces on the binary mma)."""
-    return build.startswith("p")
-
-
-# FusedMoE.gate_up_runs' default: None, one-token gate_up grids run persistent by
-# kernels.gate_up_runs, but one CTA a tile where a block is wider than the build's binary mma
-# (`_past_mma`: on Mixtral one CTA a tile was 3-13% faster than the wave in 16 of 16 cells of
-# 5-8-bit blocks, with the wave's shares weighed by each tile's cost, since removed; at 4 bits
-# the wave is 4% faster; docs/decisions/034-wide-block-rule.md); a count, that many CTAs in
-# equal shares
-# (0: one a tile; tools/kernel-dev/perf_kernel_ab.py sets it for A/B runs)
-GATE_UP_RUNS: int | None = None
-# FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
-DOWN_SPLIT: int | None = None
-# The sm_90a prefill's down on a wave of CTAs that split the last units' columns (cuda/moe.cu
-# down_span) where its rows are at least this many chunks of 8 plane words long: Mixtral (56)
-# gained 2-6% at 512 tokens; Qwen1.5-MoE's shared expert (22) gained nothing measurable, and
-# short rows lose (docs/decisions/017-prefill-down-stream-k.md).
-DOWN_STREAM_K_CHUNKS = 32
-# FusedMoE.down_stream_k's default: None, by the rule above; True / False (perf_kernel_ab's @sk=)
-DOWN_STREAM_K: bool | None = None
-# kernels.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
-# the routed split and the shared expert's balanced one as they come; perf_kernel_ab's @dwave=0)
-DOWN_ONE_WAVE = True
 
 
 @dataclass(frozen=True)
@@ -596,8 +64,15 @@ class DecodeLaunch:
 
 
 class FusedMoE:
-    def __init__(self, spec: MoESpec, dt: DeviceTable, index: dict[tuple[int, int, str], int]):
-        """`index`: (layer, expert, proj) -> block (shared experts: expert = num_experts)."""
+    def __init__(
+        self,
+        spec: MoESpec,
+        dt: DeviceTable,
+        index: dict[tuple[int, int, str], int],
+        rules: DispatchRules | None = None,
+    ):
+        """`index`: (layer, expert, proj) -> block (shared experts: expert = num_experts).
+        `rules`: which decode kernels a call takes (default: `DispatchRules()`)."""
         if spec.act != "silu":
             raise ValueError(f"activation {spec.act}: the kernels implement silu")
         self.spec, self.dt = spec, dt
@@ -625,9 +100,6 @@ class FusedMoE:
             kernels.modules()  # not in a first request's step (104 s on a fresh H200 machine)
         self._launches: dict[tuple[int, int, bool, str, bool], DecodeLaunch] = {}
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
-        self.down_split = DOWN_SPLIT  # CTAs sharing a down tile's columns (None: auto)
-        self.down_stream_k = DOWN_STREAM_K  # prefill down on a stream-K wave (None: auto)
         # `routed`'s launches by (layer, T, shared gate, kernels, `_past_mma`): made once, their
         # buffers reused
         self._routed_plans: dict[tuple, tuple] = {}
@@ -638,21 +110,22 @@ class FusedMoE:
         self._builds: dict[int, tuple] = {}
         self._builds_version = -1
         self._width_spans: dict[int, tuple[int, WidthSpan]] = {}
-        reads = {layer: self._weights_a_token(layer) for layer in self.block_ids}
-        self._popc_pays = {layer: n >= POPC_MIN_WEIGHTS for layer, n in reads.items()}
-        self._p1_pays = {layer: n >= P1_MIN_WEIGHTS for layer, n in reads.items()}
+        # expert weights one token reads in each layer: what the rules weigh a layer by
+        self._reads = {layer: self._weights_a_token(layer) for layer in self.block_ids}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
         self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
-        # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
-        # gate_up_p1 / _pn: one-token slots on binary tensor cores), where a block is narrow
-        # enough: True, False (the lookup kernels only), or None (default): one-token calls on
-        # the layers that read at least P1_MIN_WEIGHTS a token (`_p1_pays`), calls of a few
-        # tokens from POPC_MIN_WEIGHTS (`_popc_pays`), blocks past 4 bits by `_popc_kind`'s rule
-        # and `_kind`'s n1p1
-        self.popc_decode: bool | None = POPC_DECODE
-        # a decode kind every call takes (A/B sweeps over builds, e.g. "n1p1"; it must suit the
-        # call's token count and popc_decode), or None: `_kind`'s rule
-        self.decode_kind: str | None = None
+        self._rules = rules or DispatchRules()
+
+    @property
+    def rules(self) -> DispatchRules:
+        """Which decode kernels a call takes, and their grids' knobs (moe/dispatch.py)."""
+        return self._rules
+
+    @rules.setter
+    def rules(self, rules: DispatchRules) -> None:
+        """New rules; the launches made under the old ones are dropped (A/B runs, tests)."""
+        self._rules = rules
+        self.forget_launches()
 
     def __call__(
         self,
@@ -691,7 +164,7 @@ class FusedMoE:
         self._prefill(layer, False, x, pairs, tiles, out)
         if self.spec.has_shared:
             shared = all_tokens(T, shared_scale, E, x.device)
-            self._prefill(layer, True, x, shared, _one_slot_tiles(T, x.device), out)
+            self._prefill(layer, True, x, shared, one_slot_tiles(T, x.device), out)
         return out
 
     def routed(
@@ -820,10 +293,10 @@ class FusedMoE:
 
     def forget_launches(self) -> None:
         """Drop the launches kept for decode and `routed` calls. Their grids and arguments
-        follow gate_up_runs and down_split as they were when each was made: call this after
-        changing one (A/B runs)."""
+        follow the rules as they were when each was made (setting `rules` calls this)."""
         self._launches.clear()
         self._routed_plans.clear()
+        self._builds.clear()
 
     def _decode_launches(
         self,
@@ -842,16 +315,18 @@ class FusedMoE:
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key[:4])
         plan, ptr = self._launches[key], kernels.ptr
-        gu_build, dn_build = _builds(kind)
+        gu_build, dn_build = builds(kind)
         groups = [(False, pairs)] + ([(True, shared)] if shared is not None else [])
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         # the lookup kernels take no pieces; the popc gate_up x's (built by the prep launch)
-        xpx = (ptr(px.buf),) if _popc(gu_build) else _NO_PIECES
+        xpx = (ptr(px.buf),) if is_popc(gu_build) else _NO_PIECES
         hpx, planes = _NO_PIECES * 2, None
-        if _popc(dn_build):  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
+        if is_popc(
+            dn_build
+        ):  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
             hps = [
                 self._pieces(t, h.shape[0], d.words, xf.device)
@@ -914,77 +389,18 @@ class FusedMoE:
         return self._builds[T]
 
     def _past_mma(self, layer: int, kind: str) -> bool:
-        """Whether some block of `layer` is wider than the binary mma of a one-token gate_up
-        of `kind` reads (those tiles take its lookup). It sets that gate_up's grid
-        (`_gate_up_runs`), so the launches are kept by it too: widths the pager widens reach
-        them."""
-        gate_up = _builds(kind)[0]
-        return gate_up in _ONE_TOKEN_BITS and self._widths(layer).widest > _ONE_TOKEN_BITS[gate_up]
+        """`dispatch.past_mma` in `layer`. It sets a one-token gate_up's grid (`_gate_up_runs`),
+        so the launches are kept by it too: widths the pager widens reach them."""
+        return past_mma(kind, self._widths(layer))
 
     def _kind(self, layer: int, T: int, px: XPieces | None) -> str:
-        """The decode kernels of a call of T tokens: the popc kernels' build when x's pieces
-        are given (`_x_pieces`), else the lookup kernels of T's n-tiles, but for one token on a
-        layer of at least P1_MIN_WEIGHTS (`POPC_DOWN`): the lookup gate_up with the popc down
-        ("n1p1"), even where no block is narrow enough for that down's binary mma (its lookup
-        of wide blocks beats down_n1's; docs/decisions/034-wide-block-rule.md)."""
-        if self.decode_kind is not None:
-            return self.decode_kind
-        popc_kind = self._popc_kind(layer, T) if px is not None else None
-        if popc_kind:
-            return popc_kind
-        if T == 1 and POPC_DOWN and self.popc_decode is None and self._p1_pays[layer]:
-            return "n1p1"
-        return f"n{kernels.n_tiles(T)}"
+        """The decode kernels of a call of T tokens (`DispatchRules.decode_kernels`)."""
+        return self.rules.decode_kernels(T, self._widths(layer), self._reads[layer], px is not None)
 
     def _popc_kind(self, layer: int, T: int) -> str | None:
-        """The popc kernels' build for a call of T tokens in `layer`, or None for the lookup
-        kernels. Up to POPC_MAX_TOKENS tokens when popc_decode is set or (None) on a layer large
-        enough: one token from P1_MIN_WEIGHTS (`_p1_pays`), a few from POPC_MIN_WEIGHTS
-        (`_popc_pays`). "p1" for one token, "pn" for more (their slots
-        of several tokens take the lookup inside the launch; kept apart so that the one-token
-        build carries none of it), "b3" (binary mma up to 3 bits; 6 CTAs an SM for one token,
-        5 for several, against 4) when no block is wider than 3 bits in the widths the kernels
-        read (the last `DeviceTable.sync`), None when none is as narrow as the build's mma reads.
-        With blocks wider than 4 bits, by default (popc_decode None): one token by
-        `_wide_kind`; a few tokens take the lookup kernels from PN_UNTIL_WIDE of the weights on.
-        popc_decode True: p1b5 (p1 with POPC_B5 off) or pn while any block is
-        narrow enough. Every build reads every width (wider blocks take its lookup), so a graph
-        captured before the pager widens a block stays correct, only slower."""
-        auto = self.popc_decode is None
-        on = (self._p1_pays if T == 1 else self._popc_pays)[layer] if auto else self.popc_decode
-        if T > kernels.POPC_MAX_TOKENS or not on:
-            return None
-        span = self._widths(layer)
-        b3 = "b3" if span.widest <= 3 else ""
-        if T > 1:
-            if span.narrowest > kernels.POPC_MAX_BITS or (auto and span.wide >= PN_UNTIL_WIDE):
-                return None
-            return "pn" + b3
-        if span.widest <= kernels.POPC_MAX_BITS:
-            return "p1" + b3
-        if auto:
-            return self._wide_kind(layer, span)
-        if POPC_B5 and span.narrowest <= 5:
-            return "p1b5"
-        return "p1" if span.narrowest <= kernels.POPC_MAX_BITS else None
-
-    def _wide_kind(self, layer: int, span: WidthSpan) -> str | None:
-        """The default popc build of one token on a layer of P1_MIN_WEIGHTS with a block past 4
-        bits (the rule at P1_MIN_WEIGHTS), or None for the split build (`_kind`: the lookup
-        gate_up, the popc down). On a large layer (`_popc_pays`): "p1b5" from P1B5_FROM_WIDE of
-        its weights past 4 bits while under P1B5_UNTIL_WIDER are past 5; else "p1" while under
-        P1_UNTIL_GATE_UP_WIDE of its gate and up weights are past 4 bits and under
-        P1_UNTIL_GATE_UP_WIDER past 5. On a smaller one, "p1" while under MID_P1_UNTIL_WIDE of
-        its weights are past 4 bits."""
-        if not self._popc_pays[layer]:
-            return "p1" if span.wide < MID_P1_UNTIL_WIDE else None
-        if POPC_B5 and span.wide >= P1B5_FROM_WIDE and span.wider < P1B5_UNTIL_WIDER:
-            return "p1b5"  # (a share past 5 bits under 1: a block of at most 5)
-        split = (
-            span.gate_up_wide >= P1_UNTIL_GATE_UP_WIDE
-            or span.gate_up_wider >= P1_UNTIL_GATE_UP_WIDER
-        )
-        return None if split else "p1"  # (no block at 4 bits or less: every share is 1, split)
+        """The popc kernels' build for a call of T tokens in `layer` (`DispatchRules.popc_kind`),
+        or None for the lookup kernels."""
+        return self.rules.popc_kind(T, self._widths(layer), self._reads[layer])
 
     def _widths(self, layer: int) -> WidthSpan:
         """`layer`'s blocks in the widths the kernels read, cached until the next width upload
@@ -994,7 +410,7 @@ class FusedMoE:
             blocks = self._layer_blocks[layer]
             w = self.dt.synced_width[blocks]
             weights = self._block_weights[blocks]
-            past = (kernels.POPC_MAX_BITS, _ONE_TOKEN_BITS["p1b5"])
+            past = (kernels.POPC_MAX_BITS, ONE_TOKEN_BITS["p1b5"])
 
             def shares(w: np.ndarray, weights: np.ndarray) -> list[float]:
                 return [float(weights[w > b].sum() / weights.sum()) for b in past]
@@ -1061,7 +477,7 @@ class FusedMoE:
         gate_up, down = self._scalars(layer, False)
         # gate_up covers every padded column of h (rows past I are written as zeros)
         tiles = [32 * d.wpad // rows for d in dn]
-        gu_build, dn_build = _builds(kind)
+        gu_build, dn_build = builds(kind)
         r, t = self._down_groups(dn_build, n_routed, dn)
         t = t or r
         # grid rows after the routed slots' that number the shared expert's CTAs
@@ -1089,13 +505,16 @@ class FusedMoE:
         """down's routed group and the shared expert's (`dn[1]`, if any): the routed split
         `down_split`, or by `kernels.k_split`, which fills the GPU for the lookup kernels and
         one wave of the popc kernels' CTAs for them; both groups in one wave where a plan fits
-        (`kernels.down_groups`, unless DOWN_ONE_WAVE is off)."""
-        if self.down_split is not None and self.down_split < 1:
-            raise ValueError(f"down_split {self.down_split}: at least one CTA a tile")
-        wave = kernels.resident_ctas(f"down_{kind}") if _popc(kind) else None
+        (`kernels.down_groups`, unless the rules' down_one_wave is off)."""
+        wave = kernels.resident_ctas(f"down_{kind}") if is_popc(kind) else None
         shared = (dn[1].rows, dn[1].words) if len(dn) > 1 else None
         return kernels.down_groups(
-            (dn[0].rows, dn[0].words), n_routed, shared, wave, self.down_split, DOWN_ONE_WAVE
+            (dn[0].rows, dn[0].words),
+            n_routed,
+            shared,
+            wave,
+            self.rules.down_split,
+            self.rules.down_one_wave,
         )
 
     def _gate_up_runs(
@@ -1106,12 +525,10 @@ class FusedMoE:
         `gate_up_runs` of them (at most a CTA a half tile), or `kernels.gate_up_runs` on one
         wave of the kernel's CTAs, split by `kernels.gate_up_shares`; (0, 0), one CTA a tile,
         for the other builds and, unless gate_up_runs is set, where a block is wider than the
-        build's mma (`past_mma`: GATE_UP_RUNS)."""
-        if kind not in _ONE_TOKEN_BITS:
+        build's mma (`past_mma`: DispatchRules.gate_up_runs)."""
+        if kind not in ONE_TOKEN_BITS:
             return 0, 0
-        ctas = self.gate_up_runs
-        if ctas is not None and ctas < 0:
-            raise ValueError(f"gate_up_runs {ctas}: a count of CTAs, >= 0")
+        ctas = self.rules.gate_up_runs
         if ctas is None and past_mma:
             return 0, 0
         if ctas is None:
@@ -1163,8 +580,6 @@ class FusedMoE:
 
     def _down_stream_k(self, dn: Proj) -> int:
         """CTAs of the sm_90a prefill down's stream-K wave (cuda/moe.cu down_span), or 0 for one
-        CTA a (token tile, row tile): `down_stream_k`, or by DOWN_STREAM_K_CHUNKS."""
-        on = self.down_stream_k
-        if on is None:
-            on = -(-dn.words // 8) >= DOWN_STREAM_K_CHUNKS
+        CTA a (token tile, row tile): `DispatchRules.stream_k`."""
+        on = self.rules.stream_k(-(-dn.words // 8))
         return kernels.resident_prefill_ctas("down_prefill_wg") if on else 0

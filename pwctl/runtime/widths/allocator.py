@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pwctl.build.profile import Profile
-from pwctl.build.residual import RESIDUAL_JSON, ResidualModel
 from pwctl.errors import PwctlError
 from pwctl.format.pack import Pack
+from pwctl.format.profile import Profile
+from pwctl.format.residual import RESIDUAL_JSON, ResidualModel
 from pwctl.policy import Kind, Policy
 from pwctl.runtime.moe.block import MoETap
 from pwctl.runtime.widths.planner import Plan, Planner, PlannerConfig
