@@ -166,6 +166,37 @@ def test_bench_names_every_mode(small_pack):
     assert len(MODES) == 9
 
 
+def test_bench_options_of_another_mode_are_an_error(small_pack):
+    """An option that only other modes read is an error naming its modes and every mode, before
+    any work (a mode's options: its module's `run` parameters)."""
+    from pwctl.commands.bench import MODES
+
+    pack, other = str(small_pack), "is an option of"
+    cases = [
+        (["bench", pack, "--ppl", "--input-len", "64"], f"--input-len {other} --throughput"),
+        (["bench", "--predictions", "x.jsonl", "--rows", "8"], f"--rows {other} --quantizer"),
+        (["bench", pack, "--throughput", "--tasks", "trec"], "of --longbench / --synthetic"),
+        (["bench", "--planner", "--device", "cpu"], f"--device {other} --ppl / --longbench"),
+    ]
+    for args, said in cases:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and said in r.output, (args, r.output)
+        assert all(m in r.output for m in MODES) and len(r.output.strip().splitlines()) == 1
+
+
+def test_bench_modes_read_the_options_the_command_declares():
+    """Every option of `pwctl bench` is read by some mode, and each mode reads only options the
+    command declares (the dispatch passes them by name)."""
+    import inspect
+
+    from pwctl.commands import bench
+
+    declared = set(inspect.signature(bench.run).parameters) - {"ctx"}
+    read = set().union(*(bench._options(m) for m in bench.MODES.values()))
+    flags = {bench._name(m) for m in bench.MODES}
+    assert read <= declared and declared - read == flags - {"predictions"}
+
+
 def test_parse_device(monkeypatch):
     import pwctl.device as dev
 

@@ -84,6 +84,6 @@ def test_the_walk_sees_every_kind_of_import():
     TYPE_CHECKING, and reads `from package import module` as the module."""
     graph = _graph()
     assert "pwctl.runtime.engine.engine" in graph["pwctl.build.profile"]  # TYPE_CHECKING
-    assert "pwctl.bench.throughput" in graph["pwctl.commands.bench"]  # inside a function
+    assert "pwctl.bench.throughput" in graph["pwctl.commands.bench_modes.throughput"]  # in a body
     assert "pwctl.runtime.kernels" in graph["pwctl.runtime.moe.fused"]  # from pwctl.runtime import
     assert _layer("pwctl.errors") == 0 < _layer("pwctl.format.pack") < _layer("pwctl.cli")

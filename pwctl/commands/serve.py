@@ -9,8 +9,17 @@ import typer
 
 from pwctl.commands import checks
 from pwctl.commands.checks import Verify
-from pwctl.commands.common import POLICY_HELP, CudaGraphs, console, handles_errors, policy_or_auto
-from pwctl.device import CHOICES, parse_device
+from pwctl.commands.common import (
+    CudaGraphs,
+    Device,
+    MaxBits,
+    MemoryBudget,
+    PolicyOption,
+    console,
+    handles_errors,
+    policy_or_auto,
+)
+from pwctl.device import parse_device
 from pwctl.errors import PwctlError
 from pwctl.policy import BudgetArg, auto_max_bits
 
@@ -20,11 +29,8 @@ def run(
     pack: Annotated[Path, typer.Argument(help="pack folder")],
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 8000,
-    memory_budget: Annotated[
-        str | None,
-        typer.Option(help="planes + KV + workspace: a size (12GiB) or a fraction of free memory"),
-    ] = None,
-    policy: Annotated[str, typer.Option(help=POLICY_HELP)] = "auto",
+    memory_budget: MemoryBudget = None,
+    policy: PolicyOption = "auto",
     api_key: Annotated[
         str | None, typer.Option(help="require Authorization: Bearer KEY (not on /health)")
     ] = None,
@@ -38,13 +44,10 @@ def run(
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 16,
     max_batch_tokens: Annotated[int, typer.Option(help="tokens per engine step")] = 256,
     max_model_len: Annotated[int | None, typer.Option(help="context (default: model's)")] = None,
-    max_bits: Annotated[
-        int | None,
-        typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
-    ] = None,
+    max_bits: MaxBits = None,
     cuda_graphs: CudaGraphs = True,
     verify: Verify = True,
-    device: Annotated[str, typer.Option(help=CHOICES)] = "auto",
+    device: Device = "auto",
 ) -> None:
     """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. The KV cache and the expert planes share --memory-budget."""
