@@ -141,7 +141,7 @@ def decode_calls(shapes: list[str], tokens: list[int], width: int = 4, path: str
         for T in tokens:
             x, w, idx, sc = random_routing(layer.spec, T, seed=T)
             yield name, T, functools.partial(layer.moe, 0, x, w, idx, sc, path=path)
-        layer = None
+        del layer
         torch.cuda.empty_cache()
 
 

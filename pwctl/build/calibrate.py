@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ class Importance:
         s = self.stats.get((layer, expert, kind))
         n = s.tokens if s else 0
         if shared:  # every token passes a shared expert: its own estimate needs no prior
-            if n == 0:
+            if s is None or n == 0:
                 return None, 0
             w = s.sum_sq / n
         else:
@@ -79,7 +80,7 @@ def collect(
     except (OSError, ValueError) as e:
         raise PwctlError(f"{src}: --calib needs the checkpoint's tokenizer ({e})") from None
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types `to` as a decorator
     stats: dict[tuple[int, int, str], ChannelStats] = {}
     pooled: dict[tuple[int, str], ChannelStats] = defaultdict(lambda: None)  # type: ignore
     hooks = []
@@ -90,7 +91,7 @@ def collect(
         table[key].add(x)
 
     for layer in moe_layers:
-        moe = model.get_submodule(recipe.moe_path(layer))
+        moe: Any = model.get_submodule(recipe.moe_path(layer))  # transformers' own classes
         experts = moe.experts
 
         def routed(mod, args, kwargs, layer=layer):
@@ -108,7 +109,7 @@ def collect(
         hooks.append(experts.register_forward_pre_hook(routed, with_kwargs=True))
         if spec.has_shared:
             shared_path = ".".join(recipe.shared["down"].format(layer=layer).split(".")[:-2])
-            shared = model.get_submodule(shared_path)
+            shared: Any = model.get_submodule(shared_path)
             sid, inner = spec.num_experts, spec.shared_intermediate
 
             def shared_in(m, a, layer=layer, sid=sid):

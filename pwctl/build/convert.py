@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from pwctl.build import calibrate
-from pwctl.format.bitplanes import pack_planes, words_per_row
 from pwctl.build.checkpoint import FLOAT_DTYPES, Checkpoint, resolve_source, torch_dtype
+from pwctl.build.quantize import quantize_nested
 from pwctl.device import parse_device
 from pwctl.errors import PwctlError
+from pwctl.format.bitplanes import pack_planes, words_per_row
 from pwctl.format.pack import (
     NONEXPERT,
     REFERENCE,
@@ -30,7 +31,6 @@ from pwctl.format.pack import (
     SafetensorsStream,
     check_replaceable,
 )
-from pwctl.build.quantize import quantize_nested
 from pwctl.format.recipe import PROJECTIONS, MoESpec, Recipe, load_recipe, resolve_spec
 
 COPY_PATTERNS = (
@@ -135,7 +135,7 @@ def plan_blocks(
             )
         )
 
-    def shape(proj, inter):
+    def shape(proj: str, inter: int) -> tuple[int, int]:
         return (h, inter) if proj == "down" else (inter, h)
 
     for layer in range(n_layers):
@@ -228,11 +228,12 @@ def convert(
     layers, blocks, consumed, layouts = plan_blocks(ckpt, recipe, spec)
     check_replaceable(out, opts.force)  # before any work: --force replaces only a pack
 
-    imp = None
+    imp, calib_meta = None, None
     if opts.calib is not None:
         imp = calibrate.collect(
             path, recipe, spec, layers, opts.calib, opts.device, max_tokens=opts.calib_tokens
         )
+        calib_meta = {"file": opts.calib.name, "tokens": imp.tokens}
     writer = PackWriter(out, opts.force)
     try:
         infos, bytes_in = [], 0
@@ -282,7 +283,7 @@ def convert(
             weighting="uniform" if imp is None else "calib-ex2",
             moe_layers=layers,
             blocks=infos,
-            calib=None if imp is None else {"file": opts.calib.name, "tokens": imp.tokens},
+            calib=calib_meta,
             reference=opts.reference,
             source={"path": str(path), "layouts": layouts, "table_group": opts.table_group},
         )

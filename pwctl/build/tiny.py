@@ -5,6 +5,7 @@ is downloaded. Logits are scaled away from uniform so quantization error is visi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ TOKENIZER_TEXT = (
 def tiny_config(arch: str, hidden: int = 128, layers: int = 2, experts: int = 4):
     from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -47,7 +48,7 @@ def tiny_config(arch: str, hidden: int = 128, layers: int = 2, experts: int = 4)
             norm_topk_prob=False,
         )
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(
+        return Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: its typed signature omits it
             **common,
             intermediate_size=2 * hidden,
             moe_intermediate_size=hidden,

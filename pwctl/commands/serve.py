@@ -86,12 +86,13 @@ def run(
     if pol is None:
         pol = engine.auto_policy(memory_budget, cfg)
     batcher = engine.start_batching(pol, memory_budget, cfg)
-    m = batcher.metrics()
+    metrics = batcher.metrics()
     console.print(
         f"pwctl serve {pack.name}: policy {pol} on {device}"
         + ("" if max_bits is None else f" up to {max_bits} bits")
-        + f", budget {m['memory_budget_bytes'] / 1e6:.1f} MB "
-        f"(planes {m['plane_bytes'] / 1e6:.1f}, KV up to {m['kv_blocks_capacity']} blocks), "
+        + f", budget {metrics['memory_budget_bytes'] / 1e6:.1f} MB "
+        f"(planes {metrics['plane_bytes'] / 1e6:.1f}, "
+        f"KV up to {metrics['kv_blocks_capacity']} blocks), "
         f"http://{host}:{port}/v1",
         highlight=False,
     )

@@ -286,7 +286,7 @@ class Fault:
 
 
 def tensor_crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)
 
 
 class Pack:
@@ -407,7 +407,8 @@ class Pack:
     ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor], Fault | None]:
         """Like load_block, but stops at the first plane that fails its checksum: the planes
         before it (None if there are none), their tables, and the fault."""
-        planes, tables = [], {}
+        planes: list[torch.Tensor] = []
+        tables: dict[int, torch.Tensor] = {}
         for p in range(bits):
             raw = self._chunk(block, p)
             if raw is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ VARYING_SHAPE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 @contextmanager
 def attention_implementation(model: nn.Module, name: str):
     """Switch the model's attention function for the duration (the reference path keeps sdpa)."""
-    config = model.config
+    config: Any = model.config  # a transformers config
     old = config._attn_implementation
     config._attn_implementation = name
     try:
@@ -184,7 +185,7 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     if pwctl_batch is None:
         raise RuntimeError(f"{ATTN_NAME} attention runs only inside Engine.step")
-    batch, layer = pwctl_batch, module.layer_idx
+    batch, layer = pwctl_batch, cast(int, module.layer_idx)  # transformers' attention modules
     kv = batch.kv
     kv.write(layer, batch.new, key[0].transpose(0, 1), value[0].transpose(0, 1))
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
@@ -197,6 +198,7 @@ def paged_attention(
         if group is not None and span.q_stop - span.q_start == 1:
             continue
         q = query[0, :, span.q_start : span.q_stop]
+        assert isinstance(batch, PagedBatch)  # a DecodeBatch has no spans
         k, v = kv.read(layer, batch.span_rows(i))
         k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
         mask = _mask(span, window, q.device)

@@ -122,7 +122,7 @@ class Batcher:
         self._boundary()
         with self.tap if self.tap is not None else nullcontext():
             logits = self.runner.forward(batch)
-        signals = self.allocator.signals(self.tap) if self.allocator is not None else None
+        signals = self.allocator.signals(self.tap) if self.allocator is not None else None  # type: ignore[arg-type]  # a tap exists with an allocator
         # while the GPU runs this step: the last step's signals to the planner, spare KV bytes
         # to the planes (the widths change at the next boundary either way)
         self._feed()
@@ -184,6 +184,7 @@ class Batcher:
     def _feed(self) -> None:
         """The last step's signals to the policy's planner, if a step left some."""
         if self._signals is not None:
+            assert self.allocator is not None  # only an allocator leaves signals
             self.allocator.feed(self._signals)
             self._signals = None
 

@@ -156,6 +156,7 @@ class DecodeGraphs:
             logits, seen = self._logits, self._seen
         else:
             logits, seen = self._run(inputs).float(), dict(tap.seen) if tap is not None else {}
+        assert logits is not None  # a replay wrote the graphs' outputs
         if tap is not None:  # the policy's signals: the real rows only
             tap.seen = {layer: tuple(t[:S] for t in v) for layer, v in seen.items()}
         return logits[:S]
@@ -206,6 +207,7 @@ class DecodeGraphs:
         outputs: a capture records work, it runs none). Graphs share one memory pool and keep
         nothing of their own there: a step's temporaries are dead when its replay ends."""
         side = self._side
+        assert side is not None  # captures run only with `capture`, which makes the stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             logits = self._run(inputs)  # the step itself: the replay rewrites the same cache rows
@@ -216,7 +218,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         S = inputs.S
         with torch.cuda.graph(graph, pool=self._pool):
-            self._logits[:S].copy_(self._run(inputs))
+            self._logits[:S].copy_(self._run(inputs))  # type: ignore[index]  # _make_outputs
             for layer, values in (tap.seen if tap is not None else {}).items():
                 for out, value in zip(self._seen[layer], values, strict=True):
                     out[:S].copy_(value)

@@ -10,6 +10,7 @@ character (U+FFFD) is held back until the character completes, or until the sequ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ def advance(tokenizer: Any, ids: list[int], text: str, at: TextOffsets, final: b
     return text
 
 
-def first_stop(text: str, checked: int, stops: list[str]) -> int:
+def first_stop(text: str, checked: int, stops: Sequence[str]) -> int:
     """Where the earliest stop string in `text` starts (-1: none), when none lies within
     text[:checked]: one that ends past `checked` starts at most len(stop) - 1 characters before."""
     hits = [i for i in (text.find(s, max(0, checked - len(s) + 1)) for s in stops if s) if i >= 0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,7 +106,7 @@ class Engine:
         self.paged = self._install_paged() if experts == "paged" else None
         self.dense = self._install_dense() if experts == "dense" else None
         self.batcher: Batcher | None = None
-        self._tokenizer = None
+        self._tokenizer: Any = None  # loaded on first use
         self._allocators: dict[str, WidthAllocator] = {}
         self.allocator: WidthAllocator | None = None
         # bytes the largest eager step of each shape took on the device (`_confirm_fixed`)
@@ -239,7 +240,7 @@ class Engine:
         self._reference_ready()
         prompt = torch.tensor([ids], device=self.device)
         eos = getattr(self.model.generation_config, "eos_token_id", None)
-        out = self.model.generate(
+        out = self.model.generate(  # type: ignore[operator]  # GenerationMixin, undeclared
             prompt,
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=max_tokens,

@@ -5,6 +5,8 @@ is swapped for `MoEBlock`, and the non-expert weights are assigned from the pack
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -14,10 +16,13 @@ from pwctl.format.recipe import MoESpec, load_recipe
 from pwctl.runtime.memory.expert_store import ExpertStore
 from pwctl.runtime.moe.block import MoEBlock
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def load_model(
     pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[nn.Module, ExpertStore]:
+) -> tuple[PreTrainedModel, ExpertStore]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     m = pack.manifest

@@ -4,8 +4,9 @@ of the sequences that sample this step."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from pwctl.runtime.engine.attention import (
@@ -19,13 +20,16 @@ from pwctl.runtime.engine.decode_graphs import DecodeGraphs
 from pwctl.runtime.engine.scheduler import ScheduledBatch
 from pwctl.runtime.memory.kv_cache import KVCache
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 WARM_UP_SEQ = -1  # the KV cache's sequence id for `largest_step` (requests count from 0)
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         kv: KVCache,
         device: str | torch.device = "cpu",
         graphs: DecodeGraphs | None = None,
@@ -35,7 +39,7 @@ class ModelRunner:
 
     def inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
         """Packed input ids and positions [1, T], and the attention metadata."""
-        ids, pos, slots, spans, start = [], [], [], [], 0
+        ids, pos, slots, spans, start = [], list[int](), [], [], 0
         for seq, n in zip(batch.seqs, batch.n_tokens, strict=True):
             past = seq.num_computed
             ids.extend(seq.all_ids[past : past + n])

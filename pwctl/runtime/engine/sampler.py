@@ -68,6 +68,7 @@ def exponential(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    assert seq.params.seed is not None  # only seeded sequences draw from their own
     if seq.generator is None or seq.generator.device != device:  # first draw (or a new device)
         seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
     return seq.generator

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ class ModelShape:
     elem: int  # bytes of the serving dtype
 
     @classmethod
-    def of(cls, config: object, spec: dict, dtype: torch.dtype) -> ModelShape:
+    def of(cls, config: Any, spec: dict, dtype: torch.dtype) -> ModelShape:
         kv = KVLayout.from_config(config, dtype)  # its head counts, as the KV cache reads them
         dense = getattr(config, "intermediate_size", 0) or 0
         return cls(

@@ -39,7 +39,7 @@ class DeviceTable:
         self.width_version = 0  # counts width uploads: what depends on widths caches by it
         self.sync()
         # the tensors above live as long as this table: their pointers are fixed
-        self._args = (ptr(arena), ptr(self.slab_map), ptr(self.slab_off), ptr(self.width))
+        self._args: tuple = (ptr(arena), ptr(self.slab_map), ptr(self.slab_off), ptr(self.width))
         self._args += (np.int32(self.slab_shift), np.int32(table.max_bits))
 
     def sync(self) -> None:
@@ -57,7 +57,8 @@ class DeviceTable:
     def _upload(self, dst: torch.Tensor, src: np.ndarray) -> bool:
         """Copy `src` into `dst` unless it holds it already; whether it copied."""
         src = np.ascontiguousarray(src, dtype=np.int32)
-        if np.array_equal(self._sent.get(id(dst)), src):
+        sent = self._sent.get(id(dst))
+        if sent is not None and np.array_equal(sent, src):
             return False
         self._sent[id(dst)] = src.copy()
         host = torch.from_numpy(src)

@@ -43,7 +43,7 @@ class ExpertStore:
         self.min_bits, self.max_bits = m.min_bits, m.max_bits
         self.plan = WidthPlan(len(pack.blocks), m.max_bits)  # the one writer of widths
         self.act = ACT2FN[m.spec["act"]]
-        self._planes: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
+        self._planes: dict[int, tuple[torch.Tensor | None, dict[int, torch.Tensor]]] = {}
         self._reference: dict[str, torch.Tensor] | None = None
         self._cache: dict[tuple[int, int], torch.Tensor] = {}
         self._variants: dict[str, tuple[int, int]] = {}  # name -> (width code, device bytes)
@@ -179,8 +179,10 @@ class ExpertStore:
     def _materialize(self, index: int, width: int) -> torch.Tensor:
         block = self.pack.blocks[index]
         if width == FP16_WIDTH:
+            assert self._reference is not None  # loaded by `_load`
             return self._reference[block.name]
         planes, tables = self._planes[index]
+        assert planes is not None  # `_load` keeps widths to the good planes
         table = tables[width].to(self.device)
         return dequantize(planes[:width].to(self.device), table, block.rows_per_table, block.cols)
 

@@ -22,7 +22,7 @@ Two storages:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ class KVLayout:
     dtype: torch.dtype = torch.float32
 
     @classmethod
-    def from_config(cls, config: object, dtype: torch.dtype = torch.float32) -> KVLayout:
+    def from_config(cls, config: Any, dtype: torch.dtype = torch.float32) -> KVLayout:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -235,6 +235,7 @@ class KVCache:
     def _take_slabs(self, ids: list[int]) -> bool:
         """Slabs of the arena for blocks `ids`; waits for retiring slabs once if short."""
         n = len(ids) * self.slabs_per_block
+        assert self.slabs is not None  # blocks take slabs only from a source
         got = self.slabs.lend(n)
         if got is None:  # slabs still retiring behind fences: wait for them once
             self.slabs.drain()
@@ -306,4 +307,5 @@ class KVCache:
     def _units(self) -> torch.Tensor:
         """The arena as [units, unit elements] of the cache's dtype (a view, taken per call:
         the cache keeps no reference to an arena its source may replace)."""
+        assert self.slabs is not None  # units exist only over a source's arena
         return self.slabs.arena.view(-1).view(self.layout.dtype).view(-1, self._unit_elems)

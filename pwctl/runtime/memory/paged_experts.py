@@ -75,9 +75,11 @@ class PagedExperts:
         self.table = PageTable.from_pack(self.pack, budget_bytes, self.slab_bytes)
         del self.backend, self.pager, self.dt, self.fused, self.arena  # the old arena goes
         if cuda:
+            assert isinstance(host, torch.Tensor)  # a CUDA backend's host copy: pinned torch
             torch.cuda.empty_cache()
             self.backend = CudaBackend(host, self.table.n_slabs, self.slab_bytes, self.device)
         else:
+            assert isinstance(host, np.ndarray)  # a CPU backend's: numpy
             self.backend = CpuBackend(host, self.table.n_slabs, self.slab_bytes)
         self._attach()
 

@@ -214,7 +214,8 @@ class CudaBackend:
             return []
         torch, S, n_stage = self.torch, self.slab_bytes, self.staging.shape[0]
         with torch.cuda.stream(self.stream):
-            used, ids, runs = 0, [], []  # runs: (host offset, staging slab, slabs)
+            used, ids = 0, list[np.ndarray]()
+            runs: list[tuple] = []  # (host offset, staging slab, slabs)
             for c in copies:
                 k, done = c.slab_ids.size, 0
                 while done < k:  # a copy larger than the staging buffer goes in pieces

@@ -32,7 +32,7 @@ class MoEBlock(nn.Module):
             nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
         )
         # profile's tap: called as observer(layer, x [T, H], index [T, k], weights [T, k])
-        self.observer = None
+        self.observer: MoETap | None = None
         self.paged: PagedExperts | None = None  # set by the engine: the paged backend
         self.dense: DenseExperts | None = None  # or the 16-bit experts (fp16 policy)
 
@@ -84,7 +84,7 @@ class MoETap:
 
     def __init__(self, model: nn.Module):
         self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
-        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.seen: dict[int, tuple[torch.Tensor, ...]] = {}  # (x, index, weights)
 
     def __call__(self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
         self.seen[layer] = (x.detach(), index, weights)

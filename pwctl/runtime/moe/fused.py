@@ -41,6 +41,7 @@ from pwctl.runtime.moe.prep import (
 )
 from pwctl.runtime.moe.router import route
 
+_NO_SPAN = WidthSpan(0, 0, 0.0, 0.0, 0.0, 0.0)  # `_widths` before its first span
 _NO_PIECES = (np.uint64(0),)  # the null x-pieces pointer the lookup kernels are passed
 # gate_up's per-tile grid: no shares (runs, scratch rows, tickets)
 _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))
@@ -91,7 +92,7 @@ class FusedMoE:
                 for p in ("gate", "up", "down"):
                     b = dt.blocks[index[(layer, e, p)]]
                     self.proj[(layer, shared, p)] = Proj(b.rows, b.cols, b.words, b.rows_per_table)
-        self._hp: dict[tuple[int, int], torch.Tensor] = {}
+        self._hp: dict[tuple[bool, int, int], torch.Tensor] = {}
         self._decode_buffers: dict[tuple[int, int, int], tuple[Pairs, torch.Tensor]] = {}
         self._routing: dict[tuple[int, bool], Routing] = {}
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
@@ -206,6 +207,7 @@ class FusedMoE:
             self._routing[(T, shared)] = routing_buffers(T, self.spec, shared, self.dt.device)
         routing = self._routing[(T, shared)]
         pairs, xf = self._buffers(T, self.spec.top_k, wpad, self.dt.device)
+        assert self._done is not None  # on CUDA (`routed` takes the torch path elsewhere)
         route = route_launch(T, H, self.spec, shared, wpad, self._done, pairs, xf, routing, px)
         E = self.spec.num_experts
         one = all_tokens(T, routing.scale, E, self.dt.device) if self.spec.has_shared else None
@@ -321,12 +323,12 @@ class FusedMoE:
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
-        # the lookup kernels take no pieces; the popc gate_up x's (built by the prep launch)
-        xpx = (ptr(px.buf),) if is_popc(gu_build) else _NO_PIECES
+        xpx = _NO_PIECES  # the lookup kernels take no pieces
+        if is_popc(gu_build):  # the popc gate_up x's
+            assert px is not None and px.buf is not None  # built by the prep launch
+            xpx = (ptr(px.buf),)
         hpx, planes = _NO_PIECES * 2, None
-        if is_popc(
-            dn_build
-        ):  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
+        if is_popc(dn_build):  # each pair's h's 16-bit planes, once a call (moe.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
             hps = [
                 self._pieces(t, h.shape[0], d.words, xf.device)
@@ -405,7 +407,7 @@ class FusedMoE:
     def _widths(self, layer: int) -> WidthSpan:
         """`layer`'s blocks in the widths the kernels read, cached until the next width upload
         (a numpy gather per call is host time on decode)."""
-        version, span = self._width_spans.get(layer, (-1, None))
+        version, span = self._width_spans.get(layer, (-1, _NO_SPAN))
         if version != self.dt.width_version:
             blocks = self._layer_blocks[layer]
             w = self.dt.synced_width[blocks]
@@ -454,9 +456,12 @@ class FusedMoE:
         projection, the pieces they become). A warp a k-step of the longest piece."""
         (s0, p0, d0), (s1, p1, d1) = jobs[0], jobs[-1]
         i32, ptr = np.int32, kernels.ptr
-        args = (ptr(s0), i32(p0.wpad), i32(p0.words), i32(s0.shape[0]), ptr(d0))
+        args: tuple = (ptr(s0), i32(p0.wpad), i32(p0.words), i32(s0.shape[0]), ptr(d0))
         args += (ptr(s1), i32(p1.wpad), i32(p1.words), ptr(d1))
-        grid = (max(popc.pieces(p.words) for _, p, _ in jobs), sum(s.shape[0] for s, _, _ in jobs))
+        grid: tuple[int, ...] = (
+            max(popc.pieces(p.words) for _, p, _ in jobs),
+            sum(s.shape[0] for s, _, _ in jobs),
+        )
         grid += (kernels.POPC_SPLIT,)
         steps = min(popc.PIECE_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
         return kernels.Prepared("popc_planes", grid, (32 * steps,), args, early=True)

@@ -212,7 +212,7 @@ def route_launch(
         (hole, i(T), i(H), hole, i(E), hole, i(k))  # x, its shape, router and shared gate
         + (i(ROUTE_ORDERS[spec.order]), i(spec.norm_topk_prob), np.float32(spec.routed_scaling))
         + (p(routing.logits), p(done), p(routing.index), p(routing.weights))
-        + (np.uint64(routing.scale.data_ptr() if shared else 0), i(slots))
+        + (np.uint64(routing.scale.data_ptr() if routing.scale is not None else 0), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (i(wpad), p(xf))
     )

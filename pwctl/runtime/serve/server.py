@@ -342,6 +342,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def _engine_error(update: Update) -> RequestError:
+    assert update.error is not None  # called for updates that carry one
     if update.error.startswith("busy"):  # the queue was full after all: retry later, as at submit
         return RequestError(update.error, None, "rate_limit_exceeded", 429, "rate_limit_error")
     return RequestError(update.error, None, None, update.status, "server_error")
@@ -353,7 +354,8 @@ async def _stream(
     """SSE events from the first update on: text deltas, the finish reason, [DONE]. An
     engine error after the first is an event {"error": {...}} (OpenAI's shape), then [DONE].
     Leaving early (the client closed the connection) aborts the sequence."""
-    sent, done, update = 0, False, first
+    sent, done = 0, False
+    update: Update | None = first
     try:
         yield _sse(fmt.chunk(None, "", start=True))
         while not done:

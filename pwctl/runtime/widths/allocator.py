@@ -153,6 +153,7 @@ class WidthAllocator:
 
     def _widths(self) -> np.ndarray:
         """The last plan's widths per block (a per-layer plan is spread to its blocks)."""
+        assert self.last is not None  # a plan is made before its widths are read
         widths = self.last.widths
         return widths[self._block_layer] if self.per_layer else widths
 
@@ -178,6 +179,7 @@ class WidthAllocator:
         """Router counts and the residual of one step's tokens to the planner (waits for their
         copies, if they are still running)."""
         index, feats = signals.host()
+        assert index is not None and feats is not None  # every step taps the router and x
         if self.per_layer:
             slope, intercept = self._norm_fit
             self.planner.set_residual(np.clip(slope * feats[:, 0] + intercept, 0.1, 10.0))
@@ -213,7 +215,8 @@ class StepSignals:
     def host(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         if self.copied is not None:
             self.copied.synchronize()
-        return tuple(None if t is None else t.numpy() for t in (self.index, self.feats))
+        index, feats = (None if t is None else t.numpy() for t in (self.index, self.feats))
+        return index, feats
 
 
 def router_counts(index: np.ndarray, n_experts: int) -> np.ndarray:

@@ -13,6 +13,7 @@ operation is a handful of contiguous numpy passes; no Python loop runs over bloc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -432,7 +433,7 @@ class Planner:
             _hull(self.c, self.shape(), self._inv, f, top, self._ws, self._cache)
             self._walked = set()
         else:
-            c, part = self.c[:, cols], {}
+            c, part = self.c[:, cols], dict[str, np.ndarray]()
             cu = self._cu[:, cols]
             _hull(
                 c, self.shape(cols), [x[:, cols] for x in self._inv], f[cols], top[cols], {}, part
@@ -588,7 +589,7 @@ def _select(
     taken.fill(False)
     if budget <= 0 and cross:
         return taken, -1, -1, 0.0
-    side = "left" if cross else "right"
+    side: Literal["left", "right"] = "left" if cross else "right"
     m = int(max(budget, 0) // max(min_size, 1.0)) + 2
     before = 0.0
     if m < ok.shape[1] // 8:  # the first m + 1 segments in order hold every one we may touch
