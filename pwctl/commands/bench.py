@@ -7,7 +7,6 @@ as two modes at once are."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any
@@ -171,8 +170,8 @@ def run(
     json: JsonOut = None,
 ) -> None:
     """Measure quality, memory and speed of policies on a pack (or of the quantizer)."""
-    mode = _chosen_mode(ctx)
-    MODES[mode].run(**_arguments(MODES[mode].run, ctx.params))
+    mode = MODES[_chosen_mode(ctx)]
+    mode.run(**{name: ctx.params[name] for name in _options(mode)})
 
 
 def _chosen_mode(ctx: typer.Context) -> str:
@@ -205,8 +204,3 @@ def _name(mode: str) -> str:
 def _options(module: ModuleType) -> set[str]:
     """The options a mode reads: its `run`'s parameters."""
     return set(inspect.signature(module.run).parameters)
-
-
-def _arguments(fn: Callable[..., None], params: dict[str, Any]) -> dict[str, Any]:
-    """The options `fn` reads, by name."""
-    return {name: params[name] for name in inspect.signature(fn).parameters}

@@ -179,11 +179,12 @@ class WidthAllocator:
         """Router counts and the residual of one step's tokens to the planner (waits for their
         copies, if they are still running)."""
         index, feats = signals.host()
-        assert index is not None and feats is not None  # every step taps the router and x
         if self.per_layer:
+            assert feats is not None  # a per-layer policy's signals: the norm features alone
             slope, intercept = self._norm_fit
             self.planner.set_residual(np.clip(slope * feats[:, 0] + intercept, 0.1, 10.0))
             return
+        assert index is not None  # the others': the router's choices (and maybe features)
         if self.residual is not None and feats is not None:  # none: the planner's factor is 1
             factor = self.residual.layer_factors(self.layers, feats)
             self.planner.set_residual(factor[self._block_layer])
