@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint typecheck clean
 
 $(STAMP): pyproject.toml setup.py pwctl/__init__.py  # the package layout: an editable install maps it
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,12 @@ test: $(STAMP)
 	$(BIN)/ruff check pwctl tests recipes tools
 	$(BIN)/pytest -q -n 2
 
-lint: $(STAMP)
+lint: $(STAMP) typecheck
 	$(BIN)/ruff check pwctl tests recipes tools
 
+# mypy on pwctl/ (configured in pyproject.toml); `lint` and .ci/run run it
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

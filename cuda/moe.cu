@@ -137,7 +137,7 @@ __device__ __forceinline__ const unsigned char* paged(const Paged& g, int block,
     return g.arena + (slab << g.slab_shift) + (off & ((1LL << g.slab_shift) - 1));
 }
 
-// A plane is stored tiled (docs/FORMAT.md, pwctl/bitplanes.py `tile`): 16-byte units of 4 words,
+// A plane is stored tiled (docs/FORMAT.md, pwctl/format/bitplanes.py `tile`): 16-byte units of 4 words,
 // [rows / 8][words / 4][8 rows][4 words]. So a warp that loads one unit of each of 8 rows from 4
 // adjacent units reads 512 contiguous bytes; row-major, the same load was 8 pieces of 64 bytes,
 // and a Mixtral decode layer took 3-7.5% longer (decisions/025). Every load of plane

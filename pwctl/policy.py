@@ -49,7 +49,10 @@ class Budget:
     nbytes: int | None = None
 
     def resolve(self, fp16_bytes: int) -> int:
-        return int(self.fraction * fp16_bytes) if self.fraction is not None else int(self.nbytes)
+        if self.fraction is not None:
+            return int(self.fraction * fp16_bytes)
+        assert self.nbytes is not None  # one of the two is set
+        return self.nbytes
 
     def __str__(self) -> str:
         return f"{self.fraction:g}" if self.fraction is not None else f"{self.nbytes}B"
@@ -161,6 +164,7 @@ class BudgetArg:
     def resolve(self, device: str, full_need: int) -> int:
         if self.nbytes is not None:
             return self.nbytes
+        assert self.fraction is not None  # one of the two is set
         if device.startswith("cuda"):
             import torch
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pwctl.checkpoint import EVAL_SAMPLE
+from pwctl.build.checkpoint import EVAL_SAMPLE
 
 
 def prompt_ids(ckpt: Path, n: int, device: str) -> torch.Tensor:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from pwctl.bench.kernels import SHAPES, graph_times, random_routing, routed_on, synthetic_layer
-from pwctl.runtime import fused_moe
 
 # build -> (popc_decode, POPC_B5, the decode kind forced or None); "auto": the launcher's rule
 ONE_TOKEN = {
@@ -94,8 +94,8 @@ def best_times(layer, x: torch.Tensor, builds: dict, rounds: int) -> dict[str, f
 def use_build(layer, spec: tuple) -> None:
     """Set the layer's launcher to a build of ONE_TOKEN / FEW_TOKENS."""
     popc_on, b5, kind = spec
-    layer.moe.popc_decode, fused_moe.POPC_B5 = popc_on, b5
-    layer.moe.decode_kind = kind
+    rules = replace(layer.moe.rules, popc_decode=popc_on, popc_b5=b5, decode_kind=kind)
+    layer.moe.rules = rules
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ import torch
 from perf_wide_blocks import FEW_TOKENS, ONE_TOKEN, mean_times
 
 from pwctl.bench.kernels import SHAPES, synthetic_layer
-from pwctl.recipe import PROJECTIONS  # a layer's blocks are expert-major: [expert, 3], this order
+from pwctl.format.recipe import (
+    PROJECTIONS,  # a layer's blocks are expert-major: [expert, 3], this order
+)
 
 
 def parse_mix(text: str) -> dict[str | None, dict[int, float]]:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pwctl.format.recipe import PROJECTIONS
 from pwctl.policy import parse_policy
-from pwctl.recipe import PROJECTIONS
-from pwctl.runtime.engine import Engine, open_pack
+from pwctl.runtime.engine.engine import Engine, open_pack
 
 
 def main() -> None:

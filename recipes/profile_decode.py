@@ -2,7 +2,7 @@
 the CUDA-graph replay time of the whole layer and an eager call's time (host work included: the
 engine decodes eagerly), per shape and token count (4 bits). Graph minus kernels is what gaps
 between dependent kernels cost; eager minus graph is the host's share. `popc`: one-token calls on
-the binary tensor-core kernels too (FusedMoE.popc_decode). `routed`: each call also with its router
+the binary tensor-core kernels too (popc_decode). `routed`: each call also with its router
 in the first launch (`FusedMoE.routed`, random fp16 router weights x 0.05: route_prep instead of
 decode_prep) on the launcher's choice of kernels. `timeline` (after the mode): also each kernel's
 start and end inside a graph replay, from the replay's first kernel (median over replays), and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -76,7 +77,7 @@ def main() -> None:
         if mode == ["routed"]:  # the launcher's own choice of kernels (popc_decode None)
             runs.append((f"{name}/routed", None, routed_call(call)))
         for label, popc, fn in runs:
-            moe.popc_decode = popc
+            moe.rules = replace(moe.rules, popc_decode=popc)
             graph_us, eager_us = graph_time(fn) * 1e6, event_time(fn) * 1e6
             times = kernel_times(fn)
             parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda i: -i[1]))

@@ -23,12 +23,12 @@ from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pwctl.bench.throughput import prompt_windows
-from pwctl.checkpoint import EVAL_SAMPLE
+from pwctl.build.checkpoint import EVAL_SAMPLE
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.decode_graphs import DecodeGraphs
-from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-from pwctl.runtime.scheduler import SamplingParams
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.decode_graphs import DecodeGraphs
+from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
+from pwctl.runtime.engine.scheduler import SamplingParams
 
 GRAPH_SDPA = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
               "math": SDPBackend.MATH}  # fmt: skip

@@ -16,8 +16,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
-from pwctl import tiny  # noqa: E402
-from pwctl.convert import ConvertOptions, convert  # noqa: E402
+from pwctl.build import tiny  # noqa: E402
+from pwctl.build.convert import ConvertOptions, convert  # noqa: E402
 
 LAYOUTS = ("per_expert", "fused")
 
@@ -69,10 +69,11 @@ def _bundled(name: str, root: Path, profile: bool) -> Path:
     on it), built once for all xdist workers under a file lock."""
     from filelock import FileLock
 
-    from pwctl.checkpoint import CALIB_SAMPLE
-    from pwctl.pack import Pack
-    from pwctl.profile import PROFILE_JSON, run_profile
-    from pwctl.runtime.engine import Engine
+    from pwctl.build.checkpoint import CALIB_SAMPLE
+    from pwctl.build.profile import run_profile
+    from pwctl.format.pack import Pack
+    from pwctl.format.profile import PROFILE_JSON
+    from pwctl.runtime.engine.engine import Engine
     from pwctl.text import spread_windows
 
     out = root / f"bundled-{name}-3-6"

@@ -1,4 +1,4 @@
-"""One accounting of device memory (runtime/accounting.py): `--memory-budget` parsed once, the
+"""One accounting of device memory (memory/accounting.py): `--memory-budget` parsed once, the
 fixed part from shapes, the calculator and the engine agreeing, a budget for N sequences
 admitting N sequences, the too-small-budget error naming a budget that then starts, and no
 request cut short under tight budgets (BUDGET and the planner's floors give way first)."""
@@ -10,19 +10,19 @@ from hypothesis import strategies as st
 
 from pwctl.bench.serving_budget import BudgetCalculator
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import BudgetArg, parse_policy
-from pwctl.runtime.accounting import (
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.decode_graphs import DecodeGraphs
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.engine.scheduler import SamplingParams
+from pwctl.runtime.memory.accounting import (
     SLACK,
     ModelShape,
     StepShape,
     over_budget,
     workspace,
 )
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.decode_graphs import DecodeGraphs
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.scheduler import SamplingParams
 
 QWEN_SHAPE = ModelShape(2048, 5632, 4, 32, 8, 64, 4096, 2)
 
@@ -112,7 +112,7 @@ def test_a_step_larger_than_the_formula_shrinks_the_arena(bundled_pack, monkeypa
     """Where the device measures steps (CUDA), start-up runs the largest step once; if it took
     more than the formula's workspace, the KV cache gives up those bytes and the fixed part
     keeps the measured figure (the next start-up of the same shape measures nothing)."""
-    import pwctl.runtime.engine as engine_module
+    import pwctl.runtime.engine.engine as engine_module
 
     engine = Engine(Pack(bundled_pack))
     cfg = BatchConfig(max_seqs=8, max_batch_tokens=16, max_model_len=48)  # 3 blocks a sequence
@@ -144,7 +144,7 @@ def test_a_step_larger_than_the_formula_shrinks_the_arena(bundled_pack, monkeypa
 def test_the_calculator_measures_as_the_engine_does(bundled_pack, monkeypatch):
     """`serving_budget --measure`: the fixed part is the engine's own after its start-up step,
     so a budget for N sequences holds N where the formula fell short."""
-    import pwctl.runtime.engine as engine_module
+    import pwctl.runtime.engine.engine as engine_module
 
     pack = Pack(bundled_pack)
     cfg = BatchConfig(max_seqs=3, max_batch_tokens=32, max_model_len=48)
@@ -169,7 +169,7 @@ def test_the_largest_step_finds_room_under_a_dynamic_policys_first_plan(bundled_
     """pagedweight's first plan may leave the KV cache less than one sequence at start-up: the
     step demotes planes for its sequence (as a request would), then the arena is planned
     afresh, and serving starts with no move counted."""
-    import pwctl.runtime.engine as engine_module
+    import pwctl.runtime.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "measures_steps", lambda device: True)
     monkeypatch.setattr(engine_module, "step_bytes", lambda device, run: run() or 0)
@@ -238,7 +238,7 @@ def test_no_request_is_cut_short_under_tight_budgets(bundled_pack, data, policy,
 
 
 def batcher_block(engine: Engine, cfg: BatchConfig) -> int:
-    from pwctl.runtime.kv_cache import KVCache, KVLayout
+    from pwctl.runtime.memory.kv_cache import KVCache, KVLayout
 
     layout = KVLayout.from_config(engine.model.config, engine.dtype)
     return KVCache.block_bytes_of(layout, cfg.block_size)

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from pwctl import tiny
+from pwctl.build import tiny
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.scheduler import SamplingParams, Sequence
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
 
 PROMPTS = [
     "In the beginning God created",
@@ -160,8 +160,8 @@ def test_each_steps_router_ids_reach_the_planner_once_a_step_late(bundled_pack):
 def test_one_token_steps_keep_the_last_residual(bundled_pack):
     # a usable residual model reads the std of a step's token norms: undefined for one token,
     # so a one-token step keeps the factor of the last step that had more
-    from pwctl.residual import ResidualModel
-    from pwctl.runtime.moe import MoETap
+    from pwctl.format.residual import ResidualModel
+    from pwctl.runtime.moe.block import MoETap
 
     engine = Engine(Pack(bundled_pack))
     engine.set_policy(parse_policy("pagedweight:0.4"))

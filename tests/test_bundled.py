@@ -6,12 +6,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pwctl.checkpoint import EVAL_SAMPLE, MODELS_DIR, bundled_models
+from pwctl.build.checkpoint import EVAL_SAMPLE, MODELS_DIR, bundled_models
+from pwctl.build.convert import ConvertOptions, convert
 from pwctl.cli import app
-from pwctl.convert import ConvertOptions, convert
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.engine import Engine
+from pwctl.runtime.engine.engine import Engine
 from pwctl.text import token_windows
 
 runner = CliRunner()

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pwctl import tiny
+from pwctl.build import tiny
 from pwctl.cli import app
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 
 runner = CliRunner()
 
@@ -117,7 +117,7 @@ def _loaded(*args, **kwargs):
 
 @pytest.fixture
 def small_pack(packs, monkeypatch) -> Path:
-    for target in ("pwctl.runtime.engine.Engine", "pwctl.runtime.server.run_server"):
+    for target in ("pwctl.runtime.engine.engine.Engine", "pwctl.runtime.serve.server.run_server"):
         monkeypatch.setattr(target, _loaded)
     return packs[("mixtral", "fused")]
 
@@ -164,6 +164,37 @@ def test_bench_names_every_mode(small_pack):
         r = runner.invoke(app, ["bench", str(small_pack), *args])
         assert r.exit_code == 2 and all(m in r.output for m in MODES), r.output
     assert len(MODES) == 9
+
+
+def test_bench_options_of_another_mode_are_an_error(small_pack):
+    """An option that only other modes read is an error naming its modes and every mode, before
+    any work (a mode's options: its module's `run` parameters)."""
+    from pwctl.commands.bench import MODES
+
+    pack, other = str(small_pack), "is an option of"
+    cases = [
+        (["bench", pack, "--ppl", "--input-len", "64"], f"--input-len {other} --throughput"),
+        (["bench", "--predictions", "x.jsonl", "--rows", "8"], f"--rows {other} --quantizer"),
+        (["bench", pack, "--throughput", "--tasks", "trec"], "of --longbench / --synthetic"),
+        (["bench", "--planner", "--device", "cpu"], f"--device {other} --ppl / --longbench"),
+    ]
+    for args, said in cases:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and said in r.output, (args, r.output)
+        assert all(m in r.output for m in MODES) and len(r.output.strip().splitlines()) == 1
+
+
+def test_bench_modes_read_the_options_the_command_declares():
+    """Every option of `pwctl bench` is read by some mode, and each mode reads only options the
+    command declares (the dispatch passes them by name)."""
+    import inspect
+
+    from pwctl.commands import bench
+
+    declared = set(inspect.signature(bench.run).parameters) - {"ctx"}
+    read = set().union(*(bench._options(m) for m in bench.MODES.values()))
+    flags = {bench._name(m) for m in bench.MODES}
+    assert read <= declared and declared - read == flags - {"predictions"}
 
 
 def test_parse_device(monkeypatch):

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from pwctl import tiny
+from pwctl.build import tiny
+from pwctl.build.convert import ConvertOptions, convert
 from pwctl.cli import app
-from pwctl.convert import ConvertOptions, convert
 
 runner = CliRunner()
 EXAMPLES = int(os.environ.get("PWCTL_FUZZ_EXAMPLES", "80"))  # per test; a few ms a run
@@ -32,15 +32,15 @@ def _loaded(*args: object, **kwargs: object) -> None:
 
 # where each command's real work starts (modules the commands import in their bodies)
 WORK = (
-    "pwctl.runtime.engine.Engine",
-    "pwctl.convert.resolve_source",
-    "pwctl.residual.fit",
-    "pwctl.tiny.make_checkpoint",
+    "pwctl.runtime.engine.engine.Engine",
+    "pwctl.build.convert.resolve_source",
+    "pwctl.build.residual.fit",
+    "pwctl.build.tiny.make_checkpoint",
     "pwctl.bench.planner.run_planner_bench",
     "pwctl.bench.quantizer.run_quantizer_bench",
     "pwctl.bench.longbench.run_predictions",
     "pwctl.bench.results.run_results",
-    "pwctl.runtime.server.run_server",
+    "pwctl.runtime.serve.server.run_server",
 )
 
 SETTINGS = settings(

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pwctl import tiny
-from pwctl.convert import ConvertOptions, convert
-from pwctl.pack import Pack
+from pwctl.build import tiny
+from pwctl.build.convert import ConvertOptions, convert
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.engine import Engine
+from pwctl.runtime.engine.engine import Engine
 
 CASES = [(a, layout) for a in tiny.ARCHS for layout in ("per_expert", "fused")]
 _engines: dict = {}

@@ -1,4 +1,4 @@
-"""Decode steps in fixed shapes (runtime/decode_graphs.py): on the CPU the fixed-shape forward a
+"""Decode steps in fixed shapes (engine/decode_graphs.py): on the CPU the fixed-shape forward a
 CUDA graph captures runs eagerly and must give the packed-row path's logits and policy signals,
 step for step (padded rows, padded cache rows, every architecture); on CUDA the replayed graphs
 must give the eager engine's logits and tokens, also after a re-capture."""
@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pwctl import tiny
-from pwctl.pack import Pack
+from pwctl.build import tiny
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.decode_graphs import MIN_BLOCKS, DecodeGraphs, bucket
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.scheduler import SamplingParams
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.decode_graphs import MIN_BLOCKS, DecodeGraphs, bucket
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.engine.scheduler import SamplingParams
 
 PROMPTS = [
     "In the beginning God created",

@@ -5,15 +5,15 @@ and its bytes count in the memory budget like planes."""
 import pytest
 import torch
 
-from pwctl import tiny
-from pwctl.pack import Pack
+from pwctl.build import tiny
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.dense_experts import DenseExperts
-from pwctl.runtime.engine import Engine, experts_for, serving_dtype
-from pwctl.runtime.moe import MoEBlock
-from pwctl.runtime.router import route
-from pwctl.runtime.scheduler import SamplingParams
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine, experts_for, serving_dtype
+from pwctl.runtime.engine.scheduler import SamplingParams
+from pwctl.runtime.moe.block import MoEBlock
+from pwctl.runtime.moe.dense_experts import DenseExperts
+from pwctl.runtime.moe.router import route
 
 FP16 = parse_policy("fp16")
 

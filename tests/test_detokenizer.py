@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pwctl.runtime.detokenizer import TextOffsets, advance, first_stop
+from pwctl.runtime.engine.detokenizer import TextOffsets, advance, first_stop
 
 BUNDLED = Path(__file__).resolve().parents[1] / "pwctl" / "models" / "tiny-mixtral"
 TEXT = "Der Bär läuft über die Straße — 東京 🚀 naïve café, it's 3.14 x² … ok.\n" * 3

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from pwctl.build.convert import ConvertOptions, convert
 from pwctl.cli import app
-from pwctl.convert import ConvertOptions, convert
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 
 runner = CliRunner()
 
@@ -129,7 +129,7 @@ def test_force_never_replaces_what_is_not_a_pack(checkpoints, tmp_path):
 
 
 def test_exchange_swaps_two_folders(tmp_path):
-    from pwctl.pack import exchange
+    from pwctl.format.pack import exchange
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -145,7 +145,7 @@ def test_exchange_swaps_two_folders(tmp_path):
 def test_a_signal_mid_conversion_leaves_nothing(sig, checkpoints, tmp_path, monkeypatch):
     """The command, signalled while it quantizes, removes its temporary folder on SIGTERM as on
     SIGINT, and a pack it was replacing stays whole."""
-    import pwctl.convert as conv
+    import pwctl.build.convert as conv
 
     src, out = checkpoints[("mixtral", "fused")], tmp_path / "out"
     convert(src, out, ConvertOptions(max_bits=4))
@@ -165,7 +165,7 @@ def test_a_signal_mid_conversion_leaves_nothing(sig, checkpoints, tmp_path, monk
 
 
 def test_interrupted_conversion_leaves_no_pack(checkpoints, tmp_path, monkeypatch):
-    import pwctl.convert as conv
+    import pwctl.build.convert as conv
 
     def boom(*a, **k):
         raise KeyboardInterrupt
@@ -200,7 +200,7 @@ def test_not_a_pack(tmp_path):
 
 
 def test_safetensors_header_garbage(tmp_path):
-    from pwctl.checkpoint import read_header
+    from pwctl.build.checkpoint import read_header
 
     bad = tmp_path / "x.safetensors"
     bad.write_bytes(struct.pack("<Q", 10**12) + b"{}")
@@ -287,7 +287,7 @@ def test_a_bad_plane_found_on_first_use_caps_its_block(packs, tmp_path):
     """Without a verification pass, the read that loads a block's planes finds the bad one:
     the block runs at its last good width, and the fault is recorded."""
     from pwctl.policy import parse_policy
-    from pwctl.runtime.engine import Engine
+    from pwctl.runtime.engine.engine import Engine
 
     pack_dir = copy(packs[("olmoe", "fused")], tmp_path / "pack")
     block = _flip_plane_byte(pack_dir, 2, 5)

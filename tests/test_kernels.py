@@ -10,6 +10,7 @@ import itertools
 import re
 import sys
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,31 +26,22 @@ from pwctl.bench.kernels import (
     random_routing,
     synthetic_layer,
 )
-from pwctl.bitplanes import pack_planes
-from pwctl.pack import Pack
-from pwctl.recipe import MoESpec
-from pwctl.runtime import fused_moe, kernels, popc
-from pwctl.runtime.device_table import DeviceTable
-from pwctl.runtime.expert_store import ExpertStore
-from pwctl.runtime.fused_moe import (
-    FusedMoE,
-    Pairs,
-    XPieces,
-    all_tokens,
-    decode_buffers,
-    fragment_order,
-    group,
-    prepare_decode,
-    prepare_prefill,
-    prepare_routed,
-    tile_plan,
-    wgmma_order,
-    wgmma_tiles,
-)
-from pwctl.runtime.page_table import PageTable
-from pwctl.runtime.pager import CpuBackend, Pager
+from pwctl.format.bitplanes import pack_planes
+from pwctl.format.pack import Pack
+from pwctl.format.recipe import MoESpec
+from pwctl.runtime import kernels, popc
+from pwctl.runtime.memory.device_table import DeviceTable
+from pwctl.runtime.memory.expert_store import ExpertStore
+from pwctl.runtime.memory.page_table import PageTable
+from pwctl.runtime.memory.pager import CpuBackend, Pager
+from pwctl.runtime.moe import layouts
+from pwctl.runtime.moe.dispatch import DispatchRules
+from pwctl.runtime.moe.fused import FusedMoE
+from pwctl.runtime.moe.layouts import fragment_order, tile_plan, wgmma_order, wgmma_tiles
+from pwctl.runtime.moe.pairs import Pairs, all_tokens, decode_buffers, group
+from pwctl.runtime.moe.prep import XPieces, prepare_decode, prepare_prefill, prepare_routed
+from pwctl.runtime.moe.router import route
 from pwctl.runtime.popc import popc_matvec, quantize, step_words, subset_coefficients
-from pwctl.runtime.router import route
 
 
 def test_group_sorts_pairs_by_expert():
@@ -174,7 +166,7 @@ SPAN_CASES = [(832, 264, 56), (768, 264, 56), (128, 264, 22), (1, 4, 3), (9, 4, 
 
 @pytest.mark.parametrize("units, sk, chunks", [*SPAN_CASES, (264, 264, 5)])
 def test_down_spans_cover_each_chunk_once_and_even_out_the_last_wave(units, sk, chunks):
-    spans = fused_moe.down_spans(units, sk, chunks)
+    spans = layouts.down_spans(units, sk, chunks)
     assert spans[0][0] == 0 and spans[-1][1] == units * chunks
     # contiguous: each chunk once
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
@@ -190,10 +182,10 @@ def test_down_spans_cover_each_chunk_once_and_even_out_the_last_wave(units, sk, 
 def test_shared_expert_tiles_are_its_slots_plan(T):
     """The shared expert's cached plan (one slot of every token) is `tile_plan`'s: its live tiles
     and, the bound being exact for one slot, the one dead tile that ends every plan."""
-    shared = fused_moe.all_tokens(T, None, 8, torch.device("cpu"))
+    shared = all_tokens(T, None, 8, torch.device("cpu"))
     want = tile_plan(shared).info
     assert want[-1].tolist() == [-1, -(-T // 128)] and want[:-1, 0].eq(0).all()
-    assert torch.equal(fused_moe._one_slot_tiles(T, torch.device("cpu")), want)
+    assert torch.equal(layouts.one_slot_tiles(T, torch.device("cpu")), want)
 
 
 def test_wgmma_order_matches_the_kernels_a_registers():
@@ -386,9 +378,12 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     moe = layer.moe
     gu, dn = moe.proj[(0, False, "gate")], moe.proj[(0, False, "down")]
 
+    def use(**changes) -> None:  # the rules with these changes
+        moe.rules = replace(moe.rules, **changes)
+
     def decode(T: int, popc_on: bool | None) -> list[tuple[str, tuple, tuple]]:
         launched.clear()
-        moe.popc_decode = popc_on
+        use(popc_decode=popc_on)
         x, weights, index, scale = random_routing(spec, T, device="cpu", seed=T)
         px = moe._x_pieces(0, T, x.device)
         out = torch.zeros_like(x)
@@ -439,10 +434,10 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     layer.set_widths(np.full(layer.table.n_blocks, 5))
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_p1b5", "popc_planes", "down_p1b5"]
-    monkeypatch.setattr(fused_moe, "POPC_B5", False)  # off: 5 bits past the 4-bit build
+    use(popc_b5=False)  # off: 5 bits past the 4-bit build
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
-    monkeypatch.setattr(fused_moe, "POPC_B5", True)
+    use(popc_b5=True)
     layer.set_widths(np.full(layer.table.n_blocks, 6))
     names = [n for n, _, _ in decode(1, True)]
     assert names == ["decode_prep", "gate_up_n1", "down_n1"]
@@ -450,8 +445,8 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     # P1_MIN_WEIGHTS: under it, the lookup kernels at every width
     blocks, n = moe._layer_blocks[0], layer.table.n_blocks
     layer.set_widths(np.full(n, 4))
-    monkeypatch.setitem(moe._popc_pays, 0, False)
-    monkeypatch.setitem(moe._p1_pays, 0, False)
+    use(popc_min_weights=moe._reads[0] + 1)
+    use(p1_min_weights=moe._reads[0] + 1)
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
     widths[:] = 4
     widths[blocks[0]] = 5
@@ -459,29 +454,28 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_n1", "down_n1"]
     # on a layer of P1_MIN_WEIGHTS: p1 while under MID_P1_UNTIL_WIDE of its weights are past 4
     # bits, the split build from there on
-    monkeypatch.setitem(moe._p1_pays, 0, True)
+    use(p1_min_weights=0)
     p1 = ["gate_up_p1", "popc_planes", "down_p1"]
     split = ["gate_up_n1", "popc_planes", "down_p1"]  # the lookup gate_up, the popc down
     p1b5 = ["gate_up_p1b5", "popc_planes", "down_p1b5"]
     span = moe._widths(0)
     assert span.gate_up_wide > span.wide > 0 == span.gate_up_wider  # expert 0's gate alone
-    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", span.wide + 0.01)
+    use(mid_p1_until_wide=span.wide + 0.01)
     assert [n for n, _, _ in decode(1, None)][1:] == p1
-    monkeypatch.setattr(fused_moe, "MID_P1_UNTIL_WIDE", span.wide)
+    use(mid_p1_until_wide=span.wide)
     assert [n for n, _, _ in decode(1, None)][1:] == split
     # on a large layer (`_popc_pays`): p1b5 from P1B5_FROM_WIDE of its weights past 4 bits
     # while under P1B5_UNTIL_WIDER are past 5; else p1 while under P1_UNTIL_GATE_UP_WIDE of its
     # gate and up weights are past 4 bits and under P1_UNTIL_GATE_UP_WIDER past 5
-    monkeypatch.setitem(moe._popc_pays, 0, True)
-    assert moe._widths(0).wide < fused_moe.P1B5_FROM_WIDE
-    assert moe._widths(0).gate_up_wide < fused_moe.P1_UNTIL_GATE_UP_WIDE
+    use(popc_min_weights=0)
+    assert moe._widths(0).wide < moe.rules.p1b5_from_wide
+    assert moe._widths(0).gate_up_wide < moe.rules.p1_until_gate_up_wide
     assert [n for n, _, _ in decode(1, None)][1:] == p1
     downs = np.full(n, 4)
     downs[blocks[2::3]] = 8  # every down past 5 bits, the shared expert's too: still p1
     layer.set_widths(downs)
-    assert (
-        moe._widths(0).gate_up_wide == 0 < fused_moe.P1_UNTIL_GATE_UP_WIDER < moe._widths(0).wider
-    )
+    span = moe._widths(0)
+    assert span.gate_up_wide == 0 < moe.rules.p1_until_gate_up_wider < span.wider
     assert [n for n, _, _ in decode(1, None)][1:] == p1
     layer.set_widths(widths)
     widths[blocks[:3]] = 5  # expert 0's gate, up and down
@@ -500,35 +494,35 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     everything, gate_up = expert_0(("gate", "up", "down")), expert_0(("gate", "up"))
     want = (4, 5, pytest.approx(everything), 0.0, pytest.approx(gate_up), 0.0)
     assert moe._widths(0) == want
-    monkeypatch.setattr(fused_moe, "P1B5_FROM_WIDE", moe._widths(0).wide)
+    use(p1b5_from_wide=moe._widths(0).wide)
     assert [n for n, _, _ in decode(1, None)][1:] == p1b5
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
-    monkeypatch.setattr(fused_moe, "POPC_B5", False)  # off: p1
+    use(popc_b5=False)  # off: p1
     assert [n for n, _, _ in decode(1, None)][1:] == p1
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDE", moe._widths(0).gate_up_wide)
+    use(p1_until_gate_up_wide=moe._widths(0).gate_up_wide)
     assert [n for n, _, _ in decode(1, None)][1:] == split
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDE", 0.5)
-    monkeypatch.setattr(fused_moe, "POPC_B5", True)
+    use(p1_until_gate_up_wide=0.5)
+    use(popc_b5=True)
     widths[blocks[1]] = 6
     layer.set_widths(widths)
     wider = moe._widths(0).wider
     assert 0 < wider < moe._widths(0).wide
-    monkeypatch.setattr(fused_moe, "P1B5_UNTIL_WIDER", wider + 0.01)
+    use(p1b5_until_wider=wider + 0.01)
     assert [n for n, _, _ in decode(1, None)][1:] == p1b5  # p1b5 reads the 6-bit one's lookup
-    monkeypatch.setattr(fused_moe, "P1B5_UNTIL_WIDER", wider)
+    use(p1b5_until_wider=wider)
     assert [n for n, _, _ in decode(1, None)][1:] == p1
-    monkeypatch.setattr(fused_moe, "P1_UNTIL_GATE_UP_WIDER", moe._widths(0).gate_up_wider)
+    use(p1_until_gate_up_wider=moe._widths(0).gate_up_wider)
     # past P1_UNTIL_GATE_UP_WIDER the split build: the lookup gate_up, the popc down (POPC_DOWN)
     split_launches = decode(1, None)
     assert [n for n, _, _ in split_launches][1:] == split
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_pn"
-    monkeypatch.setattr(fused_moe, "POPC_DOWN", False)
+    use(popc_down=False)
     lookup = decode(1, None)
     assert [n for n, _, _ in lookup][1:] == ["gate_up_n1", "down_n1"]
-    monkeypatch.setattr(fused_moe, "POPC_DOWN", True)
-    monkeypatch.setattr(fused_moe, "POPC_B5", False)
+    use(popc_down=True)
+    use(popc_b5=False)
     p1_launches = decode(1, True)  # p1: the launches the split one takes after its gate_up
-    monkeypatch.setattr(fused_moe, "POPC_B5", True)
+    use(popc_b5=True)
     assert split_launches[0][1] == lookup[0][1]  # the prep builds no x pieces for the lookup
     assert split_launches[1] == lookup[1] and split_launches[2:] == p1_launches[2:]  # grids
     # no block the popc down's mma reads: the split build still (its lookup of wide blocks)
@@ -541,12 +535,12 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     for b in blocks[3:-1]:
         widths[b] = 8
         layer.set_widths(widths)
-        pn = moe._widths(0).wide < fused_moe.PN_UNTIL_WIDE
+        pn = moe._widths(0).wide < moe.rules.pn_until_wide
         seen.add(pn)
         assert [n for n, _, _ in decode(2, None)][1] == ("gate_up_pn" if pn else "gate_up_n1")
         assert [n for n, _, _ in decode(2, True)][1] == "gate_up_pn"
     assert seen == {True, False}
-    monkeypatch.setitem(moe._popc_pays, 0, False)
+    use(popc_min_weights=moe._reads[0] + 1)
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     assert [n for n, _, _ in decode(1, None)][1:] == ["gate_up_p1", "popc_planes", "down_p1"]
     assert [n for n, _, _ in decode(2, None)][1] == "gate_up_n1"
@@ -663,7 +657,8 @@ def test_prefill_down_on_its_stream_k_wave_matches_reference(shape):
     that run two jobs (the routed layers' draws may not)."""
     layer = synthetic_layer(SHAPES.get(shape) or TEST_SPECS[shape], seed=5)
     rng = np.random.default_rng(5)
-    layer.moe.prefill_kernel, layer.moe.down_stream_k = "wgmma", True
+    layer.moe.prefill_kernel = "wgmma"
+    layer.moe.rules = replace(layer.moe.rules, down_stream_k=True)
     for width in ["3", "6", "mixed"]:
         _set_widths(layer, width, rng)
         for T in (65, 700):
@@ -702,11 +697,11 @@ def test_one_token_kernels_match_reference_and_lookup(shape):
             want = layer.moe(0, x, weights, index, scale, reference=True)
             got = {}
             for on in (True, False):
-                layer.moe.popc_decode = on
+                layer.moe.rules = replace(layer.moe.rules, popc_decode=on)
                 _poison(layer.moe)
                 got[on] = layer.moe(0, x, weights, index, scale)
             for kind in forced.get(width, []):  # a build on widths it was not chosen for
-                layer.moe.popc_decode = True
+                layer.moe.rules = replace(layer.moe.rules, popc_decode=True)
                 layer.moe._popc_kind = lambda layer_, T, kind=kind: kind
                 _poison(layer.moe)
                 got[kind] = layer.moe(0, x, weights, index, scale)
@@ -731,7 +726,7 @@ def test_popc_kernels_take_calls_of_a_few_tokens(shape):
     calls route tokens in pairs, so that slots of exactly two tokens are certain."""
     layer = synthetic_layer(SHAPES[shape], seed=4)
     rng = np.random.default_rng(4)
-    layer.moe.popc_decode = True
+    layer.moe.rules = replace(layer.moe.rules, popc_decode=True)
     calls = [(T, False) for T in range(2, kernels.POPC_MAX_TOKENS + 1)] + [(2, True), (4, True)]
     for width in ["3", "4", "mixed"]:
         _set_widths(layer, width, rng)
@@ -801,7 +796,7 @@ def test_one_token_runs_match_reference(shape):
     spec, slab = (STRADDLE, 16384) if shape == "straddle" else (SHAPES[shape], None)
     layer = synthetic_layer(spec, seed=5, slab_bytes=slab)
     moe = layer.moe
-    moe.popc_decode = True
+    moe.rules = replace(moe.rules, popc_decode=True)
     tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS * layer.spec.top_k
     rng = np.random.default_rng(5)
     for width in ["3", "4", "mixed"]:
@@ -809,7 +804,7 @@ def test_one_token_runs_match_reference(shape):
         x, weights, index, scale = random_routing(layer.spec, 1, seed=5)
         want = layer.moe(0, x, weights, index, scale, reference=True)
         for runs in (0, 3, None, 2 * tiles):
-            moe.gate_up_runs, moe._launches = runs, {}
+            moe.rules = replace(moe.rules, gate_up_runs=runs)
             for call in range(2):
                 _poison(moe)
                 got = moe(0, x, weights, index, scale)
@@ -857,7 +852,6 @@ DECODE_PREP_CASES = [(1, 2, 8), (3, 4, 60), (4, 8, 128), (16, 2, 8), (8, 8, 128)
 @pytest.mark.parametrize("T, k, E", DECODE_PREP_CASES)
 def test_decode_prep_matches_torch(T, k, E):
     """One launch: `group`'s pairs, x in fragment order, and the output zeroed (poisoned first)."""
-    from pwctl.runtime.fused_moe import prepare_decode
 
     spec = MoESpec(E, k, 64, 64, "softmax_topk", False, 1.0, 0, False, "silu")
     gen = torch.Generator(device="cuda").manual_seed(T)
@@ -979,7 +973,6 @@ def test_route_prep_matches_torch_router(E, k, order, norm, scaling, shared, H, 
     prepares the decode: logits within fp16 rounding of torch's linear, top-k and weights as
     `route` gives them from those logits, pairs as `group`, x laid out, out zeroed. Twice: the
     kernel's completion counter must be back at zero for the second launch."""
-    from pwctl.runtime.fused_moe import prepare_routed
 
     spec = MoESpec(E, k, 64, H, order, norm, scaling, 64 if shared else 0, shared, "silu")
     gen = torch.Generator(device="cuda").manual_seed(E + T)
@@ -1024,7 +1017,7 @@ def test_routed_decode_matches_reference(shape, T):
     sgw = torch.randn(1, spec.hidden, generator=gen, device="cuda").half() * 0.05
     sgw = sgw if spec.has_shared else None
     x = torch.randn(T, spec.hidden, generator=gen, device="cuda").half()
-    layer.moe.popc_decode = T == 1
+    layer.moe.rules = replace(layer.moe.rules, popc_decode=T == 1)
 
     def check(out: torch.Tensor, case: str) -> None:
         r = layer.moe._routing[(T, sgw is not None)]
@@ -1065,7 +1058,7 @@ def test_routed_decode_matches_reference(shape, T):
 
 @pytest.mark.gpu
 def test_token_tiles_kernel_matches_wgmma_tiles():
-    from pwctl.runtime.fused_moe import token_tiles
+    from pwctl.runtime.moe.layouts import token_tiles
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(40, 300, generator=gen, device="cuda")
@@ -1279,7 +1272,7 @@ def _kernel_params(name: str) -> list[str]:
 def test_route_slices_bound_a_lanes_loads(H):
     """A router dot product takes the fewest warps (a power of two, at most a block's) that
     leave each lane ROUTE_LOADS 16-byte loads or fewer, and every warp of it some columns."""
-    from pwctl.runtime.fused_moe import ROUTE_LOADS, route_slices
+    from pwctl.runtime.moe.prep import ROUTE_LOADS, route_slices
 
     s, warps = route_slices(H), kernels.PREP_THREADS // 32
     assert s & (s - 1) == 0 and 1 <= s <= warps and warps % s == 0
@@ -1293,7 +1286,7 @@ def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
     """route_prep's launch keeps its buffers and takes x, the router's weights, the shared gate's
     and out at each call: its holes must be those parameters of the kernel (cuda/moe.cu), and
     it must pass as many arguments as the kernel declares."""
-    from pwctl.runtime.fused_moe import route_launch, routing_buffers
+    from pwctl.runtime.moe.prep import route_launch, routing_buffers
 
     monkeypatch.setattr(kernels, "sm_count", lambda: 132)
     cpu = torch.device("cpu")
@@ -1340,7 +1333,7 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     layer, pairs, xf, one = _one_token_call()
     layer.set_widths(np.full(layer.table.n_blocks, 4))  # the popc kernels read 4 bits
     moe = layer.moe
-    moe.popc_decode = popc_on
+    moe.rules = replace(moe.rules, popc_decode=popc_on)
     px = moe._x_pieces(0, 1, torch.device("cpu"))
     assert (px is not None) == popc_on
     _, down = moe._decode_launches(0, xf, pairs, one, px)
@@ -1418,9 +1411,9 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     # CTAs set by hand still runs the wave
     assert moe._decode_launch(0, 2, True, "p1").runs == 0
     assert moe._decode_launch(0, 2, True, "p1b5").runs == 0  # an 8-bit block: past 5 bits too
-    moe.gate_up_runs = 97 + 3
+    moe.rules = replace(moe.rules, gate_up_runs=97 + 3)
     assert moe._decode_launch(0, 2, True, "p1").runs == 97
-    moe.gate_up_runs = None
+    moe.rules = replace(moe.rules, gate_up_runs=None)
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     n = len(moe._run_buffers[next(iter(moe._run_buffers))][1])
     assert n == 97 + 1 + 3 + 1  # cuda/moe.cu RUN: routed [1, 97], shared [99, 101]
@@ -1444,11 +1437,11 @@ def test_one_token_gate_up_runs_a_persistent_grid(monkeypatch):
     layer, pairs, xf, _ = _one_token_call()  # its shared expert stays out: no `shared` pairs
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     moe, cpu = layer.moe, torch.device("cpu")
-    moe.popc_decode = True
+    moe.rules = replace(moe.rules, popc_decode=True)
     tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS  # 256 a slot
 
     def grid(runs: int | None, ctas_per_sm: int = 1) -> tuple:
-        moe.gate_up_runs, moe._launches, per_sm["n"] = runs, {}, ctas_per_sm
+        moe.rules, per_sm["n"] = replace(moe.rules, gate_up_runs=runs), ctas_per_sm
         launched.clear()
         moe._decode(0, xf, pairs, torch.zeros(1, 768), None, moe._x_pieces(0, 1, cpu))
         return dict(launched)["gate_up_p1"]
@@ -1459,10 +1452,8 @@ def test_one_token_gate_up_runs_a_persistent_grid(monkeypatch):
     gate_up, _ = moe._decode_launches(0, xf, pairs, None, None)  # the lookup build: no runs
     assert gate_up.count == len(_kernel_params("gate_up_##NAME"))
     for knob in ("gate_up_runs", "down_split"):  # a negative count would shrink the grids
-        moe.gate_up_runs, moe.down_split, moe._launches = None, None, {}
-        setattr(moe, knob, -1)
         with pytest.raises(ValueError, match=knob):
-            moe._decode_launches(0, xf, pairs, None, moe._x_pieces(0, 1, cpu))
+            DispatchRules(**{knob: -1})
 
 
 def test_down_k_split_fills_the_gpu_or_one_wave(monkeypatch):
@@ -1483,7 +1474,7 @@ def test_down_k_split_fills_the_gpu_or_one_wave(monkeypatch):
     moe, cpu = layer.moe, torch.device("cpu")
     grids = {}
     for on in (True, False):
-        moe.popc_decode = on
+        moe.rules = replace(moe.rules, popc_decode=on)
         moe._decode(0, xf, pairs, torch.zeros(1, 768), None, moe._x_pieces(0, 1, cpu))
         grids.update(launched)
     ctas = 2 * 768 // kernels.ROWS  # two slots of 48 row tiles
@@ -1621,9 +1612,8 @@ def test_popc_kernels_by_default_on_a_layer_large_enough(monkeypatch, shared):
     reads = 2 * 3 * 768 * 4096 + (3 * 768 * 256 if shared else 0)  # hidden 768
     cpu = torch.device("cpu")
     for one, few in ((reads, reads), (reads, reads + 1), (reads + 1, reads + 1)):
-        monkeypatch.setattr(fused_moe, "P1_MIN_WEIGHTS", one)
-        monkeypatch.setattr(fused_moe, "POPC_MIN_WEIGHTS", few)
-        layer = synthetic_layer(spec, device="cpu", seed=0)
+        rules = DispatchRules(p1_min_weights=one, popc_min_weights=few)
+        layer = synthetic_layer(spec, device="cpu", seed=0, rules=rules)
         layer.set_widths(np.full(layer.table.n_blocks, 4))  # blocks the binary mma reads
         moe = layer.moe
         assert moe._weights_a_token(0) == reads
@@ -1631,7 +1621,7 @@ def test_popc_kernels_by_default_on_a_layer_large_enough(monkeypatch, shared):
         assert (moe._x_pieces(0, kernels.POPC_MAX_TOKENS, cpu) is not None) == (few <= reads)
         assert moe._x_pieces(0, kernels.POPC_MAX_TOKENS + 1, cpu) is None
         for forced in (True, False):
-            moe.popc_decode = forced
+            moe.rules = replace(moe.rules, popc_decode=forced)
             assert (moe._x_pieces(0, 1, cpu) is not None) == forced
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pwctl.errors import PwctlError
-from pwctl.runtime.kv_cache import BlockPool, KVCache, KVLayout
+from pwctl.runtime.memory.kv_cache import BlockPool, KVCache, KVLayout
 
 LAYOUT = KVLayout(n_layers=2, kv_heads=2, head_dim=4)
 
@@ -53,7 +53,7 @@ class Slabs:
     """A slab pool standing for the paged backend's arena (PagedExperts' lending side)."""
 
     def __init__(self, n_slabs: int, slab_bytes: int):
-        from pwctl.runtime.pager import SlabPool
+        from pwctl.runtime.memory.pager import SlabPool
 
         self.slab_bytes, self.pool = slab_bytes, SlabPool(n_slabs)
         self.arena = torch.zeros((n_slabs, slab_bytes), dtype=torch.uint8)
@@ -113,8 +113,8 @@ def test_batched_decode_attention_equals_one_span_at_a_time(window):
     hold NaN (as a slab that held planes may): padding must not read them."""
     from types import SimpleNamespace
 
-    from pwctl.runtime.attention import DecodeBatch, PagedBatch, SeqSpan, paged_attention
-    from pwctl.runtime.decode_graphs import cache_rows
+    from pwctl.runtime.engine.attention import DecodeBatch, PagedBatch, SeqSpan, paged_attention
+    from pwctl.runtime.engine.decode_graphs import cache_rows
 
     layout = KVLayout(n_layers=1, kv_heads=2, head_dim=8)
     kv = KVCache(layout, capacity=13, block_size=4)

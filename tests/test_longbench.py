@@ -21,13 +21,13 @@ from pwctl.bench import longctx
 from pwctl.bench import metrics as m
 from pwctl.bench import synthetic_tasks as syn
 from pwctl.bench.serving_budget import BudgetCalculator
-from pwctl.checkpoint import EVAL_SAMPLE, MODELS_DIR
+from pwctl.build.checkpoint import EVAL_SAMPLE, MODELS_DIR
 from pwctl.cli import app
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data" / "longbench"

@@ -23,7 +23,7 @@ import pytest
 
 from pwctl.runtime import kernels
 
-# every kernel the launchers name (fused_moe.py, kernels.py): the entry macros must make them all
+# every kernel the launchers name (runtime/moe/, kernels.py): the entry macros must make them all
 LAUNCHED = (
     ["decode_prep", "route_prep", "prefill_prep", "token_tiles", "popc_planes"]
     + [f"{k}_{n}" for k in ("gate_up", "down") for n in ("n1", "n2", "n4", "n8")]

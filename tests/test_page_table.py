@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pwctl.pack import Pack
-from pwctl.runtime.page_table import GPU, IN_FLIGHT, PageTable, choose_slab
+from pwctl.format.pack import Pack
+from pwctl.runtime.memory.page_table import GPU, IN_FLIGHT, PageTable, choose_slab
 
 
 def small_table(budget: int = 10_000) -> PageTable:

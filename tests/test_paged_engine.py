@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from pwctl import tiny
+from pwctl.build import tiny
+from pwctl.build.profile import run_profile
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import Policy, parse_policy
-from pwctl.profile import run_profile
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine, experts_for
-from pwctl.runtime.moe import MoETap
-from pwctl.runtime.paged_experts import PagedExperts
-from pwctl.runtime.scheduler import SamplingParams
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine, experts_for
+from pwctl.runtime.engine.scheduler import SamplingParams
+from pwctl.runtime.memory.paged_experts import PagedExperts
+from pwctl.runtime.moe.block import MoETap
 
 PROMPTS = [
     "In the beginning God created",
@@ -61,7 +61,7 @@ def test_moe_blocks_route_through_the_fused_moe(bundled_qwen_pack, monkeypatch):
     """MoEBlock hands its router to `FusedMoE.routed` (on CUDA one launch routes and prepares the
     decode; here torch's router, the reference), every layer, with the tap on: the tap sees
     routing equal to the store engine's, in buffers of its own."""
-    from pwctl.runtime.fused_moe import FusedMoE
+    from pwctl.runtime.moe.fused import FusedMoE
 
     store, paged = engines(bundled_qwen_pack)
     store.set_policy(parse_policy("uniform:4"))

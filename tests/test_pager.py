@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pwctl.pack import Pack
-from pwctl.runtime.page_table import GPU, HOST, IN_FLIGHT, NO_FENCE, PageTable
-from pwctl.runtime.pager import DONE, FAILED, CpuBackend, Pager
-from pwctl.runtime.planner import Planner, PlannerConfig
+from pwctl.format.pack import Pack
+from pwctl.runtime.memory.page_table import GPU, HOST, IN_FLIGHT, NO_FENCE, PageTable
+from pwctl.runtime.memory.pager import DONE, FAILED, CpuBackend, Pager
+from pwctl.runtime.widths.planner import Planner, PlannerConfig
 
 SLAB = 256
 
@@ -306,7 +306,7 @@ def test_cpu_backend_churn_matches_pack(packs):
 def test_cuda_backend_matches_pack(packs):
     import torch
 
-    from pwctl.runtime.pager import CudaBackend
+    from pwctl.runtime.memory.pager import CudaBackend
 
     pack = Pack(packs[("qwen2_moe", "per_expert")])
     full = sum(b.bytes_at(pack.manifest.max_bits) for b in pack.blocks)
@@ -329,7 +329,7 @@ def test_cuda_promotion_bandwidth_and_interference():
 
 
 def test_copy_runs_join_adjacent_host_bytes_bound_for_adjacent_slabs():
-    from pwctl.runtime.pager import Copy, copy_runs
+    from pwctl.runtime.memory.pager import Copy, copy_runs
 
     S = 10
     copies = [

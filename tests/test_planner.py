@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pwctl.policy import parse_policy
-from pwctl.runtime.planner import Planner, PlannerConfig
+from pwctl.runtime.widths.planner import Planner, PlannerConfig
 
 PLAIN = PlannerConfig(use_router_stats=False, cooldown=0, margin=0.0)
 
@@ -337,7 +337,7 @@ def test_planner_bench_runs():
 
 
 def test_router_counts_count_each_layers_ids():
-    from pwctl.runtime.allocator import router_counts
+    from pwctl.runtime.widths.allocator import router_counts
 
     ids = np.random.default_rng(0).integers(0, 6, size=(3, 20))
     want = np.stack([np.bincount(row, minlength=6) for row in ids])

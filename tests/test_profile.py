@@ -8,12 +8,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pwctl import tiny
+from pwctl.build import tiny
 from pwctl.cli import app
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
-from pwctl.profile import Profile, lower_hull
-from pwctl.residual import ResidualModel
+from pwctl.format.pack import Pack
+from pwctl.format.profile import Profile, lower_hull
+from pwctl.format.residual import ResidualModel
 
 runner = CliRunner()
 
@@ -133,8 +133,8 @@ def test_errors(packs, profiled, tmp_path):
 
 def test_budgeted_policies_respect_budget_and_floors(profiled, packs):
     from pwctl.policy import parse_policy
-    from pwctl.runtime.engine import Engine
-    from pwctl.runtime.moe import MoETap
+    from pwctl.runtime.engine.engine import Engine
+    from pwctl.runtime.moe.block import MoETap
 
     pack_dir, _, _ = profiled
     engine = Engine(Pack(pack_dir))
@@ -174,7 +174,7 @@ def test_budgeted_policies_respect_budget_and_floors(profiled, packs):
 def test_pressure_trace_gives_dynamic_policies_the_free_memory(profiled):
     from pwctl.bench.ppl import bootstrap_ci, pressure_trace, run_ppl
     from pwctl.policy import parse_policy
-    from pwctl.runtime.engine import Engine
+    from pwctl.runtime.engine.engine import Engine
 
     trace = pressure_trace(9)
     assert trace[0] == 0 and trace[4] == 1 and abs(trace[-1]) < 1e-12

@@ -4,12 +4,12 @@ after a burst every block returns to the widest width within a bounded number of
 
 import numpy as np
 
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.memory import MemoryBudget
-from pwctl.runtime.scheduler import SamplingParams
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.engine.scheduler import SamplingParams
+from pwctl.runtime.memory.budget import MemoryBudget
 
 CFG = BatchConfig(max_seqs=8, max_batch_tokens=64, block_size=4, max_model_len=96)
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from pwctl.bitplanes import (
+from pwctl.build.quantize import quantize_nested
+from pwctl.format.bitplanes import (
     bits_nbytes,
     dequantize,
     group_bytes,
@@ -11,7 +12,6 @@ from pwctl.bitplanes import (
     unpack_labels,
     untile,
 )
-from pwctl.quantize import quantize_nested
 
 
 def heavy_tailed(rows, cols, seed=0):

@@ -4,8 +4,8 @@ recompute, make_room before preemption, aborts free blocks."""
 import pytest
 
 from pwctl.errors import PwctlError
-from pwctl.runtime.kv_cache import KVCache, KVLayout
-from pwctl.runtime.scheduler import QueueFull, SamplingParams, Scheduler, Sequence, Status
+from pwctl.runtime.engine.scheduler import QueueFull, SamplingParams, Scheduler, Sequence, Status
+from pwctl.runtime.memory.kv_cache import KVCache, KVLayout
 
 LAYOUT = KVLayout(n_layers=1, kv_heads=1, head_dim=2)
 
@@ -112,7 +112,7 @@ def test_sampling_params_are_checked():
 def test_sampler_greedy_top_p_and_seed():
     import torch
 
-    from pwctl.runtime.sampler import sample
+    from pwctl.runtime.engine.sampler import sample
 
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
     greedy = Sequence([1], SamplingParams(temperature=0))
@@ -134,7 +134,7 @@ def test_sampler_greedy_top_p_and_seed():
 def test_sampler_frequencies_follow_temperature_and_top_p():
     import torch
 
-    from pwctl.runtime.sampler import sample
+    from pwctl.runtime.engine.sampler import sample
 
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -154,7 +154,7 @@ def test_nucleus_equals_a_sort_of_every_row():
     # one a sort of the whole row gives, row by row
     import torch
 
-    from pwctl.runtime.sampler import NUCLEUS_K, nucleus
+    from pwctl.runtime.engine.sampler import NUCLEUS_K, nucleus
 
     gen = torch.Generator().manual_seed(0)
     for vocab, spread in ((4 * NUCLEUS_K, 4.0), (4 * NUCLEUS_K, 0.1), (50, 1.0)):
@@ -171,7 +171,7 @@ def test_nucleus_equals_a_sort_of_every_row():
 def test_a_seeded_row_draws_the_same_in_any_batch():
     import torch
 
-    from pwctl.runtime.sampler import sample
+    from pwctl.runtime.engine.sampler import sample
 
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
@@ -188,7 +188,7 @@ def test_sampler_on_cuda_follows_the_cpus():
     # the same draws on the device: frequencies, top-p, a seeded row alone and in a batch
     import torch
 
-    from pwctl.runtime.sampler import sample
+    from pwctl.runtime.engine.sampler import sample
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device="cuda")
     n = 20000

@@ -19,14 +19,14 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.protocol import chat_prompt
-from pwctl.runtime.scheduler import QueueFull, SamplingParams
-from pwctl.runtime.server import _engine_error, create_app
-from pwctl.runtime.worker import EngineWorker, Request, Update
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.engine.scheduler import QueueFull, SamplingParams
+from pwctl.runtime.serve.protocol import chat_prompt
+from pwctl.runtime.serve.server import _engine_error, create_app
+from pwctl.runtime.serve.worker import EngineWorker, Request, Update
 
 KEY = "test-key"
 PROMPTS = [
@@ -573,7 +573,7 @@ def test_an_engine_error_mid_stream_is_an_openai_error_event(served, monkeypatch
 def test_metrics_exposition_names_what_serves(bundled_pack):
     """/metrics' text (prometheus-client's): counters end in _total, each MoE layer's width and
     the serving policy, device and backend are labelled."""
-    from pwctl.runtime.server import prometheus
+    from pwctl.runtime.serve.server import prometheus
 
     engine = Engine(Pack(bundled_pack))
     batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=1))

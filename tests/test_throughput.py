@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from pwctl.bench import throughput as tp
 from pwctl.bench.serving_budget import BudgetCalculator
-from pwctl.checkpoint import EVAL_SAMPLE
+from pwctl.build.checkpoint import EVAL_SAMPLE
 from pwctl.cli import app
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine
 
 runner = CliRunner()
 SIZES = ["--input-len", "32", "--output-len", "8"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from pwctl.checkpoint import EVAL_SAMPLE, MODELS_DIR
+from pwctl.build.checkpoint import EVAL_SAMPLE, MODELS_DIR
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_moe.py"
 

@@ -4,11 +4,11 @@ follows its `set`, and a write through any other path fails."""
 import numpy as np
 import pytest
 
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.width_plan import WidthPlan
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.widths.width_plan import WidthPlan
 
 
 def test_the_view_follows_set_and_refuses_writes():

@@ -11,22 +11,23 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pwctl.bitplanes import bits_nbytes, words_per_row
-from pwctl.convert import ConvertOptions, rows_per_table
+from pwctl.build.convert import ConvertOptions, rows_per_table
 from pwctl.errors import PwctlError
-from pwctl.pack import BlockInfo, PlaneInfo
-from pwctl.recipe import MoESpec
-from pwctl.runtime.device_table import DeviceTable
-from pwctl.runtime.fused_moe import FusedMoE
+from pwctl.format.bitplanes import bits_nbytes, words_per_row
+from pwctl.format.pack import BlockInfo, PlaneInfo
+from pwctl.format.recipe import MoESpec
 from pwctl.runtime.kernels import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
-from pwctl.runtime.page_table import GPU, PageTable, choose_slab, min_slab
-from pwctl.runtime.router import route
+from pwctl.runtime.memory.device_table import DeviceTable
+from pwctl.runtime.memory.page_table import GPU, PageTable, choose_slab, min_slab
+from pwctl.runtime.moe.dispatch import DispatchRules
+from pwctl.runtime.moe.fused import FusedMoE
+from pwctl.runtime.moe.router import route
 
 
 def _spec(hidden, inter, experts, top_k, shared=0, order="softmax_topk", norm=False) -> MoESpec:
@@ -84,9 +85,11 @@ def synthetic_layer(
     max_bits: int = BENCH_BITS[1],
     seed: int = 0,
     slab_bytes: int | None = None,
+    rules: DispatchRules | None = None,
 ) -> SyntheticLayer:
     """Every block of one layer at `max_bits` planes, resident in a shuffled slab arena (slabs of
-    `slab_bytes`, at least a group of rows of plane words; default: the pager's choice)."""
+    `slab_bytes`, at least a group of rows of plane words; default: the pager's choice), its
+    kernels chosen by `rules` (default: `DispatchRules()`)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = layer_blocks(spec, max_bits, min_bits)
     pb = np.array([[p.nbytes for p in b.planes] for b in blocks], dtype=np.int64)
@@ -112,7 +115,7 @@ def synthetic_layer(
     arena.index_copy_(0, where, linear.view(-1, slab))
     dt = DeviceTable(table, arena, blocks)
     index = {(0, b.expert, b.proj): i for i, b in enumerate(blocks)}
-    return SyntheticLayer(spec, blocks, table, dt, FusedMoE(spec, dt, index))
+    return SyntheticLayer(spec, blocks, table, dt, FusedMoE(spec, dt, index, rules))
 
 
 def random_routing(spec: MoESpec, T: int, device: str = "cuda", seed: int = 0):
@@ -138,7 +141,7 @@ def decode_calls(shapes: list[str], tokens: list[int], width: int = 4, path: str
         for T in tokens:
             x, w, idx, sc = random_routing(layer.spec, T, seed=T)
             yield name, T, functools.partial(layer.moe, 0, x, w, idx, sc, path=path)
-        layer = None
+        del layer
         torch.cuda.empty_cache()
 
 
@@ -395,7 +398,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     """One row per path that takes T tokens: decode (CUDA-graph replay: launch overhead out; timed
     with L2 flushed, and back to back) up to 64 tokens, prefill from 4 tokens on (the crossover is
     chosen from these rows; the FP16 grouped GEMM is timed as the rows' path is). Up to
-    POPC_MAX_TOKENS tokens `decode` is the launcher's choice (FusedMoE.popc_decode None) and both
+    POPC_MAX_TOKENS tokens `decode` is the launcher's choice (rules' popc_decode None) and both
     kernel families get a row of their own: `popc` (binary tensor cores for one-token slots)
     where rows allow, and `lookup`. Up to 64 tokens, `routed`: the whole layer with its router
     (`_routed_row`), the rows the decode targets cover."""
@@ -403,7 +406,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
     planes, fp16 = active_bytes(layer, index)
     grouped = GroupedFp16(layer, x, weights, index, scale)
     tg = grouped_time(grouped)
-    rows, popc = [], layer.moe.popc_decode
+    rows, rules = [], layer.moe.rules
     forced = {"decode": None, "popc": True, "lookup": False}
     for path in ("decode", "popc", "lookup", "prefill"):
         if (path == "decode" and T > DECODE_MAX_TOKENS) or (path == "prefill" and T < 4):
@@ -411,8 +414,9 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
         if path in ("popc", "lookup") and T > POPC_MAX_TOKENS:  # where the popc kernels run
             continue
 
+        layer.moe.rules = replace(rules, popc_decode=forced.get(path))
+
         def call(path=path):
-            layer.moe.popc_decode = forced.get(path)
             kind = "prefill" if path == "prefill" else "decode"
             return layer.moe(0, x, weights, index, scale, path=kind)
 
@@ -421,7 +425,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
             tp = grouped_time(grouped, decode=False) if T <= DECODE_MAX_TOKENS else tg
         else:
             t, warm, tp = *graph_times(call), tg
-        layer.moe.popc_decode = popc  # as the caller had it
+        layer.moe.rules = rules  # as the caller had it
         rows.append(_row(name, width, T, path, t, warm, planes, fp16, tp, copy_bw))
     if T <= DECODE_MAX_TOKENS:
         rows.append(_routed_row(layer, name, width, x, copy_bw, seed))

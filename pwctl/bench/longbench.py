@@ -45,7 +45,7 @@ from pwctl.bench.metrics import (
 )
 from pwctl.errors import PwctlError
 from pwctl.policy import Policy
-from pwctl.runtime.engine import Engine
+from pwctl.runtime.engine.engine import Engine
 
 # Few-shot and code tasks continue a raw pattern; a chat wrapper would break it (pred.py).
 NO_CHAT = FIRST_LINE | {"lcc", "repobench-p"}

@@ -18,11 +18,11 @@ from typing import Any
 from pwctl.bench.plotting import pyplot
 from pwctl.bench.throughput import fresh_batcher, kv_bytes_in_use
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import Policy
-from pwctl.runtime.batcher import BatchConfig, Batcher
-from pwctl.runtime.engine import Engine, experts_for, serving_dtype
-from pwctl.runtime.scheduler import SamplingParams, Sequence
+from pwctl.runtime.engine.batcher import BatchConfig, Batcher
+from pwctl.runtime.engine.engine import Engine, experts_for, serving_dtype
+from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
 
 # batcher counters reported as their change over a policy's run
 MOVES = ("width_demotions", "width_promotions", "preemptions", "steps")

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from pwctl.bench.planner import synthetic_table
-from pwctl.pack import write_atomic
-from pwctl.runtime.pager import CudaBackend, Pager
+from pwctl.format.pack import write_atomic
+from pwctl.runtime.memory.pager import CudaBackend, Pager
 
 GEMV_STEPS = 300
 TARGETS = {"whole_block_share": 0.90, "single_plane_share": 0.80, "decode_slowdown": 0.05}

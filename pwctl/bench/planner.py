@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 
-from pwctl.convert import rows_per_table
-from pwctl.residual import ResidualModel
-from pwctl.runtime.allocator import router_counts
-from pwctl.runtime.page_table import PageTable
-from pwctl.runtime.planner import Planner, PlannerConfig
+from pwctl.build.convert import rows_per_table
+from pwctl.format.residual import ResidualModel
+from pwctl.runtime.memory.page_table import PageTable
+from pwctl.runtime.widths.allocator import router_counts
+from pwctl.runtime.widths.planner import Planner, PlannerConfig
 
 
 def synthetic_table(

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from pwctl.policy import Policy, parse_policy
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.moe import MoETap
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.moe.block import MoETap
 
 
 @dataclass

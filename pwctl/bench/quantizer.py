@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pwctl.convert import rows_per_table
+from pwctl.build.convert import rows_per_table
+from pwctl.build.quantize import quantize_nested
 from pwctl.policy import Policy
-from pwctl.quantize import quantize_nested
 
 GROUP = 128
 
@@ -40,6 +40,7 @@ def rtn_group(w: torch.Tensor, bits: int, group: int = GROUP) -> torch.Tensor:
         err = ((q - g) ** 2).sum(-1, keepdim=True)
         best = q if best is None else torch.where(err < best_err, q, best)
         best_err = err if best_err is None else torch.minimum(err, best_err)
+    assert best is not None  # the loop ran
     return best.reshape(rows, cols)
 
 

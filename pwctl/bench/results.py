@@ -10,14 +10,14 @@ from typing import Any
 
 from pwctl.bench.plotting import pyplot
 from pwctl.bench.ppl import PplResult, run_ppl
-from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE
-from pwctl.convert import ConvertOptions, convert
+from pwctl.build.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE
+from pwctl.build.convert import ConvertOptions, convert
+from pwctl.build.profile import run_profile
+from pwctl.build.residual import fit
 from pwctl.errors import PwctlError
-from pwctl.pack import Pack, write_atomic
+from pwctl.format.pack import Pack, write_atomic
 from pwctl.policy import parse_policy
-from pwctl.profile import run_profile
-from pwctl.residual import fit
-from pwctl.runtime.engine import Engine, open_pack
+from pwctl.runtime.engine.engine import Engine, open_pack
 from pwctl.text import spread_windows, token_windows
 
 BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6)

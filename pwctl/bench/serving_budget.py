@@ -1,4 +1,4 @@
-"""Memory budgets for serving, in the engine's own accounting (runtime/accounting.py): the fixed
+"""Memory budgets for serving, in the engine's own accounting (memory/accounting.py): the fixed
 part (non-expert weights + the workspace of the largest step) + the experts of a fixed policy +
 the KV cache of a number of full sequences. Settings such as "fp16 weights + the KV of 4
 sequences of 2304 tokens" are stated this way; this prints them as sizes `--memory-budget` and
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from pwctl.pack import Pack
+from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
-from pwctl.runtime.accounting import StepShape, fixed_part
-from pwctl.runtime.batcher import BatchConfig
-from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-from pwctl.runtime.kv_cache import KVCache, KVLayout
-from pwctl.runtime.page_table import PageTable
+from pwctl.runtime.engine.batcher import BatchConfig
+from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
+from pwctl.runtime.memory.accounting import StepShape, fixed_part
+from pwctl.runtime.memory.kv_cache import KVCache, KVLayout
+from pwctl.runtime.memory.page_table import PageTable
 
 
 class BudgetCalculator:

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from pwctl.bench.longctx import EngineFor, MemoryReport, Request, RunSpec, engine_for, run_policy
-from pwctl.checkpoint import EVAL_SAMPLE
+from pwctl.build.checkpoint import EVAL_SAMPLE
 from pwctl.errors import PwctlError
 from pwctl.policy import Policy
-from pwctl.runtime.engine import Engine
+from pwctl.runtime.engine.engine import Engine
 
 TASKS = ("passkey", "needle", "kv", "kv-ruler")
 MAX_NEW = {"passkey": 12, "needle": 16, "kv": 12, "kv-ruler": 12}

@@ -35,10 +35,10 @@ import torch
 from pwctl.bench.plotting import pyplot
 from pwctl.errors import PwctlError
 from pwctl.policy import Kind, Policy
-from pwctl.runtime.accounting import SLACK, DevicePeak, over_budget
-from pwctl.runtime.batcher import BatchConfig, Batcher
-from pwctl.runtime.engine import Engine
-from pwctl.runtime.scheduler import SamplingParams, Sequence
+from pwctl.runtime.engine.batcher import BatchConfig, Batcher
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
+from pwctl.runtime.memory.accounting import SLACK, DevicePeak, over_budget
 from pwctl.text import read_texts
 
 DEFAULT_POLICIES = ["fp16", "uniform:4"]
@@ -536,7 +536,7 @@ def _result(
     peak, source, nvml = _peak_memory(tl)
     budget = after["memory_budget_bytes"]
     delta = {k: after[k] - before[k] for k in DELTAS}
-    return ThroughputResult(
+    return ThroughputResult(  # type: ignore[call-arg]  # star-expanded: mypy cannot count them
         policy, mode, load, len(seqs), spec.input_len, spec.output_len, prompt_tokens, out_tokens,
         seconds, out_tokens / seconds, (prompt_tokens + out_tokens) / seconds,
         _stat(ttft, "mean"), _stat(ttft, 50), _stat(ttft, 90), _stat(tpot, "mean"),
@@ -591,7 +591,7 @@ class QualitySamples:
         if self.n:
             runner = self.batcher.runner
             self._forward = runner.forward
-            runner.forward = self._wrapped  # an instance attribute: the class is untouched
+            runner.forward = self._wrapped  # type: ignore[method-assign]  # on the instance only
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -600,6 +600,7 @@ class QualitySamples:
             self._forward = None
 
     def _wrapped(self, batch: Any) -> torch.Tensor:
+        assert self._forward is not None  # set by __enter__
         logits = self._forward(batch)
         sampled = [s for s, on in zip(batch.seqs, batch.sampling, strict=True) if on]
         decoding = [i for i, s in enumerate(sampled) if s.output_ids]
@@ -657,11 +658,11 @@ def _stat(values: np.ndarray, which: str | int) -> float | None:
     """Mean or percentile; None without values (JSON has no NaN)."""
     if not values.size:
         return None
-    return float(values.mean() if which == "mean" else np.percentile(values, which))
+    return float(values.mean() if isinstance(which, str) else np.percentile(values, which))
 
 
 def _peak_memory(tl: _Timeline) -> tuple[int, str, int | None]:
-    """CUDA: what the process really held (runtime/accounting.py's DevicePeak: the caching
+    """CUDA: what the process really held (runtime/memory/accounting.py's DevicePeak: the caching
     allocator's reserved high-water mark + CuPy's pool; NVML's figure beside it); CPU: the
     engine's own accounting (fixed weights and workspace + planes + KV blocks in use), since
     process RSS includes caches the GPU path would not hold."""

@@ -17,16 +17,30 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from pwctl.device import CHOICES
 from pwctl.errors import PwctlError
 from pwctl.policy import AUTO, Policy, parse_policy
 
+# The options generate, serve and bench share, declared once (each command gives the default).
+POLICY_HELP = "auto (pagedweight with a profile, else uniform; at most 4 bits), fp16, uniform:B or a budgeted policy"  # noqa: E501
+PolicyOption = Annotated[str, typer.Option("--policy", help=POLICY_HELP)]
+# bench: several policies, one row each
+Policies = Annotated[list[str] | None, typer.Option("--policy", help=f"repeatable: {POLICY_HELP}")]
+MemoryBudget = Annotated[
+    str | None,
+    typer.Option(help="planes + KV + workspace: a size (12GiB) or a fraction of free memory"),
+]
+MaxBits = Annotated[
+    int | None,
+    typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
+]
+Device = Annotated[str, typer.Option(help=CHOICES)]
 # serve, generate and bench --throughput: how decode steps launch on CUDA
 CudaGraphs = Annotated[
     bool,
     typer.Option("--cuda-graphs/--eager", help="decode steps replayed from CUDA graphs (CUDA)"),
 ]
-
-POLICY_HELP = "auto (pagedweight with a profile, else uniform; at most 4 bits), fp16, uniform:B or a budgeted policy"  # noqa: E501
+JsonOut = Annotated[Path | None, typer.Option("--json", help="write the results here")]
 
 
 def policy_or_auto(text: str) -> Policy | None:
@@ -73,7 +87,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
 
 def write_json(path: Path | None, obj: Any) -> None:
     if path is not None:
-        from pwctl.pack import write_atomic  # imports torch: not at CLI start
+        from pwctl.format.pack import write_atomic  # imports torch: not at CLI start
 
         write_atomic(path, (json.dumps(obj, indent=2, default=str) + "\n").encode())
         console.print(f"wrote {path}")

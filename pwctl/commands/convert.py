@@ -34,7 +34,7 @@ def run(
     json: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
 ) -> None:
     """Quantize every expert block into nested bit-planes (first b planes = b-bit weights)."""
-    from pwctl.convert import ConvertOptions, convert
+    from pwctl.build.convert import ConvertOptions, convert
 
     opts = ConvertOptions(
         min_bits=min_bits,

@@ -38,13 +38,13 @@ def run(
     checks.at_least("--max-tokens", max_tokens, 256)  # one eval window of 256 tokens
     if workdir is not None and workdir.exists() and not workdir.is_dir():
         raise PwctlError(f"--workdir {workdir}: not a folder")
-    from pwctl import tiny
     from pwctl.bench.ppl import run_ppl
-    from pwctl.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE, bundled_models
-    from pwctl.convert import ConvertOptions, convert
-    from pwctl.profile import run_profile
-    from pwctl.residual import fit
-    from pwctl.runtime.engine import Engine, open_pack
+    from pwctl.build import tiny
+    from pwctl.build.checkpoint import CALIB_SAMPLE, EVAL_SAMPLE, bundled_models
+    from pwctl.build.convert import ConvertOptions, convert
+    from pwctl.build.profile import run_profile
+    from pwctl.build.residual import fit
+    from pwctl.runtime.engine.engine import Engine, open_pack
     from pwctl.text import spread_windows, token_windows
 
     work = workdir or Path(tempfile.mkdtemp(prefix="pwctl-demo-"))

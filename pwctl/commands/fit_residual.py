@@ -19,8 +19,8 @@ def run(
 ) -> None:
     """Fit log(damage_seq / damage_mean) ~ input-norm features, per MoE layer (ridge)."""
     checks.between("--test-split", test_split, 0, 1, open_=True)
-    from pwctl.residual import fit
-    from pwctl.runtime.engine import open_pack
+    from pwctl.build.residual import fit
+    from pwctl.runtime.engine.engine import open_pack
 
     p = open_pack(pack)
     model = fit(p, test_split)

@@ -10,15 +10,19 @@ import typer
 from pwctl.commands import checks
 from pwctl.commands.checks import Verify
 from pwctl.commands.common import (
-    POLICY_HELP,
     CudaGraphs,
+    Device,
+    JsonOut,
+    MaxBits,
+    MemoryBudget,
+    PolicyOption,
     console,
     err_console,
     handles_errors,
     policy_or_auto,
     write_json,
 )
-from pwctl.device import CHOICES, parse_device
+from pwctl.device import parse_device
 from pwctl.errors import PwctlError
 from pwctl.policy import BudgetArg, auto_max_bits
 
@@ -28,27 +32,22 @@ def run(
     pack: Annotated[Path, typer.Argument(help="pack folder")],
     prompt: Annotated[str, typer.Option(help="prompt text")],
     max_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 32,
-    policy: Annotated[str, typer.Option(help=POLICY_HELP)] = "auto",
-    memory_budget: Annotated[
-        str | None, typer.Option(help="planes + KV + workspace: a size (800MB) or a fraction")
-    ] = None,
-    max_bits: Annotated[
-        int | None,
-        typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
-    ] = None,
+    policy: PolicyOption = "auto",
+    memory_budget: MemoryBudget = None,
+    max_bits: MaxBits = None,
     cuda_graphs: CudaGraphs = True,
     verify: Verify = True,
-    device: Annotated[str, typer.Option(help=CHOICES)] = "auto",
-    json: Annotated[Path | None, typer.Option("--json")] = None,
+    device: Device = "auto",
+    json: JsonOut = None,
 ) -> None:
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
     pol = policy_or_auto(policy)
     checks.at_least("--max-tokens", max_tokens, 1)
     BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
     device = parse_device(device)
-    from pwctl.runtime.batcher import BatchConfig
-    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-    from pwctl.runtime.scheduler import SamplingParams
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.runtime.engine.scheduler import SamplingParams
 
     opened = open_pack(pack)
     m = opened.manifest

@@ -28,9 +28,9 @@ def run(
     checks.at_least("--samples", samples, 1)
     checks.at_least("--seq-len", seq_len, 2)  # the norm features take a spread over tokens
     device = parse_device(device)
-    from pwctl.checkpoint import CALIB_SAMPLE
-    from pwctl.profile import METHODS, run_profile
-    from pwctl.runtime.engine import Engine, open_pack
+    from pwctl.build.checkpoint import CALIB_SAMPLE
+    from pwctl.build.profile import METHODS, run_profile
+    from pwctl.runtime.engine.engine import Engine, open_pack
     from pwctl.text import spread_windows
 
     if method not in METHODS:

@@ -9,8 +9,17 @@ import typer
 
 from pwctl.commands import checks
 from pwctl.commands.checks import Verify
-from pwctl.commands.common import POLICY_HELP, CudaGraphs, console, handles_errors, policy_or_auto
-from pwctl.device import CHOICES, parse_device
+from pwctl.commands.common import (
+    CudaGraphs,
+    Device,
+    MaxBits,
+    MemoryBudget,
+    PolicyOption,
+    console,
+    handles_errors,
+    policy_or_auto,
+)
+from pwctl.device import parse_device
 from pwctl.errors import PwctlError
 from pwctl.policy import BudgetArg, auto_max_bits
 
@@ -20,11 +29,8 @@ def run(
     pack: Annotated[Path, typer.Argument(help="pack folder")],
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 8000,
-    memory_budget: Annotated[
-        str | None,
-        typer.Option(help="planes + KV + workspace: a size (12GiB) or a fraction of free memory"),
-    ] = None,
-    policy: Annotated[str, typer.Option(help=POLICY_HELP)] = "auto",
+    memory_budget: MemoryBudget = None,
+    policy: PolicyOption = "auto",
     api_key: Annotated[
         str | None, typer.Option(help="require Authorization: Bearer KEY (not on /health)")
     ] = None,
@@ -38,13 +44,10 @@ def run(
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 16,
     max_batch_tokens: Annotated[int, typer.Option(help="tokens per engine step")] = 256,
     max_model_len: Annotated[int | None, typer.Option(help="context (default: model's)")] = None,
-    max_bits: Annotated[
-        int | None,
-        typer.Option(help="widest width served (default: the pack's); narrower decodes faster"),
-    ] = None,
+    max_bits: MaxBits = None,
     cuda_graphs: CudaGraphs = True,
     verify: Verify = True,
-    device: Annotated[str, typer.Option(help=CHOICES)] = "auto",
+    device: Device = "auto",
 ) -> None:
     """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. The KV cache and the expert planes share --memory-budget."""
@@ -57,10 +60,10 @@ def run(
         checks.at_least(name, value, 1)
     device = parse_device(device)
     checks.port_free(host, port)
-    from pwctl.runtime.batcher import BatchConfig
-    from pwctl.runtime.engine import Engine, experts_for, open_pack, serving_dtype
-    from pwctl.runtime.server import run_server
-    from pwctl.runtime.worker import EngineWorker
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.runtime.serve.server import run_server
+    from pwctl.runtime.serve.worker import EngineWorker
 
     opened = open_pack(pack)
     m = opened.manifest
@@ -83,12 +86,13 @@ def run(
     if pol is None:
         pol = engine.auto_policy(memory_budget, cfg)
     batcher = engine.start_batching(pol, memory_budget, cfg)
-    m = batcher.metrics()
+    metrics = batcher.metrics()
     console.print(
         f"pwctl serve {pack.name}: policy {pol} on {device}"
         + ("" if max_bits is None else f" up to {max_bits} bits")
-        + f", budget {m['memory_budget_bytes'] / 1e6:.1f} MB "
-        f"(planes {m['plane_bytes'] / 1e6:.1f}, KV up to {m['kv_blocks_capacity']} blocks), "
+        + f", budget {metrics['memory_budget_bytes'] / 1e6:.1f} MB "
+        f"(planes {metrics['plane_bytes'] / 1e6:.1f}, "
+        f"KV up to {metrics['kv_blocks_capacity']} blocks), "
         f"http://{host}:{port}/v1",
         highlight=False,
     )

@@ -3,15 +3,15 @@ rounds interleaved (the best time of each is printed). Variants are .cu files (N
 each: minutes, docs/decisions/032-nvrtc-parts.md; e.g. `git show main:cuda/moe.cu >
 /tmp/a.cu`) or cubins built elsewhere (`nvcc -arch=sm_90a -std=c++17 -cubin`: no compile on the
 GPU machine; compare cubins with cubins).
-A variant `x.cubin@runs=N@down=K@slab=S` runs x with FusedMoE.gate_up_runs = N (the CTAs of a
+A variant `x.cubin@runs=N@down=K@slab=S` runs x with DispatchRules.gate_up_runs = N (the CTAs of a
 one-token gate_up's persistent grid; 0: one CTA a tile), down_split = K (CTAs sharing a down
 tile's columns), and the synthetic layers paged over slabs of S bytes instead of the pager's
 choice; `@popc=1` puts decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels,
-`@popc=0` on the lookup (FusedMoE.popc_decode; without it, the launcher's rule); `@b5=0` keeps
-one-token layers with blocks wider than 4 bits off the 5-bit popc build (fused_moe.POPC_B5);
-`@dwave=0` turns off down's one-wave plan beside a shared expert (fused_moe.DOWN_ONE_WAVE);
+`@popc=0` on the lookup (popc_decode; without it, the launcher's rule); `@b5=0` keeps
+one-token layers with blocks wider than 4 bits off the 5-bit popc build (popc_b5);
+`@dwave=0` turns off down's one-wave plan beside a shared expert (down_one_wave);
 `@sk=1` / `@sk=0` puts the sm_90a prefill's down on its stream-K wave or one CTA a unit
-(fused_moe.DOWN_STREAM_K).
+(down_stream_k). The knobs are DispatchRules fields (pwctl/runtime/moe/dispatch.py).
 Usage (GPU machine):
   python3 tools/kernel-dev/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
@@ -26,7 +26,8 @@ import torch
 
 from pwctl.bench import kernels as bench
 from pwctl.bench.kernels import run_kernel_bench
-from pwctl.runtime import fused_moe, kernels
+from pwctl.runtime import kernels
+from pwctl.runtime.moe.dispatch import DispatchRules
 
 SYNTHETIC = bench.synthetic_layer
 
@@ -40,14 +41,16 @@ def main() -> None:
         for v in variants:
             path, *knobs = v.split("@")
             knob = dict(k.split("=") for k in knobs)
-            fused_moe.GATE_UP_RUNS = int(knob["runs"]) if "runs" in knob else None
-            fused_moe.DOWN_SPLIT = int(knob["down"]) if "down" in knob else None
-            fused_moe.DOWN_ONE_WAVE = knob.get("dwave", "1") != "0"
-            fused_moe.DOWN_STREAM_K = {"1": True, "0": False}.get(knob.get("sk", ""))
+            rules = DispatchRules(
+                gate_up_runs=int(knob["runs"]) if "runs" in knob else None,
+                down_split=int(knob["down"]) if "down" in knob else None,
+                down_one_wave=knob.get("dwave", "1") != "0",
+                down_stream_k={"1": True, "0": False}.get(knob.get("sk", "")),
+                popc_decode={"1": True, "0": False}.get(knob.get("popc", "")),
+                popc_b5=knob.get("b5", "1") != "0",
+            )
             slab = int(knob["slab"]) if "slab" in knob else None
-            fused_moe.POPC_DECODE = {"1": True, "0": False}.get(knob.get("popc", ""))
-            fused_moe.POPC_B5 = knob.get("b5", "1") != "0"
-            bench.synthetic_layer = functools.partial(SYNTHETIC, slab_bytes=slab)
+            bench.synthetic_layer = functools.partial(SYNTHETIC, slab_bytes=slab, rules=rules)
             if path.endswith(".cubin"):
                 os.environ["PWCTL_CUBIN"] = str(Path(path).resolve())
             else:

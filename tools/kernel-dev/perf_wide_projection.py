@@ -16,13 +16,14 @@ import functools
 import itertools
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 from perf_wide_blocks import ONE_TOKEN, mean_times, use_build, wide_widths
 
 from pwctl.bench.kernels import SHAPES, random_routing, routed_on, synthetic_layer
-from pwctl.runtime import fused_moe, kernels
+from pwctl.runtime import kernels
 
 PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0, 1, 2]}
 
@@ -58,15 +59,14 @@ def main() -> None:
 
 def wave_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> float:
     """`p1`'s time, s, averaged as `mean_times` does, with gate_up on one wave of persistent CTAs
-    (FusedMoE.gate_up_runs)."""
+    (DispatchRules.gate_up_runs)."""
     moe = layer.moe
-    moe.gate_up_runs = kernels.resident_ctas("gate_up_p1")
-    moe.forget_launches()
+    rules = moe.rules
+    moe.rules = replace(rules, gate_up_runs=kernels.resident_ctas("gate_up_p1"))
     try:
         return mean_times(layer, 1, widths_of, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]
     finally:
-        moe.gate_up_runs = fused_moe.GATE_UP_RUNS
-        moe.forget_launches()
+        moe.rules = rules
 
 
 def kernel_times(layer, build: str, calls: int = 5) -> dict[str, float]:

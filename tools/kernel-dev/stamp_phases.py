@@ -7,8 +7,8 @@ in the first launch) instead of given routing; `cold`: L2 flushed (`l2_flush` re
 replay, as a step through many layers finds it; `prefill`: the sm_90a prefill kernels (given
 routing, eager calls) instead of decode; `waves`: also each kernel's CTAs alive every 2 us (how
 full its last wave runs); `popc` / `lookup`: one-token calls on the popc / lookup kernels whatever
-the layer's size (FusedMoE.popc_decode); `runs=N`: a one-token gate_up on N persistent CTAs (0:
-one a tile; FusedMoE.gate_up_runs); `shares`: a persistent gate_up's CTA ends by the halves of
+the layer's size (DispatchRules.popc_decode); `runs=N`: a one-token gate_up on N persistent CTAs (0:
+one a tile; DispatchRules.gate_up_runs); `shares`: a persistent gate_up's CTA ends by the halves of
 their shares and by their SMs' halves (is the last CTA's lateness its share, its SM's load, or
 neither). Usage (GPU machine):
   nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from pwctl.bench.kernels import capture_graph, decode_calls, l2_flush, routed_call
-from pwctl.runtime import fused_moe, kernels
+from pwctl.runtime import kernels
+from pwctl.runtime.moe.dispatch import DispatchRules
 
 CTAS = 16384  # STAMP_CTAS
 KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc gate_up streams
@@ -137,11 +138,11 @@ def main() -> None:
     shares, chain = "shares" in sys.argv[3:], "chain" in sys.argv[3:]
     popc = True if "popc" in sys.argv[3:] else False if "lookup" in sys.argv[3:] else None
     runs = [int(a[5:]) for a in sys.argv[3:] if a.startswith("runs=")]
-    fused_moe.GATE_UP_RUNS = runs[0] if runs else None
+    rules = DispatchRules(gate_up_runs=runs[0] if runs else None, popc_decode=popc)
     buf, smid = stamps()
     flush = l2_flush()
     for name, T, call in decode_calls(shapes, tokens, path="prefill" if prefill else "decode"):
-        call.func.popc_decode = popc  # (the FusedMoE)
+        call.func.rules = rules  # (the FusedMoE)
         fn = routed_call(call) if routed else call
         run = fn if prefill else capture_graph(fn).replay  # prefill: eager calls
         for _ in range(3):

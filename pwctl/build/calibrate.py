@@ -1,0 +1,130 @@
+"""Importance weights for the quantizer: E[x^2] per input channel of every block, measured on
+calibration text with a forward pass of the source model (a forward-only stand-in for APL's
+squared gradients).
+
+Gate and up read the MoE input of the tokens routed to their expert; down reads that expert's
+intermediate act(gate x) * up x. A rarely routed expert has a noisy estimate, so each expert's
+mean is shrunk towards the layer's pooled mean with a prior worth PRIOR_TOKENS tokens.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pwctl.errors import PwctlError
+from pwctl.format.recipe import MoESpec, Recipe
+from pwctl.text import token_windows
+
+PRIOR_TOKENS = 16.0
+
+
+@dataclass
+class ChannelStats:
+    sum_sq: torch.Tensor
+    tokens: int = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        self.sum_sq += x.float().pow(2).sum(0).cpu()
+        self.tokens += x.shape[0]
+
+
+@dataclass
+class Importance:
+    """Per (layer, expert): input-channel weights for gate/up ("in") and for down ("mid")."""
+
+    stats: dict[tuple[int, int, str], ChannelStats]
+    pooled: dict[tuple[int, str], ChannelStats]
+    tokens: int
+
+    def weights(
+        self, layer: int, expert: int, kind: str, shared: bool
+    ) -> tuple[torch.Tensor | None, int]:
+        """Normalised weights (mean 1) and the tokens behind them; None means unweighted."""
+        s = self.stats.get((layer, expert, kind))
+        n = s.tokens if s else 0
+        if shared:  # every token passes a shared expert: its own estimate needs no prior
+            if s is None or n == 0:
+                return None, 0
+            w = s.sum_sq / n
+        else:
+            pool = self.pooled.get((layer, kind))
+            if pool is None or pool.tokens == 0:
+                return None, 0
+            prior = pool.sum_sq / pool.tokens
+            total = (s.sum_sq if s else torch.zeros_like(prior)) + PRIOR_TOKENS * prior
+            w = total / (n + PRIOR_TOKENS)
+        w = w / w.mean().clamp_min(1e-30)
+        return w.clamp_min(1e-4), n
+
+
+def collect(
+    src: Path,
+    recipe: Recipe,
+    spec: MoESpec,
+    moe_layers: list[int],
+    calib: Path,
+    device: str,
+    seq_len: int = 512,
+    max_tokens: int = 16384,
+) -> Importance:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise PwctlError(f"{src}: --calib needs the checkpoint's tokenizer ({e})") from None
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types `to` as a decorator
+    stats: dict[tuple[int, int, str], ChannelStats] = {}
+    pooled: dict[tuple[int, str], ChannelStats] = defaultdict(lambda: None)  # type: ignore
+    hooks = []
+
+    def acc(key, table, x, width):
+        if key not in table or table[key] is None:
+            table[key] = ChannelStats(torch.zeros(width))
+        table[key].add(x)
+
+    for layer in moe_layers:
+        moe: Any = model.get_submodule(recipe.moe_path(layer))  # transformers' own classes
+        experts = moe.experts
+
+        def routed(mod, args, kwargs, layer=layer):
+            x = args[0] if args else kwargs["hidden_states"]
+            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            acc((layer, "in"), pooled, x, spec.hidden)
+            for e in idx.unique().tolist():
+                xe = x[(idx == e).any(-1)]
+                gate, up = F.linear(xe, mod.gate_up_proj[e]).chunk(2, dim=-1)
+                h = mod.act_fn(gate) * up
+                acc((layer, e, "in"), stats, xe, spec.hidden)
+                acc((layer, e, "mid"), stats, h, spec.intermediate)
+                acc((layer, "mid"), pooled, h, spec.intermediate)
+
+        hooks.append(experts.register_forward_pre_hook(routed, with_kwargs=True))
+        if spec.has_shared:
+            shared_path = ".".join(recipe.shared["down"].format(layer=layer).split(".")[:-2])
+            shared: Any = model.get_submodule(shared_path)
+            sid, inner = spec.num_experts, spec.shared_intermediate
+
+            def shared_in(m, a, layer=layer, sid=sid):
+                acc((layer, sid, "in"), stats, a[0].flatten(0, -2), spec.hidden)
+
+            def shared_mid(m, a, layer=layer, sid=sid, inner=inner):
+                acc((layer, sid, "mid"), stats, a[0].flatten(0, -2), inner)
+
+            hooks.append(shared.register_forward_pre_hook(shared_in))
+            hooks.append(shared.down_proj.register_forward_pre_hook(shared_mid))
+    ids = token_windows(tok, calib, seq_len, max_tokens)
+    with torch.no_grad():
+        for row in ids:
+            model(row[None].to(device))
+    for h in hooks:
+        h.remove()
+    del model
+    return Importance(stats, {k: v for k, v in pooled.items() if v is not None}, ids.numel())

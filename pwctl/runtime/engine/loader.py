@@ -1,0 +1,61 @@
+"""Build a runnable model from a pack: transformers' own code for everything but the MoE blocks.
+
+The model is built on the meta device (so dense experts are never materialised), every MoE block
+is swapped for `MoEBlock`, and the non-expert weights are assigned from the pack."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pwctl.errors import PwctlError
+from pwctl.format.pack import Pack
+from pwctl.format.recipe import MoESpec, load_recipe
+from pwctl.runtime.memory.expert_store import ExpertStore
+from pwctl.runtime.moe.block import MoEBlock
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def load_model(
+    pack: Pack, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, ExpertStore]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = pack.manifest
+    recipe = load_recipe(m.model_type)
+    spec = MoESpec(**m.spec)
+    config = AutoConfig.from_pretrained(pack.path, local_files_only=True)
+    store = ExpertStore(pack, device, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        for layer in m.moe_layers:
+            parent, attr = recipe.moe_path(layer).rsplit(".", 1)
+            setattr(model.get_submodule(parent), attr, MoEBlock(spec, layer, store))
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in pack.nonexpert().items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise PwctlError(
+            f"{pack.path}: non-expert tensors the model does not have: {result.unexpected_keys[:5]}"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    _rebuild_meta_buffers(model)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise PwctlError(f"{pack.path}: pack lacks weights for {missing[:5]}")
+    return model.to(device).eval(), store
+
+
+def _rebuild_meta_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers (rotary inv_freq) were computed on meta: rebuild their modules."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if not hasattr(module, "config"):
+                raise PwctlError(f"cannot rebuild buffers of {name} ({type(module).__name__})")
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, attr, type(module)(module.config))

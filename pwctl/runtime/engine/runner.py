@@ -1,0 +1,109 @@
+"""One forward pass of a scheduled batch: every scheduled token in one packed row with its own
+position, attention through `pwctl_paged` (attention.py), logits only at the last token
+of the sequences that sample this step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.attention import sdpa_kernel
+
+from pwctl.runtime.engine.attention import (
+    ATTN_NAME,
+    VARYING_SHAPE_SDPA,
+    PagedBatch,
+    SeqSpan,
+    attention_implementation,
+)
+from pwctl.runtime.engine.decode_graphs import DecodeGraphs
+from pwctl.runtime.engine.scheduler import ScheduledBatch
+from pwctl.runtime.memory.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+WARM_UP_SEQ = -1  # the KV cache's sequence id for `largest_step` (requests count from 0)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kv: KVCache,
+        device: str | torch.device = "cpu",
+        graphs: DecodeGraphs | None = None,
+    ):
+        """`graphs`: runs the steps it fits (every sequence decoding), CUDA graphs replayed."""
+        self.model, self.kv, self.device, self.graphs = model, kv, torch.device(device), graphs
+
+    def inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+        """Packed input ids and positions [1, T], and the attention metadata."""
+        ids, pos, slots, spans, start = [], list[int](), [], [], 0
+        for seq, n in zip(batch.seqs, batch.n_tokens, strict=True):
+            past = seq.num_computed
+            ids.extend(seq.all_ids[past : past + n])
+            pos.extend(range(past, past + n))
+            kv_slots = self.kv.slots(seq.seq_id, 0, past + n)  # host: located once a step
+            slots.append(kv_slots[past:])
+            spans.append(SeqSpan(start, start + n, past, kv_slots))
+            start += n
+        dev = self.device
+        paged = PagedBatch(self.kv, torch.cat(slots).to(dev), spans)
+        return torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), paged
+
+    @torch.no_grad()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [n, vocab] (fp32) for the sequences that sample, in batch order."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.forward(batch)
+        ids, pos, paged = self.inputs(batch)
+        keep = [s.q_stop - 1 for s, on in zip(paged.spans, batch.sampling, strict=True) if on]
+        logits = self._packed(ids, pos, paged, keep)
+        return logits if any(batch.sampling) else logits[:0]
+
+    def _packed(
+        self, ids: torch.Tensor, pos: torch.Tensor, paged: PagedBatch, keep: list[int]
+    ) -> torch.Tensor:
+        """Logits [len(keep), vocab] (fp32) of packed rows `keep` (none: the last row's, so
+        a step of prefill chunks only still runs the layers)."""
+        keep = keep or [ids.shape[1] - 1]
+        with attention_implementation(self.model, ATTN_NAME), sdpa_kernel(VARYING_SHAPE_SDPA):
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, device=self.device),
+                pwctl_batch=paged,
+            )
+        return out.logits[0].float()
+
+    @torch.no_grad()
+    def largest_step(self, max_seqs: int, max_batch_tokens: int, max_len: int) -> None:
+        """Run the largest eager step the scheduler can form, for its memory's sake (the
+        engine measures what it holds at start-up): every decode row but one over a full-length
+        cache, beside a prefill chunk of the remaining tokens at the end of a full-length
+        sequence; then the largest decode step of the graphs, if any (their pool's share). All
+        rows read and write one sequence's blocks (the cache must have room for one full-length
+        sequence), given back after; the token ids are random."""
+        seq = WARM_UP_SEQ
+        if not self.kv.grow(seq, max_len):
+            raise RuntimeError(f"warm-up: no room in the KV cache for {max_len} tokens")
+        try:
+            rows = self.kv.slots(seq, 0, max_len)
+            decodes = max(0, min(max_seqs, max_batch_tokens) - 1)
+            n = max(1, min(max_batch_tokens - decodes, max_len))
+            spans = [SeqSpan(i, i + 1, max_len - 1, rows) for i in range(decodes)]
+            spans.append(SeqSpan(decodes, decodes + n, max_len - n, rows))
+            slots = torch.cat([rows[-1:].repeat(decodes), rows[max_len - n :]])
+            positions = [max_len - 1] * decodes + list(range(max_len - n, max_len))
+            vocab = self.model.config.vocab_size
+            dev = self.device
+            ids = torch.randint(vocab, (1, decodes + n), device=dev)
+            paged = PagedBatch(self.kv, slots.to(dev), spans)
+            self._packed(ids, torch.tensor([positions], device=dev), paged,
+                         list(range(decodes)) + [decodes + n - 1])  # fmt: skip
+            if self.graphs is not None:
+                self.graphs.largest_step(self.kv.tables[seq], max_len)
+        finally:
+            self.kv.free(seq)

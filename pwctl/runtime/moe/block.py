@@ -1,0 +1,99 @@
+"""The MoE block pwctl puts in place of each transformers MoE block: routing per recipe, routed
+experts, the shared expert and its gate, weighted combine. Two execution backends: the
+ExpertStore (CPU reference, dequantized weights per width; routed here with `route`) and, once
+the engine installs one in `paged`, PagedExperts, whose fused MoE takes the router weights too
+(`FusedMoE.routed`: on CUDA decode one launch routes and prepares the kernels; on the CPU
+`route` and the same pairs in torch)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pwctl.format.recipe import MoESpec
+from pwctl.runtime.memory.expert_store import ExpertStore
+from pwctl.runtime.moe.prep import can_route
+from pwctl.runtime.moe.router import route
+
+if TYPE_CHECKING:
+    from pwctl.runtime.memory.paged_experts import PagedExperts
+    from pwctl.runtime.moe.dense_experts import DenseExperts
+
+
+class MoEBlock(nn.Module):
+    # parameter names match transformers' in-memory layout, so non-expert weights load as-is
+    def __init__(self, spec: MoESpec, layer: int, store: ExpertStore):
+        super().__init__()
+        self.spec, self.layer, self.store = spec, layer, store
+        self.gate = nn.Linear(spec.hidden, spec.num_experts, bias=False)
+        self.shared_expert_gate = (
+            nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
+        )
+        # profile's tap: called as observer(layer, x [T, H], index [T, k], weights [T, k])
+        self.observer: MoETap | None = None
+        self.paged: PagedExperts | None = None  # set by the engine: the paged backend
+        self.dense: DenseExperts | None = None  # or the 16-bit experts (fp16 policy)
+
+    def shared_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's gate per token [T, 1] (None: ungated or no shared expert)."""
+        if self.shared_expert_gate is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, self.spec.hidden)
+        fused = self.paged.fused if self.paged is not None else None
+        if fused is not None and can_route(self.spec, x, self.gate.weight):
+            sg = self.shared_expert_gate  # router, grouping and layout in one launch
+            sgw = None if sg is None else sg.weight
+            out, routing = fused.routed(self.layer, x, self.gate.weight, sgw)
+            if self.observer is not None:  # routing's buffers are reused by the next layer
+                self.observer(self.layer, x, routing.index.clone(), routing.weights.clone())
+            return out.to(x.dtype).view_as(hidden)
+        weights, index = route(self.gate(x), self.spec)
+        if self.observer is not None:
+            self.observer(self.layer, x, index, weights)
+        if self.paged is not None:
+            out = self.paged.fused(self.layer, x, weights, index, self.shared_scale(x))
+            return out.to(x.dtype).view_as(hidden)
+        if self.dense is not None:
+            out = self.dense(self.layer, x, weights, index, self.shared_scale(x))
+            return out.to(x.dtype).view_as(hidden)
+        return self._store_forward(x, weights, index).view_as(hidden)
+
+    def _store_forward(
+        self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in index.unique().tolist():
+            tokens, slot = torch.where(index == e)
+            y = self.store.mlp(self.layer, e, x[tokens]) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        if self.spec.has_shared:
+            shared = self.store.mlp(self.layer, self.spec.num_experts, x)
+            scale = self.shared_scale(x)
+            out = out + (shared if scale is None else scale * shared)
+        return out
+
+
+class MoETap:
+    """Context manager recording each MoE block's input and routing during a forward pass
+    (profile's features and proxy, bench's MoE output error)."""
+
+    def __init__(self, model: nn.Module):
+        self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+        self.seen: dict[int, tuple[torch.Tensor, ...]] = {}  # (x, index, weights)
+
+    def __call__(self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
+        self.seen[layer] = (x.detach(), index, weights)
+
+    def __enter__(self) -> MoETap:
+        for m in self.blocks:
+            m.observer = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in self.blocks:
+            m.observer = None
