@@ -31,14 +31,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from pwctl.runtime.engine.attention import ATTN_NAME, DecodeBatch, attention_implementation
 from pwctl.runtime.engine.scheduler import ScheduledBatch
 from pwctl.runtime.memory.kv_cache import KVCache
 from pwctl.runtime.moe.block import MoEBlock, MoETap
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 MIN_BLOCKS = 4  # the shortest L bucket, in KV blocks
@@ -103,7 +106,7 @@ def cache_rows(
 class DecodeGraphs:
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         kv: KVCache,
         max_seqs: int,
         builds: Callable[[int], tuple] | None = None,
