@@ -1,10 +1,10 @@
 """Where one decode step of the serving engine goes: wall time a step (`--seqs` sequences, GPU
-synced after each step), the GPU's busy time in the same steps (torch.profiler, kernel time summed), and
-cProfile's top functions. Wall time past the GPU's is host time (decode steps replay CUDA graphs
-unless --eager). `--graph-sdpa BACKEND` captures the graphs with one SDPA backend instead of
-torch's choice (cuDNN on the H200, whose plan per new shape is most of a capture: an experiment,
-see `decode_graph_capture_s` in the printed stats). Usage (GPU machine; any pack, e.g. `pwctl
-convert tiny-mixtral PACK`):
+synced after each step), the GPU's busy time in the same steps (torch.profiler, kernel time
+summed), and cProfile's top functions. Wall time past the GPU's is host time (decode steps
+replay CUDA graphs unless --eager). `--graph-sdpa BACKEND` captures the graphs with one SDPA
+backend instead of torch's choice (cuDNN on the H200, whose plan per new shape is most of a
+capture: an experiment, see `decode_graph_capture_s` in the printed stats). Usage (GPU machine;
+any pack, e.g. `pwctl convert tiny-mixtral PACK`):
   python3 recipes/profile_engine_step.py PACK POLICY [STEPS] [--seqs N] [--max-bits B] [--device D]
       [--eager]
       [--graph-sdpa cudnn|efficient|math]

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from pwctl.bitplanes import bits_nbytes, words_per_row
 from pwctl.convert import ConvertOptions, rows_per_table
 from pwctl.errors import PwctlError
+from pwctl.kernels.geometry import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
 from pwctl.pack import BlockInfo, PlaneInfo
 from pwctl.recipe import MoESpec
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.fused_moe import FusedMoE
-from pwctl.runtime.kernels import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
 from pwctl.runtime.page_table import GPU, PageTable, choose_slab, min_slab
 from pwctl.runtime.router import route
 

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from pwctl.bitplanes import bits_nbytes, dequantize, untile
+from pwctl.kernels.launch import ptr
 from pwctl.pack import BlockInfo
-from pwctl.runtime.kernels import ptr
 from pwctl.runtime.page_table import PageTable, min_slab
 
 
@@ -67,7 +67,7 @@ class DeviceTable:
         return True
 
     def kernel_args(self) -> tuple:
-        """The descriptor as the kernels take it (cuda/moe.cu PAGED_ARGS)."""
+        """The descriptor as the kernels take it (cuda/planes.cuh PAGED_ARGS)."""
         return self._args
 
     def chunk(self, b: int, p: int) -> torch.Tensor:

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
+from pwctl.kernels import geometry
 from pwctl.pack import Pack
 from pwctl.policy import Budget, BudgetArg, Kind, Policy
 from pwctl.profile import PROFILE_JSON
-from pwctl.runtime import kernels
 from pwctl.runtime.accounting import (
     FixedPart,
     StepShape,
@@ -337,7 +337,7 @@ class Engine:
         read routing on the host), steps of at most the decode kernels' tokens."""
         if not self._graphs_on(cfg):
             return None
-        seqs = min(cfg.max_seqs, kernels.DECODE_MAX_TOKENS)
+        seqs = min(cfg.max_seqs, geometry.DECODE_MAX_TOKENS)
         if self.paged is None:  # the 16-bit experts: nothing chosen on the host
             return DecodeGraphs(self.model, kv, seqs)
         paged = self.paged

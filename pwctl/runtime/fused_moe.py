@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from pwctl import bitplanes
+from pwctl.kernels import build, geometry, launch, popc
+from pwctl.kernels.geometry import ROUTE_LOADS, ROUTE_MAX_EXPERTS
 from pwctl.recipe import MoESpec
-from pwctl.runtime import kernels, popc
 from pwctl.runtime.device_table import DeviceTable
 from pwctl.runtime.router import route
 
@@ -56,11 +57,11 @@ class Pairs:
     hi: torch.Tensor  # int32 [slots]; hi == lo: empty slot
 
     def slot_args(self) -> tuple:
-        p = kernels.ptr
+        p = launch.ptr
         return (p(self.expert), p(self.lo), p(self.hi), p(self.token), p(self.weight))
 
     def kernel_args(self, block_ids: torch.Tensor) -> tuple:
-        return self.slot_args() + (kernels.ptr(block_ids), np.int32(block_ids.shape[0]))
+        return self.slot_args() + (launch.ptr(block_ids), np.int32(block_ids.shape[0]))
 
 
 def sort_by_expert(
@@ -127,23 +128,23 @@ def prepare_prefill(
     pairs = pair_buffers(n, slots, index.device)
     info = torch.empty(tile_bound(n, slots), 2, dtype=torch.int32, device=index.device)
     idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
-    blocks = 1 + min(2 * kernels.sm_count(), -(-out.numel() // (4 * kernels.PREP_THREADS)))
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
+    blocks = 1 + min(2 * geometry.sm_count(), -(-out.numel() // (4 * geometry.PREP_THREADS)))
+    p, i = launch.ptr, np.int32
+    launch.launch(
         "prefill_prep",
         (blocks,),
-        (kernels.PREP_THREADS,),
+        (geometry.PREP_THREADS,),
         (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (p(info), i(info.shape[0]), p(out), np.int64(out.numel())),
-        shared_mem=kernels.group_smem(num_experts, n),
+        shared_mem=geometry.group_smem(num_experts, n),
     )
     return pairs, info
 
 
 @dataclass(frozen=True)
 class XPieces:
-    """Where a prep launch writes T tokens' x pieces for the popc kernels (cuda/moe.cu
+    """Where a prep launch writes T tokens' x pieces for the popc kernels (cuda/pieces.cuh
     `x_piece`): a buffer of popc.pieces(words) pieces a token, words = the gate rows' words.
     Made once and reused: the prep kernels' arguments are fixed with it."""
 
@@ -154,8 +155,8 @@ class XPieces:
     @classmethod
     def over(cls, buf: torch.Tensor, words: int, T: int) -> XPieces:
         """Pieces of T tokens of `words` words into `buf`."""
-        blocks = popc.pieces(words) * T * kernels.POPC_SPLIT
-        return cls(buf, (np.int32(words), kernels.ptr(buf), np.int32(blocks)), blocks)
+        blocks = popc.pieces(words) * T * geometry.POPC_SPLIT
+        return cls(buf, (np.int32(words), launch.ptr(buf), np.int32(blocks)), blocks)
 
 
 _NO_X_PIECES = XPieces(None, (np.int32(0), np.uint64(0), np.int32(0)), 0)
@@ -181,16 +182,16 @@ def prepare_decode(
     xh = x.half().contiguous()
     blocks = 1 + min(64, -(-max(xf.numel(), out.numel()) // 1024))  # block 0 groups
     px = pieces or _NO_X_PIECES
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
+    p, i = launch.ptr, np.int32
+    launch.launch(
         "decode_prep",
         (blocks + px.blocks,),
-        (kernels.PREP_THREADS,),
+        (geometry.PREP_THREADS,),
         (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (p(xh), i(T), i(x.shape[1]), i(wpad), p(xf), p(out), i(out.numel()))
         + px.args,
-        shared_mem=kernels.group_smem(num_experts),
+        shared_mem=geometry.group_smem(num_experts),
     )
     return pairs, xf
 
@@ -200,7 +201,7 @@ class WidthSpan(NamedTuple):
 
     narrowest: int
     widest: int
-    wide: float  # the share of the layer's weights in blocks wider than kernels.POPC_MAX_BITS
+    wide: float  # the share of the layer's weights in blocks wider than geometry.POPC_MAX_BITS
     wider: float  # the share in blocks wider than 5 bits (past p1b5's binary mma)
     gate_up_wide: float  # the same two shares of its gate and up weights alone: where the
     gate_up_wider: float  # one-token builds p1 and n1p1 differ on a large layer (the same down)
@@ -227,15 +228,14 @@ def routing_buffers(T: int, spec: MoESpec, shared_gate: bool, device: torch.devi
     )
 
 
-ROUTE_MAX_EXPERTS, ROUTE_MAX_K = 256, 8  # cuda/moe.cu route_prep
+ROUTE_MAX_K = 8  # top-k route_prep takes (cuda/route.cu)
 ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
-ROUTE_LOADS = 4  # cuda/moe.cu slice_dot: 16-byte loads a lane issues together, on each row
 
 
 def route_slices(H: int) -> int:
-    """Warps of one router dot product over H (cuda/moe.cu router_logits): the fewest, a power
+    """Warps of one router dot product over H (cuda/route.cu router_logits): the fewest, a power
     of two up to a block's warps, that leave each lane at most ROUTE_LOADS loads a row."""
-    slices, warps = 1, kernels.PREP_THREADS // 32
+    slices, warps = 1, geometry.PREP_THREADS // 32
     while slices < warps and -(-H // (8 * slices)) > 32 * ROUTE_LOADS:
         slices *= 2
     return slices
@@ -249,7 +249,7 @@ def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool
     if not x.is_cuda:
         return True
     return (
-        x.shape[0] <= kernels.DECODE_MAX_TOKENS
+        x.shape[0] <= geometry.DECODE_MAX_TOKENS
         and x.dtype == gate_weight.dtype == torch.float16
         and x.shape[1] % 8 == 0
         and x.data_ptr() % 16 == 0
@@ -280,8 +280,8 @@ def prepare_routed(
     shared = shared_gate_weight is not None
     pairs, xf = buffers or decode_buffers(T, spec.top_k, spec.num_experts, wpad, x.device)
     routing = routing or routing_buffers(T, spec, shared, x.device)
-    launch = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces)
-    launch(*routed_pointers(x, gate_weight, shared_gate_weight, out))
+    prepared = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces)
+    prepared(*routed_pointers(x, gate_weight, shared_gate_weight, out))
     return pairs, xf, routing
 
 
@@ -308,17 +308,17 @@ def route_launch(
     xf: torch.Tensor,
     routing: Routing,
     pieces: XPieces | None,
-) -> kernels.Prepared:
+) -> launch.Prepared:
     """`prepare_routed`'s launch for T tokens of H into these buffers: `routed_pointers` fill
     its holes (x, router weights, shared gate weights, out [T, H] float32) at each call."""
     E, k = spec.num_experts, spec.top_k
     slots, units, slices = min(E, T * k), max(xf.numel(), T * H), route_slices(H)
     warps = T * (E + shared) * slices
     blocks = min(
-        2 * kernels.sm_count(), max(-(-warps // (kernels.PREP_THREADS // 32)), -(-units // 1024))
+        2 * geometry.sm_count(), max(-(-warps // (geometry.PREP_THREADS // 32)), -(-units // 1024))
     )
     px = pieces or _NO_X_PIECES
-    p, i, hole = kernels.ptr, np.int32, np.uint64(0)
+    p, i, hole = launch.ptr, np.int32, np.uint64(0)
     head = (
         (hole, i(T), i(H), hole, i(E), hole, i(k))  # x, its shape, router and shared gate
         + (i(ROUTE_ORDERS[spec.order]), i(spec.norm_topk_prob), np.float32(spec.routed_scaling))
@@ -329,8 +329,8 @@ def route_launch(
     )
     args = head + (hole, i(T * H)) + px.args + (i(slices),)  # out
     holes = (0, 3, 5, len(head))
-    grid, smem = (blocks + px.blocks,), kernels.group_smem(E)
-    return kernels.Prepared("route_prep", grid, (kernels.PREP_THREADS,), args, holes, smem)
+    grid, smem = (blocks + px.blocks,), geometry.group_smem(E)
+    return launch.Prepared("route_prep", grid, (geometry.PREP_THREADS,), args, holes, smem)
 
 
 @functools.lru_cache(maxsize=256)  # bounded: prefill meets every prompt length
@@ -363,9 +363,9 @@ def _one_slot_tiles(T: int, device: torch.device) -> torch.Tensor:
 
 
 def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
-    """[n, K] -> float16 [n, wpad, 32] (cuda/moe.cu's activation layout), zero-padded to 32*wpad
-    columns: [n, w, 4s + i] holds column 32w + s // 2 + 16 (s % 2) + 4i. View ops only (no index
-    tensor), so CUDA-graph capture works."""
+    """[n, K] -> float16 [n, wpad, 32] (the kernels' activation layout, cuda/common.cuh),
+    zero-padded to 32*wpad columns: [n, w, 4s + i] holds column 32w + s // 2 + 16 (s % 2) + 4i.
+    View ops only (no index tensor), so CUDA-graph capture works."""
     # column 32w + 16h + 4i + c, stored as [w][c][h][i] (k-step s = 2c + h)
     n = x.shape[0]
     return _half_padded(x, wpad).view(n, wpad, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(n, wpad, 32)
@@ -377,7 +377,7 @@ def _half_padded(x: torch.Tensor, wpad: int) -> torch.Tensor:
     return F.pad(xh, (0, 32 * wpad - x.shape[1])) if 32 * wpad > x.shape[1] else xh
 
 
-TILE_TOKENS = kernels.PREFILL_TOKENS  # tokens of an sm_90a prefill tile (cuda/moe.cu WG_TOKENS)
+TILE_TOKENS = geometry.PREFILL_TOKENS  # tokens of an sm_90a prefill tile (prefill_wg.cu WG_TOKENS)
 
 
 def wgmma_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
@@ -399,8 +399,8 @@ def _wgmma_columns(wpad: int, device: torch.device) -> torch.Tensor:
 
 def wgmma_tiles(x: torch.Tensor, wpad: int, rows: torch.Tensor) -> torch.Tensor:
     """Token tiles for the sm_90a prefill: rows [tiles * 128] of x, in wgmma order, each tile
-    laid out as the kernel's shared memory holds it (cuda/moe.cu `tile_pos`): per half-chunk of
-    128 positions, [k-step 8][token group 16][k 0-7 / 8-15][token 8][8 values]."""
+    laid out as the kernel's shared memory holds it (cuda/prefill_wg.cu `tile_pos`): per
+    half-chunk of 128 positions, [k-step 8][token group 16][k 0-7 / 8-15][token 8][8 values]."""
     xw = wgmma_order(x, wpad)[rows]
     tiles, hc = rows.numel() // TILE_TOKENS, 32 * wpad // 128
     return xw.view(tiles, 16, 8, hc, 8, 2, 8).permute(0, 3, 4, 1, 5, 2, 6).contiguous()
@@ -412,7 +412,7 @@ class TilePlan:
     tile count is a bound known from shapes (pairs / 128 + slots), so planning needs no host sync;
     tiles past the last real one have slot -1 and their CTAs exit at once. The bound exceeds the
     live tiles, so a plan ends with a dead tile; a dead tile's pass is the count of live tiles
-    (cuda/moe.cu down_span reads it from the last)."""
+    (cuda/prefill_wg.cu down_span reads it from the last)."""
 
     info: torch.Tensor  # int32 [tiles, 2]: (slot, pass) of each tile
     pair: torch.Tensor  # int64 [tiles * 128]: pair of each tile token (past a slot's end: its last)
@@ -430,7 +430,7 @@ def tile_bound(pairs: int, slots: int) -> int:
 
 def tile_plan(pairs: Pairs) -> TilePlan:
     """Tiles of 128 consecutive pairs of one slot, from device tensors only (no host sync). The
-    reference for `prepare_prefill`'s plan (cuda/moe.cu `plan_tiles`) and `token_tiles`."""
+    reference for `prepare_prefill`'s plan (cuda/prep.cu `plan_tiles`) and `token_tiles`."""
     lo, hi = pairs.lo.long(), pairs.hi.long()
     per = (hi - lo).clamp(min=0).add(TILE_TOKENS - 1).div(TILE_TOKENS, rounding_mode="floor")
     end = per.cumsum(0)
@@ -447,11 +447,11 @@ def tile_plan(pairs: Pairs) -> TilePlan:
 
 
 def down_spans(units: int, sk: int, chunks: int) -> list[tuple[int, int]]:
-    """CPU twin of cuda/moe.cu `down_span` on its stream-K wave (sk > 0 CTAs): each CTA's range of
-    chunks, in unit order, of `units` live units of `chunks` chunks. CTAs b < D = (units / sk) sk
-    take unit b whole; the next sk CTAs equal shares of the rest (at most half a unit each) if
-    it fills at most half a wave, else whole units too (then D = units and the shares are
-    empty)."""
+    """CPU twin of cuda/prefill_wg.cu `down_span` on its stream-K wave (sk > 0 CTAs): each CTA's
+    range of chunks, in unit order, of `units` live units of `chunks` chunks. CTAs b < D =
+    (units / sk) sk take unit b whole; the next sk CTAs equal shares of the rest (at most half a
+    unit each) if it fills at most half a wave, else whole units too (then D = units and the
+    shares are empty)."""
     d = units if 2 * (units % sk) > sk else units // sk * sk
     whole = [(b * chunks, (b + 1) * chunks) for b in range(d)]
     rest = (units - d) * chunks
@@ -466,9 +466,9 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
     xh = x.half().contiguous()
     tiles = info.shape[0]
     xt = torch.empty(tiles, TILE_TOKENS * 32 * wpad, dtype=torch.float16, device=x.device)
-    units = wpad // 4 * 2048  # 16-byte units a tile (cuda/moe.cu token_tiles)
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
+    units = wpad // 4 * 2048  # 16-byte units a tile (cuda/prefill_wg.cu token_tiles)
+    p, i = launch.ptr, np.int32
+    launch.launch(
         "token_tiles",
         (min(64, -(-units // 256)), tiles),
         (256,),
@@ -557,23 +557,23 @@ def _popc(build: str) -> bool:
 
 
 # FusedMoE.gate_up_runs' default: None, one-token gate_up grids run persistent by
-# kernels.gate_up_runs, but one CTA a tile where a block is wider than the build's binary mma
+# geometry.gate_up_runs, but one CTA a tile where a block is wider than the build's binary mma
 # (`_past_mma`: on Mixtral one CTA a tile was 3-13% faster than the wave in 16 of 16 cells of
 # 5-8-bit blocks, with the wave's shares weighed by each tile's cost, since removed; at 4 bits
 # the wave is 4% faster; docs/decisions/034-wide-block-rule.md); a count, that many CTAs in
 # equal shares
 # (0: one a tile; tools/kernel-dev/perf_kernel_ab.py sets it for A/B runs)
 GATE_UP_RUNS: int | None = None
-# FusedMoE.down_split's default: None, down's k-split by kernels.k_split; a count, that one
+# FusedMoE.down_split's default: None, down's k-split by geometry.k_split; a count, that one
 DOWN_SPLIT: int | None = None
-# The sm_90a prefill's down on a wave of CTAs that split the last units' columns (cuda/moe.cu
+# The sm_90a prefill's down on a wave of CTAs that split the last units' columns (cuda/prefill_wg.cu
 # down_span) where its rows are at least this many chunks of 8 plane words long: Mixtral (56)
 # gained 2-6% at 512 tokens; Qwen1.5-MoE's shared expert (22) gained nothing measurable, and
 # short rows lose (docs/decisions/017-prefill-down-stream-k.md).
 DOWN_STREAM_K_CHUNKS = 32
 # FusedMoE.down_stream_k's default: None, by the rule above; True / False (perf_kernel_ab's @sk=)
 DOWN_STREAM_K: bool | None = None
-# kernels.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
+# geometry.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
 # the routed split and the shared expert's balanced one as they come; perf_kernel_ab's @dwave=0)
 DOWN_ONE_WAVE = True
 
@@ -581,12 +581,12 @@ DOWN_ONE_WAVE = True
 @dataclass(frozen=True)
 class DecodeLaunch:
     """The shape side of a decode call's two launches: grids, and the scalar arguments around
-    the pointers (cuda/moe.cu *_ENTRY: the routed group's after x / h, the shared expert's after
+    the pointers (cuda/lookup.cu *_ENTRY: the routed group's after x / h, the shared expert's after
     its own pointers). Made once per (layer, routed slots, shared expert): an eager decode is
     host-bound."""
 
     gate_up_grid: tuple[int, int]
-    runs: int  # gate_up's persistent routed CTAs (cuda/moe.cu Run; the shared expert's after)
+    runs: int  # gate_up's persistent routed CTAs (cuda/lookup.cu Run; the shared expert's after)
     routed_tiles: int  # gate_up's routed tiles (16 rows of gate and up each), all slots'
     gate_up_routed: tuple
     gate_up_shared: tuple
@@ -622,7 +622,7 @@ class FusedMoE:
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         if on_cuda:  # every kernel compiled (or found in CuPy's cache) now, while the model loads,
-            kernels.modules()  # not in a first request's step (104 s on a fresh H200 machine)
+            build.modules()  # not in a first request's step (104 s on a fresh H200 machine)
         self._launches: dict[tuple[int, int, bool, str, bool], DecodeLaunch] = {}
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.gate_up_runs = GATE_UP_RUNS  # one-token gate_up's persistent CTAs (None: auto)
@@ -642,8 +642,8 @@ class FusedMoE:
         self._popc_pays = {layer: n >= POPC_MIN_WEIGHTS for layer, n in reads.items()}
         self._p1_pays = {layer: n >= P1_MIN_WEIGHTS for layer, n in reads.items()}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
-        self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
-        # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/moe.cu
+        self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and build.has_wgmma() else "mma"
+        # decode calls of up to POPC_MAX_TOKENS tokens on the popc kernels (cuda/popc.cu
         # gate_up_p1 / _pn: one-token slots on binary tensor cores), where a block is narrow
         # enough: True, False (the lookup kernels only), or None (default): one-token calls on
         # the layers that read at least P1_MIN_WEIGHTS a token (`_p1_pays`), calls of a few
@@ -670,7 +670,7 @@ class FusedMoE:
         if reference or not x.is_cuda:
             path = "torch"
         elif path is None:
-            path = "decode" if T <= kernels.DECODE_MAX_TOKENS else "prefill"
+            path = "decode" if T <= geometry.DECODE_MAX_TOKENS else "prefill"
         if path == "decode":  # one launch groups, zeroes out and lays x out for both kernels
             out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
             wpad = self.proj[(layer, False, "gate")].wpad
@@ -725,7 +725,7 @@ class FusedMoE:
 
     def _routed_plan(
         self, layer: int, T: int, H: int, shared: bool, px: XPieces | None
-    ) -> tuple[kernels.Prepared, Callable[[], None], kernels.Prepared, Routing]:
+    ) -> tuple[launch.Prepared, Callable[[], None], launch.Prepared, Routing]:
         """The three launches of a `routed` call of T tokens (route_prep, gate_up, down) into
         this object's buffers for such calls, and the routing buffers they fill."""
         wpad = self.proj[(layer, False, "gate")].wpad
@@ -782,7 +782,7 @@ class FusedMoE:
     # --- CUDA: two kernels per expert group ---------------------------------------------------
 
     def _scalars(self, layer: int, shared: bool) -> tuple[tuple, tuple]:
-        """The shape arguments both kernel pairs take after their two pointers (cuda/moe.cu):
+        """The shape arguments both kernel pairs take after their two pointers (cuda/lookup.cu):
         gate_up (rows, words, wpad, h's wpad, bits bytes, rows per table), down (the same of
         down, without h's)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
@@ -811,7 +811,7 @@ class FusedMoE:
     ):
         """<= 64 tokens, x already in fragment order (`prepare_decode`): one token pass, no host
         sync (graph-capturable). Each kernel covers the routed slots and, when there is one, the
-        shared expert's slot in one launch (cuda/moe.cu *_ENTRY): the shared expert streams beside
+        shared expert's slot in one launch (lookup.cu *_ENTRY): the shared expert streams beside
         the routed ones, its CTAs numbered through grid rows after the routed slots'. With x's
         pieces (`_x_pieces`, built by the prep launch) the popc kernels run instead."""
         gate_up, down = self._decode_launches(layer, xf, pairs, shared, px)
@@ -832,7 +832,7 @@ class FusedMoE:
         pairs: Pairs,
         shared: Pairs | None,
         px: XPieces | None,
-    ) -> tuple[Callable[[], None], kernels.Prepared]:
+    ) -> tuple[Callable[[], None], launch.Prepared]:
         """`_decode`'s launches into these buffers: gate_up (with popc_planes after it when
         down is a popc build) and down, whose one hole is `out`. Both take PDL: gate_up behind
         decode_prep or route_prep (which lets it in once its routing block is the last one left),
@@ -841,7 +841,7 @@ class FusedMoE:
         key = (layer, pairs.expert.numel(), shared is not None, kind, self._past_mma(layer, kind))
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key[:4])
-        plan, ptr = self._launches[key], kernels.ptr
+        plan, ptr = self._launches[key], launch.ptr
         gu_build, dn_build = _builds(kind)
         groups = [(False, pairs)] + ([(True, shared)] if shared is not None else [])
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
@@ -851,7 +851,7 @@ class FusedMoE:
         # the lookup kernels take no pieces; the popc gate_up x's (built by the prep launch)
         xpx = (ptr(px.buf),) if _popc(gu_build) else _NO_PIECES
         hpx, planes = _NO_PIECES * 2, None
-        if _popc(dn_build):  # each pair's h's 16-bit planes, once a call (cuda/moe.cu popc_planes)
+        if _popc(dn_build):  # each pair's h's 16-bit planes, once a call (cuda/popc.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
             hps = [
                 self._pieces(t, h.shape[0], d.words, xf.device)
@@ -860,15 +860,15 @@ class FusedMoE:
             hpx = (ptr(hps[0]), ptr(hps[-1]))
             planes = self._planes(list(zip(hp, dn, hps, strict=True)))
         gu_args = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
-        block = (32 * kernels.WARPS,)
-        gate_up = kernels.Prepared(
+        block = (32 * geometry.WARPS,)
+        gate_up = launch.Prepared(
             f"gate_up_{gu_build}", plan.gate_up_grid, block,
             common + gu_args + xpx + self._run_args(plan, xf.device),
             early=True,
         )  # fmt: skip
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
         # down stages while gate_up finishes and waits before it reads h
-        down = kernels.Prepared(
+        down = launch.Prepared(
             f"down_{dn_build}", plan.down_grid, block, common + dn_args + hpx, (len(common) + 1,),
             early=True,
         )  # fmt: skip
@@ -886,16 +886,16 @@ class FusedMoE:
         expert's after them) and, for the tiles split between two shares, their halves' rows
         (2 halves x gate and up x ROWS floats) and tickets (zero between launches: a tile's
         second half to finish resets the tile's): a scratch a CTA and one more a group
-        (cuda/moe.cu RUN)."""
+        (cuda/lookup.cu RUN)."""
         runs, ctas = plan.runs, plan.gate_up_grid[0]
         if runs == 0:
             return _NO_RUNS
         n = ctas + 1 + (ctas > runs)
         if n not in self._run_buffers:
-            rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
+            rows = torch.empty(n * 4 * geometry.ROWS, dtype=torch.float32, device=device)
             self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
         rows, tickets = self._run_buffers[n]
-        return (np.int32(runs), kernels.ptr(rows), kernels.ptr(tickets))
+        return (np.int32(runs), launch.ptr(rows), launch.ptr(tickets))
 
     def decode_builds(self, T: int) -> tuple[tuple[str, bool], ...]:
         """The decode kernels a call of T tokens launches in each layer now (`_kind`,
@@ -934,7 +934,7 @@ class FusedMoE:
             return popc_kind
         if T == 1 and POPC_DOWN and self.popc_decode is None and self._p1_pays[layer]:
             return "n1p1"
-        return f"n{kernels.n_tiles(T)}"
+        return f"n{geometry.n_tiles(T)}"
 
     def _popc_kind(self, layer: int, T: int) -> str | None:
         """The popc kernels' build for a call of T tokens in `layer`, or None for the lookup
@@ -952,21 +952,21 @@ class FusedMoE:
         captured before the pager widens a block stays correct, only slower."""
         auto = self.popc_decode is None
         on = (self._p1_pays if T == 1 else self._popc_pays)[layer] if auto else self.popc_decode
-        if T > kernels.POPC_MAX_TOKENS or not on:
+        if T > geometry.POPC_MAX_TOKENS or not on:
             return None
         span = self._widths(layer)
         b3 = "b3" if span.widest <= 3 else ""
         if T > 1:
-            if span.narrowest > kernels.POPC_MAX_BITS or (auto and span.wide >= PN_UNTIL_WIDE):
+            if span.narrowest > geometry.POPC_MAX_BITS or (auto and span.wide >= PN_UNTIL_WIDE):
                 return None
             return "pn" + b3
-        if span.widest <= kernels.POPC_MAX_BITS:
+        if span.widest <= geometry.POPC_MAX_BITS:
             return "p1" + b3
         if auto:
             return self._wide_kind(layer, span)
         if POPC_B5 and span.narrowest <= 5:
             return "p1b5"
-        return "p1" if span.narrowest <= kernels.POPC_MAX_BITS else None
+        return "p1" if span.narrowest <= geometry.POPC_MAX_BITS else None
 
     def _wide_kind(self, layer: int, span: WidthSpan) -> str | None:
         """The default popc build of one token on a layer of P1_MIN_WEIGHTS with a block past 4
@@ -994,7 +994,7 @@ class FusedMoE:
             blocks = self._layer_blocks[layer]
             w = self.dt.synced_width[blocks]
             weights = self._block_weights[blocks]
-            past = (kernels.POPC_MAX_BITS, _ONE_TOKEN_BITS["p1b5"])
+            past = (geometry.POPC_MAX_BITS, _ONE_TOKEN_BITS["p1b5"])
 
             def shares(w: np.ndarray, weights: np.ndarray) -> list[float]:
                 return [float(weights[w > b].sum() / weights.sum()) for b in past]
@@ -1025,35 +1025,35 @@ class FusedMoE:
     def _pieces(
         self, what: str | bool, rows: int, words: int, device: torch.device
     ) -> torch.Tensor:
-        """A reused buffer of `rows` rows of x pieces (cuda/moe.cu PopcX) for the popc
+        """A reused buffer of `rows` rows of x pieces (cuda/pieces.cuh PopcX) for the popc
         kernels: "x" (the tokens), or a group's h (False: routed, True: shared expert)."""
         key = (what, rows, words)
         if key not in self._piece_buffers:
-            n = rows * popc.pieces(words) * popc.PIECE_BYTES
+            n = rows * popc.pieces(words) * geometry.PIECE_BYTES
             self._piece_buffers[key] = torch.empty(n, dtype=torch.uint8, device=device)
         return self._piece_buffers[key]
 
-    def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> kernels.Prepared:
+    def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> launch.Prepared:
         """popc_planes over one or two groups of fragment-order fp16 rows: (the rows, their
         projection, the pieces they become). A warp a k-step of the longest piece."""
         (s0, p0, d0), (s1, p1, d1) = jobs[0], jobs[-1]
-        i32, ptr = np.int32, kernels.ptr
+        i32, ptr = np.int32, launch.ptr
         args = (ptr(s0), i32(p0.wpad), i32(p0.words), i32(s0.shape[0]), ptr(d0))
         args += (ptr(s1), i32(p1.wpad), i32(p1.words), ptr(d1))
         grid = (max(popc.pieces(p.words) for _, p, _ in jobs), sum(s.shape[0] for s, _, _ in jobs))
-        grid += (kernels.POPC_SPLIT,)
-        steps = min(popc.PIECE_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
-        return kernels.Prepared("popc_planes", grid, (32 * steps,), args, early=True)
+        grid += (geometry.POPC_SPLIT,)
+        steps = min(geometry.POPC_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
+        return launch.Prepared("popc_planes", grid, (32 * steps,), args, early=True)
 
     def _decode_launch(
         self, layer: int, n_routed: int, with_shared: bool, kind: str
     ) -> DecodeLaunch:
-        """Grids and shape arguments of a decode call's two launches (cuda/moe.cu *_ENTRY): fixed
+        """Grids and shape arguments of a decode call's two launches (cuda/lookup.cu *_ENTRY): fixed
         by the layer, its routed slot count, whether a shared expert rides along and the
         kernels. One-token calls (every slot live) run gate_up on a persistent grid
-        (`kernels.gate_up_runs`), its CTAs shared by the routed tiles and the shared expert's
-        (`kernels.gate_up_shares`); the popc kernels' down keeps to one wave (`_down_groups`)."""
-        i32, i64, rows = np.int32, np.int64, kernels.ROWS
+        (`geometry.gate_up_runs`), its CTAs shared by the routed tiles and the shared expert's
+        (`geometry.gate_up_shares`); the popc kernels' down keeps to one wave (`_down_groups`)."""
+        i32, i64, rows = np.int32, np.int64, geometry.ROWS
         groups = [False] + ([True] if with_shared else [])
         gu = [self.proj[(layer, g, "gate")] for g in groups]
         dn = [self.proj[(layer, g, "down")] for g in groups]
@@ -1085,26 +1085,26 @@ class FusedMoE:
 
     def _down_groups(
         self, kind: str, n_routed: int, dn: list[Proj]
-    ) -> tuple[kernels.DownGroup, kernels.DownGroup | None]:
+    ) -> tuple[geometry.DownGroup, geometry.DownGroup | None]:
         """down's routed group and the shared expert's (`dn[1]`, if any): the routed split
-        `down_split`, or by `kernels.k_split`, which fills the GPU for the lookup kernels and
+        `down_split`, or by `geometry.k_split`, which fills the GPU for the lookup kernels and
         one wave of the popc kernels' CTAs for them; both groups in one wave where a plan fits
-        (`kernels.down_groups`, unless DOWN_ONE_WAVE is off)."""
+        (`geometry.down_groups`, unless DOWN_ONE_WAVE is off)."""
         if self.down_split is not None and self.down_split < 1:
             raise ValueError(f"down_split {self.down_split}: at least one CTA a tile")
-        wave = kernels.resident_ctas(f"down_{kind}") if _popc(kind) else None
+        wave = launch.resident_ctas(f"down_{kind}") if _popc(kind) else None
         shared = (dn[1].rows, dn[1].words) if len(dn) > 1 else None
-        return kernels.down_groups(
+        return geometry.down_groups(
             (dn[0].rows, dn[0].words), n_routed, shared, wave, self.down_split, DOWN_ONE_WAVE
         )
 
     def _gate_up_runs(
         self, kind: str, tiles: int, shared_tiles: int, past_mma: bool
     ) -> tuple[int, int]:
-        """gate_up's persistent CTAs (cuda/moe.cu Run) in a one-token call of `tiles` routed
+        """gate_up's persistent CTAs (cuda/lookup.cu Run) in a one-token call of `tiles` routed
         tiles (every slot live) and the shared expert's `shared_tiles`, (routed, shared):
-        `gate_up_runs` of them (at most a CTA a half tile), or `kernels.gate_up_runs` on one
-        wave of the kernel's CTAs, split by `kernels.gate_up_shares`; (0, 0), one CTA a tile,
+        `gate_up_runs` of them (at most a CTA a half tile), or `geometry.gate_up_runs` on one
+        wave of the kernel's CTAs, split by `geometry.gate_up_shares`; (0, 0), one CTA a tile,
         for the other builds and, unless gate_up_runs is set, where a block is wider than the
         build's mma (`past_mma`: GATE_UP_RUNS)."""
         if kind not in _ONE_TOKEN_BITS:
@@ -1115,9 +1115,9 @@ class FusedMoE:
         if ctas is None and past_mma:
             return 0, 0
         if ctas is None:
-            wave = kernels.resident_ctas(f"gate_up_{kind}")
-            ctas = kernels.gate_up_runs(tiles + shared_tiles, wave)
-        return kernels.gate_up_shares(ctas, tiles, shared_tiles)
+            wave = launch.resident_ctas(f"gate_up_{kind}")
+            ctas = geometry.gate_up_runs(tiles + shared_tiles, wave)
+        return geometry.gate_up_shares(ctas, tiles, shared_tiles)
 
     def _prefill(
         self,
@@ -1135,15 +1135,15 @@ class FusedMoE:
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         gate_up, down = self._scalars(layer, shared)
-        i32, ptr = np.int32, kernels.ptr
-        rows = kernels.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
+        i32, ptr = np.int32, launch.ptr
+        rows = geometry.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
         row_tiles = (-(-32 * dn.wpad // rows["gate_up"]), -(-dn.rows // rows["down"]))
-        block = (32 * kernels.PREFILL_WARPS,)
+        block = (32 * geometry.PREFILL_WARPS,)
         if self.prefill_kernel == "wgmma" and dn.rows % 2 == 0:  # down adds row pairs
             xt = token_tiles(x, gu.wpad, pairs, tiles)
             n_tiles = tiles.shape[0]
             hp = x.new_empty(n_tiles * TILE_TOKENS, 32 * dn.wpad, dtype=torch.float16)
-            smem, sk = kernels.PREFILL_WG_SMEM, self._down_stream_k(dn)
+            smem, sk = geometry.PREFILL_WG_SMEM, self._down_stream_k(dn)
             # the stream-K wave's CTAs follow the whole units' (at most every unit the bound plans)
             down_grid = (n_tiles * row_tiles[1] + sk,) if sk else (row_tiles[1], n_tiles)
             grids = [(row_tiles[0], n_tiles), down_grid]
@@ -1151,20 +1151,20 @@ class FusedMoE:
             names = ("gate_up_prefill_wg", "down_prefill_wg")
         else:
             most = int((pairs.hi - pairs.lo).max())
-            passes = max(1, -(-most // kernels.PREFILL_TOKENS))
+            passes = max(1, -(-most // geometry.PREFILL_TOKENS))
             xt = fragment_order(x, gu.wpad)
             hp = torch.empty(pairs.token.numel(), dn.wpad, 32, dtype=torch.float16, device=x.device)
-            smem, extras = kernels.PREFILL_SMEM, [(i32(passes),)] * 2
+            smem, extras = geometry.PREFILL_SMEM, [(i32(passes),)] * 2
             grids = [(passes * n, pairs.expert.numel()) for n in row_tiles]
             names = ("gate_up_prefill", "down_prefill")
         io = ((ptr(xt), ptr(hp)) + gate_up, (ptr(hp), ptr(out)) + down)
         for name, grid, args, extra in zip(names, grids, io, extras, strict=True):
-            kernels.launch(name, grid, block, common + args + extra, shared_mem=smem)
+            launch.launch(name, grid, block, common + args + extra, shared_mem=smem)
 
     def _down_stream_k(self, dn: Proj) -> int:
-        """CTAs of the sm_90a prefill down's stream-K wave (cuda/moe.cu down_span), or 0 for one
-        CTA a (token tile, row tile): `down_stream_k`, or by DOWN_STREAM_K_CHUNKS."""
+        """CTAs of the sm_90a prefill down's stream-K wave (cuda/prefill_wg.cu down_span), or 0 for
+        one CTA a (token tile, row tile): `down_stream_k`, or by DOWN_STREAM_K_CHUNKS."""
         on = self.down_stream_k
         if on is None:
             on = -(-dn.words // 8) >= DOWN_STREAM_K_CHUNKS
-        return kernels.resident_prefill_ctas("down_prefill_wg") if on else 0
+        return launch.resident_prefill_ctas("down_prefill_wg") if on else 0

@@ -1,9 +1,9 @@
-"""Which kernels' machine code differs between two builds of cuda/moe.cu (nvcc or NVRTC cubins).
+"""Which kernels' machine code differs between two builds of the kernels (nvcc or NVRTC cubins).
 
 Whole cubins differ in their notes even when no kernel does, and the dev machine has no
 cuobjdump; this compares each kernel's `.text.<name>` section of the two ELF files byte for byte.
-Either build may be several cubins, e.g. the runtime's parts (`kernels.PARTS`, each built with
-`kernels.part_options`), whose kernels are then taken together: the first build's joined by
+Either build may be several cubins, e.g. the runtime's parts (`registry.PARTS`, each built from
+`build.part_source`), whose kernels are then taken together: the first build's joined by
 commas, the second's as the arguments after it.
 Usage:
   python3 tools/kernel-dev/cubin_diff.py a.cubin[,a2.cubin ...] b.cubin [b2.cubin ...] [--all]"""

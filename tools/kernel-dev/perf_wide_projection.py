@@ -22,7 +22,8 @@ import torch
 from perf_wide_blocks import ONE_TOKEN, mean_times, use_build, wide_widths
 
 from pwctl.bench.kernels import SHAPES, random_routing, routed_on, synthetic_layer
-from pwctl.runtime import fused_moe, kernels
+from pwctl.kernels import launch
+from pwctl.runtime import fused_moe
 
 PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0, 1, 2]}
 
@@ -60,7 +61,7 @@ def wave_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> floa
     """`p1`'s time, s, averaged as `mean_times` does, with gate_up on one wave of persistent CTAs
     (FusedMoE.gate_up_runs)."""
     moe = layer.moe
-    moe.gate_up_runs = kernels.resident_ctas("gate_up_p1")
+    moe.gate_up_runs = launch.resident_ctas("gate_up_p1")
     moe.forget_launches()
     try:
         return mean_times(layer, 1, widths_of, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]
