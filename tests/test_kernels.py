@@ -1308,10 +1308,10 @@ def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
     pairs, xf = decode_buffers(3, 2, 8, 8, cpu)
     routing = routing_buffers(3, spec, True, cpu)
     done = torch.zeros(1, dtype=torch.int32)
-    launch = route_launch(3, 256, spec, True, 8, done, pairs, xf, routing, None)
+    prepared = route_launch(3, 256, spec, True, 8, done, pairs, xf, routing, None)
     names = _kernel_params("route_prep")
-    assert launch.count == len(names)
-    assert [names[i] for i in launch.holes] == ["x", "gate_w", "shared_gate_w", "out"]
+    assert prepared.count == len(names)
+    assert [names[i] for i in prepared.holes] == ["x", "gate_w", "shared_gate_w", "out"]
 
 
 def _one_token_call():

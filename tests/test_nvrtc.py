@@ -132,6 +132,18 @@ def test_a_program_reads_only_its_familys_sources():
     )
 
 
+def test_probes_take_one_switch_that_no_part_sets():
+    """The runtime's programs name no probe; a development build names one (the stamps here: the
+    kernel then writes its phases), and a name cuda/probes.cuh does not know stops the compile."""
+    assert not any("PWCTL_PROBE" in build.part_source(k) for k in range(len(registry.PARTS)))
+    nvrtc, options = _nvrtc(), build.program_options("sm_80")
+    stamped = build.program_source(["route_prep"], probe="stamps").encode()
+    rc, log, cubin = _compile(nvrtc, stamped, options)
+    assert rc == 0 and b"pwctl_stamps" in cubin, log[-2000:]
+    rc, log, _ = _compile(nvrtc, build.program_source(["route_prep"], probe="x").encode(), options)
+    assert rc != 0 and "names no probe" in log
+
+
 def test_nvrtc_reports_a_broken_source():
     """The harness above fails loudly: a source error gives a non-zero code and NVRTC's log."""
     rc, log, cubin = _compile(_nvrtc(), b"__global__ void k() { undeclared(); }", ("-std=c++17",))
