@@ -190,7 +190,7 @@ __device__ void reduce_units(const float (&acc)[NT][4], float* red, int parts, f
     }
 }
 
-struct PopcX;  // x's pieces for the one-token kernels (below); the lookup kernels ignore them
+struct PopcX;  // x's pieces for the one-token kernels (pieces.cuh); the lookup kernels ignore them
 
 // Before its wait a gate_up CTA pulls into L2 what staging chases after it: the block ids, widths,
 // slab offsets and slab-map entries of one row of block_ids (CTA j: row j), 4 of the 5 dependent
@@ -398,6 +398,9 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
         run = Run{(int)(j * halves / n), (int)((j + 1) * halves / n), t ? runs + 1 + j : j,      \
                   tiles};                                                                        \
     }
+// The decode kernels: a program writes one line a kernel, from pwctl/kernels/registry.py, e.g.
+// GATE_UP_ENTRY(gate_up_n8, __launch_bounds__(32 * WARPS, 4), gate_up<8>) (a template's commas in
+// parentheses: (gate_up_popc<4, false>)).
 #define GATE_UP_ENTRY(NAME, BOUNDS, GATE_UP)                                                      \
     extern "C" __global__ void BOUNDS NAME(                                                       \
         PAGED_ARGS, SLOT_ARGS, const uint4* xf, unsigned short* hp, int I, int words_in,         \
