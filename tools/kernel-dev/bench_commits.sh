@@ -2,18 +2,18 @@
 # `bench --kernels` of this checkout against another commit's tree, on one machine in one call,
 # rounds interleaved (base, then this checkout, each round), then bench_compare.py: the rows more
 # than 3% slower here (issue 63's check of the split against the commit before it). Each side's
-# first round compiles its kernels (NVRTC, ~2 min on 16 cores): give the call 600 s, or run it on
-# a warm machine whose CuPy cache holds both.
+# first build compiles its kernels (NVRTC, ~2 min on 16 cores) into CuPy's cache: run it twice on
+# a warm machine and take the second call's comparison (both sides cached, 2 rounds in 600 s).
 # Usage (GPU machine): bash tools/kernel-dev/bench_commits.sh BASE_DIR [rounds] [bench options]
-#   BASE_DIR: the other commit's tree, e.g. `mkdir -p .carry/base && git archive b72610e |
-#   tar -x -C .carry/base` (carried to the device); default options: the decode targets' shapes
-#   at 3 and 4 bits and mixed, 1, 2, 4 and 16 tokens, and 512 (prefill)
+#   BASE_DIR: the other commit's pwctl/ and cuda/, e.g. `mkdir -p .carry/base && git archive
+#   b72610e pwctl cuda | tar -x -C .carry/base` (carried to the device); default options: the
+#   decode targets' shapes at 3 and 4 bits, 1 and 4 tokens, and 512 (prefill)
 set -uo pipefail
 base=$(realpath "$1") rounds=${2:-2}
 shift $(($# < 2 ? $# : 2))
 opts=("$@")
 [ ${#opts[@]} -eq 0 ] && opts=(--shape mixtral --shape qwen-moe --shape qwen3-moe --width 3
-    --width 4 --width mixed --tokens 1 --tokens 2 --tokens 4 --tokens 16 --tokens 512)
+    --width 4 --tokens 1 --tokens 4 --tokens 512)
 out=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 for r in $(seq "$rounds"); do
