@@ -1,7 +1,8 @@
 """The import rules of docs/ARCHITECTURE.md, read from the source (an AST walk: imports inside
 functions and under TYPE_CHECKING count too): no circle between modules, and each layer imports
 only its own and the layers below it. The layers, bottom up: the shared leaves (errors, device,
-policy, text), format/ (what the runtime reads), runtime/, build/ (offline: it may drive the
+policy, text), format/ (what the runtime reads), kernels/ (the CUDA kernels' Python side: what
+the runtime launches; it never imports the runtime), runtime/, build/ (offline: it may drive the
 engine), bench/, commands/, the CLI."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pwctl"
-LAYERS = ("format", "runtime", "build", "bench", "commands", "cli")  # above the shared leaves
+# above the shared leaves, bottom up
+LAYERS = ("format", "kernels", "runtime", "build", "bench", "commands", "cli")
 
 
 def _module(path: Path) -> str:
@@ -85,5 +87,6 @@ def test_the_walk_sees_every_kind_of_import():
     graph = _graph()
     assert "pwctl.runtime.engine.engine" in graph["pwctl.build.profile"]  # TYPE_CHECKING
     assert "pwctl.bench.throughput" in graph["pwctl.commands.bench_modes.throughput"]  # in a body
-    assert "pwctl.runtime.kernels" in graph["pwctl.runtime.moe.fused"]  # from pwctl.runtime import
+    assert "pwctl.kernels.launch" in graph["pwctl.runtime.moe.fused"]  # from pwctl.kernels import
     assert _layer("pwctl.errors") == 0 < _layer("pwctl.format.pack") < _layer("pwctl.cli")
+    assert _layer("pwctl.format.pack") < _layer("pwctl.kernels.launch") < _layer("pwctl.runtime")

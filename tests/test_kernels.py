@@ -29,7 +29,8 @@ from pwctl.bench.kernels import (
 from pwctl.format.bitplanes import pack_planes
 from pwctl.format.pack import Pack
 from pwctl.format.recipe import MoESpec
-from pwctl.runtime import kernels, popc
+from pwctl.kernels import build, geometry, launch, popc, registry
+from pwctl.kernels.popc import popc_matvec, quantize, step_words, subset_coefficients
 from pwctl.runtime.memory.device_table import DeviceTable
 from pwctl.runtime.memory.expert_store import ExpertStore
 from pwctl.runtime.memory.page_table import PageTable
@@ -41,7 +42,6 @@ from pwctl.runtime.moe.layouts import fragment_order, tile_plan, wgmma_order, wg
 from pwctl.runtime.moe.pairs import Pairs, all_tokens, decode_buffers, group
 from pwctl.runtime.moe.prep import XPieces, prepare_decode, prepare_prefill, prepare_routed
 from pwctl.runtime.moe.router import route
-from pwctl.runtime.popc import popc_matvec, quantize, step_words, subset_coefficients
 
 
 def test_group_sorts_pairs_by_expert():
@@ -63,29 +63,31 @@ def test_group_sorts_pairs_by_expert():
 
 def test_decode_tiles_cover_every_decode_token_count():
     # the smallest compiled tile that holds T tokens, for every T the decode path takes, and an
-    # entry (GATE_UP_ENTRY, DOWN_ENTRY) in cuda/moe.cu for every tile the launcher may name
-    for T in range(1, kernels.DECODE_MAX_TOKENS + 1):
-        nt = kernels.n_tiles(T)
-        smaller = [n for n in kernels.DECODE_TILES if n < nt]
+    # entry (gate_up<NT>, down<NT>) in the registry for every tile the launcher may name
+    for T in range(1, geometry.DECODE_MAX_TOKENS + 1):
+        nt = geometry.n_tiles(T)
+        smaller = [n for n in geometry.DECODE_TILES if n < nt]
         assert 8 * nt >= T and all(8 * n < T for n in smaller)
     with pytest.raises(ValueError, match="at most 64"):
-        kernels.n_tiles(kernels.DECODE_MAX_TOKENS + 1)
-    src = kernels.CUDA_SRC.read_text()
-    for entry in ("GATE_UP_ENTRY", "DOWN_ENTRY"):
-        tiles = re.findall(rf"^{entry}\(n(\d+),", src, re.MULTILINE)
-        assert sorted(int(n) for n in tiles) == list(kernels.DECODE_TILES)
+        geometry.n_tiles(geometry.DECODE_MAX_TOKENS + 1)
+    for kind in ("gate_up", "down"):
+        bodies = {k.body for k in registry.KERNELS if k.name.startswith(f"{kind}_n")}
+        assert bodies == {f"{kind}<{nt}>" for nt in geometry.DECODE_TILES}
 
 
 def test_launchers_size_the_grouping_as_the_kernels_do():
-    """group_smem follows cuda/moe.cu: prefill_prep groups with every warp of its block from
-    GROUP_SPLIT pairs on, with one warp below (and in the decode preps)."""
-    src = kernels.CUDA_SRC.read_text()
+    """group_smem follows cuda/prep.cu: prefill_prep groups with every warp of its block from
+    GROUP_SPLIT pairs on, with one warp below (and in the decode preps). The program defines
+    both from the geometry, and the source defines neither itself."""
+    src = build.part_source(registry.PART_OF["prefill_prep"])
     define = {m[0]: int(m[1]) for m in re.findall(r"^#define (\w+) (\d+)", src, re.MULTILINE)}
-    assert define["GROUP_SPLIT"] == kernels.GROUP_SPLIT
-    assert define["PREP_THREADS"] == kernels.PREP_THREADS
-    split = kernels.GROUP_SPLIT
-    assert kernels.group_smem(60, split) == 4 * 60 * (kernels.PREP_THREADS // 32)
-    assert kernels.group_smem(60, split - 1) == kernels.group_smem(60) == 4 * 60
+    assert define["GROUP_SPLIT"] == geometry.GROUP_SPLIT
+    assert define["PREP_THREADS"] == geometry.PREP_THREADS
+    sources = "".join(p.read_text() for p in build.included(["prep.cu"], build.cuda_dir()))
+    assert not re.search(r"^#define (GROUP_SPLIT|PREP_THREADS) ", sources, re.MULTILINE)
+    split = geometry.GROUP_SPLIT
+    assert geometry.group_smem(60, split) == 4 * 60 * (geometry.PREP_THREADS // 32)
+    assert geometry.group_smem(60, split - 1) == geometry.group_smem(60) == 4 * 60
 
 
 def test_fragment_order_layout():
@@ -101,7 +103,7 @@ def test_fragment_order_layout():
 
 
 def _tile_pos(n: int, col: int) -> int:
-    """cuda/moe.cu `tile_pos`, replayed: where column `col` of tile token n lies in a tile."""
+    """prefill_wg.cu `tile_pos`, replayed: where column `col` of tile token n lies in a tile."""
     w, c = col >> 5, col & 31
     j = (c >> 2) & 3
     k = 2 * ((w & 7) >> 1) + (j & 1) + 8 * (j >> 1)
@@ -122,8 +124,8 @@ def test_wgmma_tiles_put_each_column_where_the_kernel_reads_it():
 
 
 def _token_tiles_replay(x: torch.Tensor, wpad: int, rows: torch.Tensor) -> torch.Tensor:
-    """cuda/moe.cu `token_tiles`' index math, in torch: unit u of tile t = [hc][s][token group]
-    [k half][token], 8 k a unit; k -> column by the inverse of `tile_pos`."""
+    """cuda/prefill_wg.cu `token_tiles`' index math, in torch: unit u of tile t = [hc][s][token
+    group][k half][token], 8 k a unit; k -> column by the inverse of `tile_pos`."""
     units = wpad // 4 * 2048
     u = torch.arange(units)
     hc, s, kh = u >> 11, (u >> 8) & 7, (u >> 3) & 1
@@ -152,7 +154,7 @@ def test_tile_plan_gives_each_slot_its_passes():
     assert plan.tiles == 4 + 4  # bound: 457 pairs / 128, rounded up, + 4 slots
     assert plan.info[:6].tolist() == [[0, 0], [0, 1], [2, 0], [3, 0], [3, 1], [3, 2]]
     assert plan.info[6:, 0].eq(-1).all()  # past the last tile: its CTAs exit
-    assert plan.info[6:, 1].eq(6).all()  # dead tiles hold the live count (cuda/moe.cu down_span)
+    assert plan.info[6:, 1].eq(6).all()  # dead tiles hold the live count (down_span)
     tiles = plan.pair.view(-1, 128)
     assert tiles[0].tolist() == list(range(128)) and tiles[1, :2].tolist() == [128, 129]
     assert tiles[1, 2:].eq(129).all() and tiles[2, -1] == 199  # past the end: the last pair
@@ -207,7 +209,7 @@ def test_wgmma_order_matches_the_kernels_a_registers():
     assert seen == set(range(24 * 32))  # a permutation
 
 
-# --- a Python twin of cuda/moe.cu's label decode (`decode`: gather, lut_from, lut8 / lut16) -----
+# --- a Python twin of cuda/planes.cuh's label decode (`decode`: gather, lut_from, lut8 / lut16)
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -301,7 +303,7 @@ def test_wide_tables_of_one_shared_load_cover_every_bank(B):
     assert banks == set(range(32))
 
 
-# --- the one-token kernels' arithmetic (cuda/moe.cu gate_up_p1 / down_p1; pwctl/runtime/popc.py)
+# --- the one-token kernels' arithmetic (cuda/popc.cu gate_up_p1 / down_p1; pwctl/kernels/popc.py)
 
 
 @pytest.mark.parametrize("B", range(1, 5))
@@ -370,9 +372,9 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     the weights are past 4 bits."""
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid, block))  # noqa: E731
-    monkeypatch.setattr(kernels, "launch_packed", record)
-    monkeypatch.setattr(kernels, "sm_count", lambda: 132)  # the H200's (no device here)
-    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: 4)
+    monkeypatch.setattr(launch, "launch_packed", record)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)  # the H200's (no device here)
+    monkeypatch.setattr(launch, "ctas_per_sm", lambda name, threads: 4)
     spec = MoESpec(4, 2, 4096, 768, "softmax_topk", False, 1.0, 256 if shared else 0, True, "silu")
     layer = synthetic_layer(spec, device="cpu", seed=0)
     moe = layer.moe
@@ -407,20 +409,20 @@ def test_decode_launches_pick_the_one_token_kernels(monkeypatch, shared):
     names = [n for n, _, _ in decode(2, True)]
     assert names == ["decode_prep", "gate_up_pnb3", "popc_planes", "down_pnb3"]
     layer.set_widths(np.full(layer.table.n_blocks, 4))
-    x_blocks = popc.pieces(gu.words) * kernels.POPC_SPLIT  # 768 columns: one piece
+    x_blocks = popc.pieces(gu.words) * geometry.POPC_SPLIT  # 768 columns: one piece
     assert one[0][1] == (plain[0][1][0] + x_blocks,)
     rows_h = spec.top_k + (1 if shared else 0)  # routed pairs, then the shared expert's
     steps = max(popc.steps(moe.proj[(0, g, "down")].words) for g in {False, shared})
-    assert one[2][1:] == ((popc.pieces(dn.words), rows_h, kernels.POPC_SPLIT), (32 * steps,))
+    assert one[2][1:] == ((popc.pieces(dn.words), rows_h, geometry.POPC_SPLIT), (32 * steps,))
     # up to POPC_MAX_TOKENS tokens the same kernels (their slots of several tokens take the
     # lookup inside them), with every token's x pieces; past it the lookup kernels
     two = decode(2, True)
     assert [n for n, _, _ in two] == ["decode_prep", "gate_up_pn", "popc_planes", "down_pn"]
     assert two[0][1] == (decode(2, False)[0][1][0] + 2 * x_blocks,)
     assert two[2][1][1] == 2 * rows_h
-    past = kernels.POPC_MAX_TOKENS + 1
+    past = geometry.POPC_MAX_TOKENS + 1
     names = [n for n, _, _ in decode(past, True)]
-    n = f"n{kernels.n_tiles(past)}"
+    n = f"n{geometry.n_tiles(past)}"
     assert names == ["decode_prep", f"gate_up_{n}", f"down_{n}"]
     # no block of the layer the binary mma reads (all wider than 4 bits): the lookup kernels
     widths[:] = 5
@@ -607,7 +609,7 @@ def _poison(moe: FusedMoE) -> None:
         hp.fill_(float("nan"))
 
 
-PREFILL_KINDS = ["wgmma", "mma"] if torch.cuda.is_available() and kernels.has_wgmma() else ["mma"]
+PREFILL_KINDS = ["wgmma", "mma"] if torch.cuda.is_available() and build.has_wgmma() else ["mma"]
 
 
 # rows and columns off every tile size: partial m-tiles, a down CTA whose second m-tile is past
@@ -634,7 +636,7 @@ def test_kernels_match_reference(shape):
             x, weights, index, scale = random_routing(layer.spec, T, seed=T)
             want = layer.moe(0, x, weights, index, scale, reference=True)
             # prefill: the sm_90a (wgmma) kernels where the device has them, and the mma.sync ones
-            for kind in PREFILL_KINDS if T > kernels.DECODE_MAX_TOKENS else ["decode"]:
+            for kind in PREFILL_KINDS if T > geometry.DECODE_MAX_TOKENS else ["decode"]:
                 layer.moe.prefill_kernel = kind
                 _poison(layer.moe)
                 got = layer.moe(0, x, weights, index, scale)
@@ -650,7 +652,7 @@ def test_kernels_match_reference(shape):
 @pytest.mark.skipif(PREFILL_KINDS[0] != "wgmma", reason="the sm_90a prefill needs Hopper")
 @pytest.mark.parametrize("shape", ["qwen-moe", "qwen3-moe", *TEST_SPECS])
 def test_prefill_down_on_its_stream_k_wave_matches_reference(shape):
-    """down's stream-K wave (cuda/moe.cu down_span) on shapes the launcher's rule leaves off:
+    """down's stream-K wave (cuda/prefill_wg.cu down_span) on shapes the launcher's rule leaves off:
     shares that begin inside units (odd first chunks: an empty mbarrier phase first), fewer
     units than the wave and more; ring (3 bits) and register (6 bits) loops, the mixed layer.
     Qwen1.5-MoE's shared expert at 65 tokens (32 units of 22 chunks, shares of 2-3) has CTAs
@@ -727,7 +729,7 @@ def test_popc_kernels_take_calls_of_a_few_tokens(shape):
     layer = synthetic_layer(SHAPES[shape], seed=4)
     rng = np.random.default_rng(4)
     layer.moe.rules = replace(layer.moe.rules, popc_decode=True)
-    calls = [(T, False) for T in range(2, kernels.POPC_MAX_TOKENS + 1)] + [(2, True), (4, True)]
+    calls = [(T, False) for T in range(2, geometry.POPC_MAX_TOKENS + 1)] + [(2, True), (4, True)]
     for width in ["3", "4", "mixed"]:
         _set_widths(layer, width, rng)
         for T, paired in calls:
@@ -755,7 +757,7 @@ TIER_SLOTS = {16: [3, 13], 32: [1, 9, 22], 64: [1, 10, 20, 33]}
 @pytest.mark.parametrize("shape", SHAPES)
 def test_lookup_kernels_take_each_slot_on_its_smallest_tile(shape):
     """The 2-, 4- and 8-tile lookup kernels run each slot on the loop of the smallest tile that
-    holds its tokens (cuda/moe.cu mma_tier): calls whose slots hold every n-tile count from one
+    holds its tokens (cuda/lookup.cu mma_tier): calls whose slots hold every n-tile count from one
     to the launch's, at 3 and 4 bits and mixed widths (5-8 bits: the tables in shared memory)."""
     layer = synthetic_layer(SHAPES[shape], seed=6)
     k = layer.spec.top_k
@@ -775,7 +777,7 @@ def test_lookup_kernels_take_each_slot_on_its_smallest_tile(shape):
             tiles = sorted({(int(c) + 7) // 8 for c in torch.bincount(index.flatten()) if c})
             case = f"{shape} width {width}, {T} tokens, slots of {tiles} n-tiles"
             loops = {1 << (n - 1).bit_length() for n in tiles}  # the tile each slot runs on
-            assert loops == {n for n in (1, 2, 4, 8) if n <= kernels.n_tiles(T)}, case
+            assert loops == {n for n in (1, 2, 4, 8) if n <= geometry.n_tiles(T)}, case
             err = float((got - want).norm() / want.norm())
             assert err < 1e-3, f"{case}: relative error {err:.2e}"
 
@@ -783,7 +785,7 @@ def test_lookup_kernels_take_each_slot_on_its_smallest_tile(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["mixtral", "qwen3-moe", "qwen-moe", "straddle"])
 def test_one_token_runs_match_reference(shape):
-    """gate_up's persistent grid (cuda/moe.cu Run): each CTA a share of the tiles' halves, the
+    """gate_up's persistent grid (cuda/lookup.cu Run): each CTA a share of the tiles' halves, the
     tiles after its first restaged by moving the pointers on (`restage`), shares that end
     mid-tile meeting through a ticket (split_join). One CTA a tile, a few CTAs (long runs), the
     launcher's choice and a CTA a half tile, at 3 and 4 bits (p1b3, p1) and mixed widths (wider
@@ -797,7 +799,7 @@ def test_one_token_runs_match_reference(shape):
     layer = synthetic_layer(spec, seed=5, slab_bytes=slab)
     moe = layer.moe
     moe.rules = replace(moe.rules, popc_decode=True)
-    tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS * layer.spec.top_k
+    tiles = 32 * moe.proj[(0, False, "down")].wpad // geometry.ROWS * layer.spec.top_k
     rng = np.random.default_rng(5)
     for width in ["3", "4", "mixed"]:
         _set_widths(layer, width, rng)
@@ -868,25 +870,25 @@ def test_decode_prep_matches_torch(T, k, E):
 
 
 def read_pieces(buf: torch.Tensor, words: int, row: int) -> tuple[np.ndarray, list, list]:
-    """Row `row`'s PopcX pieces (cuda/moe.cu) back to q a column, each k-step's ksum and each
+    """Row `row`'s PopcX pieces (cuda/pieces.cuh) back to q a column, each k-step's ksum and each
     piece's scale: plane k of word z of k-step i is bit c (column c of the word) of register
     2 (z % 2) + k / 8 of lane 4 (k % 8) + z / 2; plane 15 weighs -2^15."""
-    n, size, head = popc.pieces(words), popc.PIECE_BYTES, popc.PIECE_STEPS * 32 * 16
+    n, size, head = popc.pieces(words), geometry.PIECE_BYTES, geometry.POPC_STEPS * 32 * 16
     raw = buf.cpu().numpy().view(np.uint8)[row * n * size : (row + 1) * n * size]
     q, ksums, scales = np.zeros(32 * words, np.int64), [], []
     weight = np.array([1 << k for k in range(15)] + [-(1 << 15)], np.int64)
     for i, ws in enumerate(popc.step_words(words)):
-        pc, j = divmod(i, popc.PIECE_STEPS)
+        pc, j = divmod(i, geometry.POPC_STEPS)
         rec = raw[pc * size : (pc + 1) * size]
-        a = rec[:head].view(np.uint32).reshape(popc.PIECE_STEPS, 32, 4)
+        a = rec[:head].view(np.uint32).reshape(geometry.POPC_STEPS, 32, 4)
         for z, w in enumerate(ws):
             for k in range(16):
                 u = int(a[j, 4 * (k % 8) + z // 2, 2 * (z % 2) + k // 8])
                 bits = (u >> np.arange(32)) & 1
                 q[32 * w : 32 * w + 32] += bits * weight[k]
-        ksums.append(int(rec[head : head + 4 * popc.PIECE_STEPS].view(np.int32)[j]))
+        ksums.append(int(rec[head : head + 4 * geometry.POPC_STEPS].view(np.int32)[j]))
         if j == 0:
-            scales.append(float(rec[head + 4 * popc.PIECE_STEPS :][:4].view(np.float32)[0]))
+            scales.append(float(rec[head + 4 * geometry.POPC_STEPS :][:4].view(np.float32)[0]))
     return q, ksums, scales
 
 
@@ -907,7 +909,7 @@ def test_prep_launches_build_x_pieces_as_the_twin(H):
     wpad = -(-words // 8) * 8
     done = torch.zeros(1, dtype=torch.int32, device="cuda")
     for how in ("decode", "routed"):
-        poisoned = torch.full((T * popc.pieces(words) * popc.PIECE_BYTES,), 0xAB, device="cuda")
+        poisoned = torch.full((T * popc.pieces(words) * geometry.PIECE_BYTES,), 0xAB, device="cuda")
         px = XPieces.over(poisoned.to(torch.uint8), words, T)
         out = torch.full((T, H), float("nan"), device="cuda")
         if how == "decode":
@@ -926,7 +928,7 @@ def assert_pieces_as_the_twin(buf: torch.Tensor, words: int, row: int, x: torch.
     q, ksums, scales = read_pieces(buf, words, row)
     xs = x.float().cpu()
     for pc, sx in enumerate(scales):
-        steps = popc.step_words(words)[pc * popc.PIECE_STEPS :][: popc.PIECE_STEPS]
+        steps = popc.step_words(words)[pc * geometry.POPC_STEPS :][: geometry.POPC_STEPS]
         cols = torch.tensor([32 * w + c for ws in steps for w in ws for c in range(32)])
         want_q, want_sx = popc.quantize(xs[cols])
         assert sx == pytest.approx(want_sx, rel=1e-6), (what, row, pc)
@@ -948,7 +950,7 @@ def test_popc_planes_builds_h_pieces_as_the_twin(inter):
     h = torch.randn(3, 32 * dn.wpad, generator=gen, device="cuda").half()
     h[:, inter:] = 0  # h's padding columns, as gate_up writes them
     h[1, ::97] *= 100  # outliers: a piece's scale is its own
-    buf = torch.full((3 * popc.pieces(dn.words) * popc.PIECE_BYTES,), 0xAB, device="cuda")
+    buf = torch.full((3 * popc.pieces(dn.words) * geometry.PIECE_BYTES,), 0xAB, device="cuda")
     buf = buf.to(torch.uint8)
     moe._planes([(fragment_order(h, dn.wpad), dn, buf)])()
     for t in range(3):
@@ -1209,7 +1211,7 @@ def test_bench_kernels_streams_rows_then_prints_tables(monkeypatch, tmp_path):
 def test_pdl_launch_structs_match_the_driver_abi():
     """cuLaunchKernelEx reads CUlaunchConfig / CUlaunchAttribute (cuda.h, 64-bit): the ctypes
     mirrors must have the driver's sizes and field offsets, or the launch reads garbage."""
-    cfg, attr = kernels._LaunchConfig, kernels._LaunchAttr
+    cfg, attr = launch._LaunchConfig, launch._LaunchAttr
     assert ctypes.sizeof(attr) == 72 and attr.value.offset == 8
     assert (cfg.shared_mem.offset, cfg.stream.offset, cfg.attrs.offset) == (24, 32, 40)
     assert cfg.num_attrs.offset == 48 and ctypes.sizeof(cfg) == 56
@@ -1220,9 +1222,9 @@ def test_kernel_parameters_pack_at_their_natural_alignment():
     ending at the last one (the CUDA driver API's rule); the `extra` array points at both."""
     args = (np.int32(-3), np.uint64(2**63 + 5), np.int32(7), np.int64(-9), np.float32(1.5),
             np.uint32(0xF000_0001))  # fmt: skip
-    layout = kernels.param_layout(tuple(map(type, args)))
+    layout = launch.param_layout(tuple(map(type, args)))
     assert layout.size == 40  # int32 @0, pointer @8, int32 @16, int64 @24, float @32, uint @36
-    params = kernels._Params()
+    params = launch._Params()
     extra = params.pack(args)
     raw = params.data.raw[: params.size.value]
     assert params.size.value == 40
@@ -1244,25 +1246,28 @@ def test_prepared_launch_fills_its_holes_each_call(monkeypatch):
     seen = []
 
     def record(name, grid, block, extra, *args, **kw):
-        seen.append(kernels._params.data.raw[: kernels._params.size.value])
+        seen.append(launch._params.data.raw[: launch._params.size.value])
 
-    monkeypatch.setattr(kernels, "launch_packed", record)
+    monkeypatch.setattr(launch, "launch_packed", record)
     u, i = np.uint64, np.int32
     args = (u(0), i(7), u(0), np.int64(-2), np.float32(0.5), u(99))
-    prepared = kernels.Prepared("k", (1,), (32,), args, holes=(0, 2))
+    prepared = launch.Prepared("k", (1,), (32,), args, holes=(0, 2))
     for a, b in ((11, 22), (2**63 + 1, 0)):
         prepared(a, b)
-        kernels.launch("k", (1,), (32,), (u(a), i(7), u(b), np.int64(-2), np.float32(0.5), u(99)))
+        launch.launch("k", (1,), (32,), (u(a), i(7), u(b), np.int64(-2), np.float32(0.5), u(99)))
     assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]
     with pytest.raises(ValueError, match="pointers"):
-        kernels.Prepared("k", (1,), (32,), args, holes=(1,))
+        launch.Prepared("k", (1,), (32,), args, holes=(1,))
 
 
 def _kernel_params(name: str) -> list[str]:
-    """The parameter names of kernel `name` in cuda/moe.cu (`down_##NAME`: the decode kernels'
-    DOWN_ENTRY macro), its argument-list macros expanded."""
-    src = kernels.CUDA_SRC.read_text().replace("\\\n", " ")
-    sig = src[src.index(f" {name}(") :].split(")", 1)[0].split("(", 1)[1]
+    """The parameter names of kernel `name` in cuda/ (GATE_UP_ENTRY, DOWN_ENTRY: the decode
+    kernels' macros), its argument-list macros expanded."""
+    files = build.included([f"{family}.cu" for family in registry.FAMILIES], build.cuda_dir())
+    src = "".join(p.read_text() for p in files).replace("\\\n", " ")
+    at = src.index(f"#define {name}(") if name.endswith("_ENTRY") else 0
+    name = "NAME" if at else name
+    sig = src[src.index(f" {name}(", at) :].split(")", 1)[0].split("(", 1)[1]
     for macro in ("PAGED_ARGS", "SHARED_SLOT_ARGS", "SLOT_ARGS"):
         sig = sig.replace(macro, src.split(f"#define {macro} ", 1)[1].split("\n", 1)[0])
     return [p.split()[-1].lstrip("*") for p in sig.split(",")]
@@ -1272,11 +1277,12 @@ def _kernel_params(name: str) -> list[str]:
 def test_route_slices_bound_a_lanes_loads(H):
     """A router dot product takes the fewest warps (a power of two, at most a block's) that
     leave each lane ROUTE_LOADS 16-byte loads or fewer, and every warp of it some columns."""
-    from pwctl.runtime.moe.prep import ROUTE_LOADS, route_slices
+    from pwctl.kernels.geometry import ROUTE_LOADS
+    from pwctl.runtime.moe.prep import route_slices
 
-    s, warps = route_slices(H), kernels.PREP_THREADS // 32
+    s, warps = route_slices(H), geometry.PREP_THREADS // 32
     assert s & (s - 1) == 0 and 1 <= s <= warps and warps % s == 0
-    per_warp = -(-(H // 8) // s)  # cuda/moe.cu router_logits: uint4s a slice
+    per_warp = -(-(H // 8) // s)  # cuda/route.cu router_logits: uint4s a slice
     assert per_warp <= 32 * ROUTE_LOADS or s == warps
     assert s == 1 or -(-(H // 8) // (s // 2)) > 32 * ROUTE_LOADS  # no fewer would do
     assert (s - 1) * per_warp < H // 8  # the last slice is not empty
@@ -1284,20 +1290,20 @@ def test_route_slices_bound_a_lanes_loads(H):
 
 def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
     """route_prep's launch keeps its buffers and takes x, the router's weights, the shared gate's
-    and out at each call: its holes must be those parameters of the kernel (cuda/moe.cu), and
+    and out at each call: its holes must be those parameters of the kernel (cuda/route.cu), and
     it must pass as many arguments as the kernel declares."""
     from pwctl.runtime.moe.prep import route_launch, routing_buffers
 
-    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
     cpu = torch.device("cpu")
     spec = MoESpec(8, 2, 64, 256, "softmax_topk", False, 1.0, 64, True, "silu")
     pairs, xf = decode_buffers(3, 2, 8, 8, cpu)
     routing = routing_buffers(3, spec, True, cpu)
     done = torch.zeros(1, dtype=torch.int32)
-    launch = route_launch(3, 256, spec, True, 8, done, pairs, xf, routing, None)
+    prepared = route_launch(3, 256, spec, True, 8, done, pairs, xf, routing, None)
     names = _kernel_params("route_prep")
-    assert launch.count == len(names)
-    assert [names[i] for i in launch.holes] == ["x", "gate_w", "shared_gate_w", "out"]
+    assert prepared.count == len(names)
+    assert [names[i] for i in prepared.holes] == ["x", "gate_w", "shared_gate_w", "out"]
 
 
 def _one_token_call():
@@ -1317,19 +1323,19 @@ def test_slot_arguments_end_with_block_ids_and_their_rows():
     pairs, _ = decode_buffers(1, 2, 4, 8, torch.device("cpu"))
     ids = torch.zeros(5, 3, dtype=torch.int32)
     args = pairs.kernel_args(ids)
-    for name in ("gate_up_##NAME", "down_##NAME"):
+    for name in ("GATE_UP_ENTRY", "DOWN_ENTRY"):
         names = _kernel_params(name)
         first = names.index("s_expert")
         assert names[first : first + len(args)][-2:] == ["block_ids", "n_ids"], name
-    assert args[-2] == kernels.ptr(ids) and args[-1] == 5
+    assert args[-2] == launch.ptr(ids) and args[-1] == 5
 
 
 @pytest.mark.parametrize("popc_on", [False, True])
 def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     """The decode launches are packed once for `routed`: gate_up has no hole, down one, its
     `out` parameter; both pass as many arguments as the kernels declare."""
-    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
-    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: 4)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
+    monkeypatch.setattr(launch, "ctas_per_sm", lambda name, threads: 4)
     layer, pairs, xf, one = _one_token_call()
     layer.set_widths(np.full(layer.table.n_blocks, 4))  # the popc kernels read 4 bits
     moe = layer.moe
@@ -1337,12 +1343,12 @@ def test_decode_launch_hole_is_downs_out(monkeypatch, popc_on):
     px = moe._x_pieces(0, 1, torch.device("cpu"))
     assert (px is not None) == popc_on
     _, down = moe._decode_launches(0, xf, pairs, one, px)
-    names = _kernel_params("down_##NAME")
+    names = _kernel_params("DOWN_ENTRY")
     assert down.count == len(names) and [names[i] for i in down.holes] == ["out"]
 
 
 def _run_shares(runs: int, tiles: int) -> list[tuple]:
-    """cuda/moe.cu RUN and gate_up_popc's loop replayed: (tile, kz, kn, idx) of each CTA's work
+    """cuda/lookup.cu RUN and gate_up_popc's loop replayed: (tile, kz, kn, idx) of each CTA's work
     on a persistent grid of `runs` CTAs over `tiles` tiles, in equal shares of the halves."""
     done, halves = [], 2 * tiles
     for j in range(runs):
@@ -1387,20 +1393,20 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     tiles (routed first in the grid, each group at least one CTA and at most one a half tile);
     under a wave, one CTA a tile. The split tiles' scratch covers both groups' shares. The
     routed ones take one CTA a tile where a block is wider than the build's binary mma."""
-    assert kernels.gate_up_shares(528, 384, 352) == (275, 253)  # Qwen1.5-MoE, 4 bits
-    assert kernels.gate_up_shares(528, 1792, 0) == (528, 0)
-    assert kernels.gate_up_shares(0, 384, 352) == (0, 0)
-    assert kernels.gate_up_shares(3, 384, 352) == (2, 1)
-    assert kernels.gate_up_shares(2, 1, 1000) == (1, 1)
-    assert kernels.gate_up_shares(10**6, 384, 352) == (768, 704)
-    monkeypatch.setattr(kernels, "sm_count", lambda: 100)
+    assert geometry.gate_up_shares(528, 384, 352) == (275, 253)  # Qwen1.5-MoE, 4 bits
+    assert geometry.gate_up_shares(528, 1792, 0) == (528, 0)
+    assert geometry.gate_up_shares(0, 384, 352) == (0, 0)
+    assert geometry.gate_up_shares(3, 384, 352) == (2, 1)
+    assert geometry.gate_up_shares(2, 1, 1000) == (1, 1)
+    assert geometry.gate_up_shares(10**6, 384, 352) == (768, 704)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 100)
     per_sm = {"n": 1}
-    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: per_sm["n"])
+    monkeypatch.setattr(launch, "ctas_per_sm", lambda name, threads: per_sm["n"])
     layer, _, xf, _ = _one_token_call()
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     moe = layer.moe
-    routed = 2 * 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS  # 512
-    shared = 32 * moe.proj[(0, True, "down")].wpad // kernels.ROWS  # 16
+    routed = 2 * 32 * moe.proj[(0, False, "down")].wpad // geometry.ROWS  # 512
+    shared = 32 * moe.proj[(0, True, "down")].wpad // geometry.ROWS  # 16
     plan = moe._decode_launch(0, 2, True, "p1")
     assert (plan.runs, plan.gate_up_grid) == (97, (100, 1))  # 100 * 512 / 528
     assert moe._run_args(plan, xf.device)[0] == 97
@@ -1416,7 +1422,7 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
     moe.rules = replace(moe.rules, gate_up_runs=None)
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     n = len(moe._run_buffers[next(iter(moe._run_buffers))][1])
-    assert n == 97 + 1 + 3 + 1  # cuda/moe.cu RUN: routed [1, 97], shared [99, 101]
+    assert n == 97 + 1 + 3 + 1  # cuda/lookup.cu RUN: routed [1, 97], shared [99, 101]
     per_sm["n"], moe._launches = 6, {}  # a wave of 600 holds every tile: one CTA a tile
     plan = moe._decode_launch(0, 2, True, "p1")
     assert plan.runs == 0 and plan.gate_up_grid == (routed // 2, 2 + 1)
@@ -1425,20 +1431,20 @@ def test_one_token_gate_up_shares_a_wave_with_the_shared_expert(monkeypatch):
 
 def test_one_token_gate_up_runs_a_persistent_grid(monkeypatch):
     """A one-token gate_up grid without a shared expert, more tiles than a wave, runs one wave of
-    persistent CTAs (cuda/moe.cu Run); under a wave, or with gate_up_runs = 0, one CTA a tile.
+    persistent CTAs (cuda/lookup.cu Run); under a wave, or with gate_up_runs = 0, one CTA a tile.
     Every build passes as many arguments as the kernels declare; a negative override raises."""
-    assert kernels.gate_up_runs(1792, 528) == 528 and kernels.gate_up_runs(384, 528) == 0
+    assert geometry.gate_up_runs(1792, 528) == 528 and geometry.gate_up_runs(384, 528) == 0
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid))  # noqa: E731
-    monkeypatch.setattr(kernels, "launch_packed", record)
-    monkeypatch.setattr(kernels, "sm_count", lambda: 100)
+    monkeypatch.setattr(launch, "launch_packed", record)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 100)
     per_sm = {"n": 1}
-    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: per_sm["n"])
+    monkeypatch.setattr(launch, "ctas_per_sm", lambda name, threads: per_sm["n"])
     layer, pairs, xf, _ = _one_token_call()  # its shared expert stays out: no `shared` pairs
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     moe, cpu = layer.moe, torch.device("cpu")
     moe.rules = replace(moe.rules, popc_decode=True)
-    tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS  # 256 a slot
+    tiles = 32 * moe.proj[(0, False, "down")].wpad // geometry.ROWS  # 256 a slot
 
     def grid(runs: int | None, ctas_per_sm: int = 1) -> tuple:
         moe.rules, per_sm["n"] = replace(moe.rules, gate_up_runs=runs), ctas_per_sm
@@ -1450,7 +1456,7 @@ def test_one_token_gate_up_runs_a_persistent_grid(monkeypatch):
     assert grid(None, ctas_per_sm=6) == (tiles, 2)  # 512 tiles, a wave of 600: one CTA a tile
     assert grid(10**6) == (4 * tiles, 1)  # at most a CTA a half tile
     gate_up, _ = moe._decode_launches(0, xf, pairs, None, None)  # the lookup build: no runs
-    assert gate_up.count == len(_kernel_params("gate_up_##NAME"))
+    assert gate_up.count == len(_kernel_params("GATE_UP_ENTRY"))
     for knob in ("gate_up_runs", "down_split"):  # a negative count would shrink the grids
         with pytest.raises(ValueError, match=knob):
             DispatchRules(**{knob: -1})
@@ -1460,15 +1466,15 @@ def test_down_k_split_fills_the_gpu_or_one_wave(monkeypatch):
     """down's k-split: the lookup kernels split a tile's columns until CTAS_PER_SM an SM are
     busy; the popc kernels only as far as one wave of their CTAs holds (longer CTAs win there).
     Either way every warp keeps an 8-word iteration of the row."""
-    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
-    assert kernels.k_split(512, 448) == 3  # Mixtral's down, one token: ceil(8 x 132 / 512)
-    assert kernels.k_split(512, 448, wave=528) == 1 == kernels.k_split(512, 448, wave=792)
-    assert kernels.k_split(200, 448, wave=528) == 2 and kernels.k_split(64, 448, wave=528) == 8
-    assert kernels.k_split(64, 24, wave=528) == 1  # 3 iterations: one warp each at most
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
+    assert geometry.k_split(512, 448) == 3  # Mixtral's down, one token: ceil(8 x 132 / 512)
+    assert geometry.k_split(512, 448, wave=528) == 1 == geometry.k_split(512, 448, wave=792)
+    assert geometry.k_split(200, 448, wave=528) == 2 and geometry.k_split(64, 448, wave=528) == 8
+    assert geometry.k_split(64, 24, wave=528) == 1  # 3 iterations: one warp each at most
     launched = []
     record = lambda name, grid, block, *args, **kw: launched.append((name, grid))  # noqa: E731
-    monkeypatch.setattr(kernels, "launch_packed", record)
-    monkeypatch.setattr(kernels, "ctas_per_sm", lambda name, threads: 1)
+    monkeypatch.setattr(launch, "launch_packed", record)
+    monkeypatch.setattr(launch, "ctas_per_sm", lambda name, threads: 1)
     layer, pairs, xf, _ = _one_token_call()
     layer.set_widths(np.full(layer.table.n_blocks, 4))
     moe, cpu = layer.moe, torch.device("cpu")
@@ -1477,26 +1483,26 @@ def test_down_k_split_fills_the_gpu_or_one_wave(monkeypatch):
         moe.rules = replace(moe.rules, popc_decode=on)
         moe._decode(0, xf, pairs, torch.zeros(1, 768), None, moe._x_pieces(0, 1, cpu))
         grids.update(launched)
-    ctas = 2 * 768 // kernels.ROWS  # two slots of 48 row tiles
+    ctas = 2 * 768 // geometry.ROWS  # two slots of 48 row tiles
     assert grids["down_p1"] == (ctas // 2, 2, 1)  # 132 // 96: one wave of one CTA an SM
     assert grids["down_n1"] == (ctas // 2, 2, 4)  # ceil(8 x 132 / 96), 4 iterations a warp
 
 
 def test_decode_launches_take_pdl(monkeypatch):
     """Both decode launches start early (PDL) behind the launch before them, route_prep's too:
-    route_prep lets gate_up in only from its last block (cuda/moe.cu), so gate_up's CTAs do not
+    route_prep lets gate_up in only from its last block (cuda/route.cu), so gate_up's CTAs do not
     sit on the SMs through the router."""
-    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
     layer, pairs, xf, one = _one_token_call()
     gate_up, down = layer.moe._decode_launches(0, xf, pairs, one, None)
     assert gate_up.early and down.early
 
 
 def test_modules_build_every_part_on_the_callers_device(monkeypatch, tmp_path):
-    """`modules()` builds one RawModule a part of cuda/moe.cu with that part's options, each
-    compiled in a pool thread under the caller's device (CuPy loads a module on the thread's
-    current device); with PWCTL_CUBIN the one cubin serves every part. A stand-in for CuPy
-    records what a GPU run would do."""
+    """`modules()` builds one RawModule a part, its program (`build.part_source`) with the
+    device's options, each compiled in a pool thread under the caller's device (CuPy loads a
+    module on the thread's current device); with PWCTL_CUBIN the one cubin serves every part. A
+    stand-in for CuPy records what a GPU run would do."""
     compiled = []
     current = threading.local()
 
@@ -1505,7 +1511,7 @@ def test_modules_build_every_part_on_the_callers_device(monkeypatch, tmp_path):
             self.code, self.path, self.options = code, path, options
 
         def compile(self):
-            compiled.append((self.options, getattr(current, "device", None)))
+            compiled.append((self.code, getattr(current, "device", None)))
 
     @contextlib.contextmanager
     def device(index):
@@ -1517,30 +1523,31 @@ def test_modules_build_every_part_on_the_callers_device(monkeypatch, tmp_path):
     cuda = SimpleNamespace(runtime=runtime, Device=device)
     monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(RawModule=RawModule, cuda=cuda))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
-    monkeypatch.setattr(kernels, "has_wgmma", lambda: False)
+    monkeypatch.setattr(build, "has_wgmma", lambda: False)
     monkeypatch.delenv("PWCTL_CUBIN", raising=False)
-    kernels.reload()
+    launch.reload()
     try:
-        mods = kernels.modules()
-        wanted = [kernels.part_options("sm_80", k) for k in range(len(kernels.PARTS))]
-        assert [m.options for m in mods] == wanted
-        assert all(m.code == kernels.CUDA_SRC.read_text() for m in mods)
-        assert sorted(compiled) == sorted((o, 3) for o in wanted)  # each once, on device 3
+        mods = build.modules()
+        wanted = [build.part_source(k) for k in range(len(registry.PARTS))]
+        assert [m.code for m in mods] == wanted
+        assert all(m.options == build.program_options("sm_80") for m in mods)
+        assert sorted(compiled) == sorted((c, 3) for c in wanted)  # each once, on device 3
         for name in ("gate_up_n8", "down_pnb3", "route_prep", "down_prefill_wg"):
-            assert kernels.module(name) is mods[kernels.PART_OF[name]]
-            assert f"-DPWCTL_WANT_{name}=1" in kernels.module(name).options
-            others = [m for m in mods if m is not kernels.module(name)]
-            assert not any(f"-DPWCTL_WANT_{name}=1" in m.options for m in others)
+            assert build.module(name) is mods[registry.PART_OF[name]]
+            made = (f"#define PWCTL_WANT_{name} 1", f"ENTRY({name}, ")
+            assert any(m in build.module(name).code for m in made)
+            others = [m for m in mods if m is not build.module(name)]
+            assert not any(m in o.code for o in others for m in made)
 
-        cubin = tmp_path / "moe.cubin"
+        cubin = tmp_path / "whole.cubin"
         cubin.write_bytes(b"\x7fELF")
         monkeypatch.setenv("PWCTL_CUBIN", str(cubin))
-        kernels.reload()
-        mods = kernels.modules()
-        assert len(mods) == len(kernels.PARTS) and {m.path for m in mods} == {str(cubin)}
+        launch.reload()
+        mods = build.modules()
+        assert len(mods) == len(registry.PARTS) and {m.path for m in mods} == {str(cubin)}
         assert len(compiled) == len(wanted)  # a cubin is loaded as it is, never compiled
     finally:
-        kernels.reload()
+        launch.reload()
 
 
 def test_reload_forgets_the_module_and_its_handles(monkeypatch):
@@ -1552,28 +1559,28 @@ def test_reload_forgets_the_module_and_its_handles(monkeypatch):
     def modules():
         loads.append(len(loads))
         handle = SimpleNamespace(kernel=SimpleNamespace(ptr=len(loads)))  # CUfunction of this load
-        return (SimpleNamespace(get_function=lambda name: handle),) * len(kernels.PARTS)
+        return (SimpleNamespace(get_function=lambda name: handle),) * len(registry.PARTS)
 
-    monkeypatch.setattr(kernels, "modules", modules)
+    monkeypatch.setattr(build, "modules", modules)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    kernels.reload()
+    launch.reload()
     try:
-        assert kernels._handle("gate_up_n1", 0) == 1
-        assert kernels._handle("gate_up_n1", 0) == 1 and len(loads) == 1  # cached
-        kernels.reload()
-        assert kernels._handle("gate_up_n1", 0) == 2 and len(loads) == 2
+        assert launch._handle("gate_up_n1", 0) == 1
+        assert launch._handle("gate_up_n1", 0) == 1 and len(loads) == 1  # cached
+        launch.reload()
+        assert launch._handle("gate_up_n1", 0) == 2 and len(loads) == 2
     finally:
-        kernels.reload()  # no fake handle outlives the test
+        launch.reload()  # no fake handle outlives the test
 
 
 def test_balanced_split_evens_the_shared_experts_iterations():
     """Qwen1.5-MoE decode: routed down rows of 44 words (6 iterations of 8, 4 warps: 2 each),
     the shared expert's 176 (22 iterations): 3 CTAs a tile give its warps 2 each as well."""
-    assert kernels.balanced_split(176, 4, 44, 4, 1) == 3
-    assert kernels.balanced_split(44, 4, 44, 4, 1) == 1  # a group beside itself: no split
-    assert kernels.balanced_split(24, 2, 176, 4, 1) == 1  # shorter rows: never below 1
-    assert kernels.balanced_split(4096, 4, 44, 4, 1) == 64  # 512 iterations, 2 a warp
-    assert kernels.balanced_split(40, 4, 8, 4, 1) == 1  # 5 iterations: one a warp at least
+    assert geometry.balanced_split(176, 4, 44, 4, 1) == 3
+    assert geometry.balanced_split(44, 4, 44, 4, 1) == 1  # a group beside itself: no split
+    assert geometry.balanced_split(24, 2, 176, 4, 1) == 1  # shorter rows: never below 1
+    assert geometry.balanced_split(4096, 4, 44, 4, 1) == 64  # 512 iterations, 2 a warp
+    assert geometry.balanced_split(40, 4, 8, 4, 1) == 1  # 5 iterations: one a warp at least
 
 
 def test_down_groups_fit_a_shared_expert_in_one_wave(monkeypatch):
@@ -1582,23 +1589,23 @@ def test_down_groups_fit_a_shared_expert_in_one_wave(monkeypatch):
     128 x 4 routed CTAs and 128 x 3 shared ones, 896; the one-wave plan takes the routed tiles
     two m-tiles a CTA (64 x 4) and the shared expert's split 2 (128 x 2): 512, and every warp
     3 iterations of 8 words (routed 6 on 2 warps, shared 22 on 4 x 2)."""
-    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
     routed, shared = (2048, 44), (2048, 176)
-    r, t = kernels.down_groups(routed, 4, shared, 528, one_wave=False)
+    r, t = geometry.down_groups(routed, 4, shared, 528, one_wave=False)
     assert (r.units, r.ctas, r.split, t.units, t.ctas, t.split) == (1, 128, 1, 1, 128, 3)
-    r, t = kernels.down_groups(routed, 4, shared, 528)
+    r, t = geometry.down_groups(routed, 4, shared, 528)
     assert (r.units, r.ctas, r.split, t.units, t.ctas, t.split) == (2, 64, 1, 1, 128, 2)
     assert r.ctas * 4 * r.split + t.ctas * t.split == 512
-    assert kernels.down_groups(routed, 4, shared, 2000) == kernels.down_groups(
+    assert geometry.down_groups(routed, 4, shared, 2000) == geometry.down_groups(
         routed, 4, shared, 2000, one_wave=False
     )  # the default plan fits: kept
-    r, t = kernels.down_groups(routed, 4, shared, None)  # the lookup kernels: no wave rule
+    r, t = geometry.down_groups(routed, 4, shared, None)  # the lookup kernels: no wave rule
     assert (r.units, r.split, t.split) == (1, 1, 3)
-    r, t = kernels.down_groups(routed, 4, shared, 528, split=2)  # a given split is kept
+    r, t = geometry.down_groups(routed, 4, shared, 528, split=2)  # a given split is kept
     assert r.split == 2 and r.units == 1
-    r, t = kernels.down_groups(routed, 4, None, 528)
+    r, t = geometry.down_groups(routed, 4, None, 528)
     assert t is None and (r.units, r.split) == (1, 1)  # no shared expert: k_split's
-    r, t = kernels.down_groups(routed, 60, shared, 528)  # nothing fits: the default plan
+    r, t = geometry.down_groups(routed, 60, shared, 528)  # nothing fits: the default plan
     assert (r.units, r.split) == (1, 1) and r.ctas * 60 > 528
 
 
@@ -1618,8 +1625,8 @@ def test_popc_kernels_by_default_on_a_layer_large_enough(monkeypatch, shared):
         moe = layer.moe
         assert moe._weights_a_token(0) == reads
         assert (moe._x_pieces(0, 1, cpu) is not None) == (one <= reads)
-        assert (moe._x_pieces(0, kernels.POPC_MAX_TOKENS, cpu) is not None) == (few <= reads)
-        assert moe._x_pieces(0, kernels.POPC_MAX_TOKENS + 1, cpu) is None
+        assert (moe._x_pieces(0, geometry.POPC_MAX_TOKENS, cpu) is not None) == (few <= reads)
+        assert moe._x_pieces(0, geometry.POPC_MAX_TOKENS + 1, cpu) is None
         for forced in (True, False):
             moe.rules = replace(moe.rules, popc_decode=forced)
             assert (moe._x_pieces(0, 1, cpu) is not None) == forced
@@ -1628,9 +1635,9 @@ def test_popc_kernels_by_default_on_a_layer_large_enough(monkeypatch, shared):
 def test_pdl_configs_are_built_once_a_grid():
     """A PDL launch's CUlaunchConfig is made once per (grid, block, shared memory) and thread, with
     its programmatic-serialization attribute; a launch only sets its stream."""
-    a = kernels._pdl_config((4, 1, 1), (128, 1, 1), 0)
-    assert kernels._pdl_config((4, 1, 1), (128, 1, 1), 0) is a
-    assert kernels._pdl_config((8, 1, 1), (128, 1, 1), 0) is not a
+    a = launch._pdl_config((4, 1, 1), (128, 1, 1), 0)
+    assert launch._pdl_config((4, 1, 1), (128, 1, 1), 0) is a
+    assert launch._pdl_config((8, 1, 1), (128, 1, 1), 0) is not a
     assert (a.grid[0], a.block[0], a.shared_mem, a.num_attrs) == (4, 128, 0, 1)
     assert (a.attrs.contents.id, a.attrs.contents.value[0]) == (6, 1)
 

@@ -1,15 +1,16 @@
-"""The kernels compile under NVRTC, part by part with the options `kernels.part_options` gives
-CuPy, for sm_80: the Ampere build the issue asks to compile, which neither this machine nor the
-H200 one ever builds (the H200 builds sm_90a at first use). NVRTC is a library, so no GPU is
-needed: the dev extra installs NVIDIA's nvidia-cuda-nvrtc wheel.
+"""The kernels compile under NVRTC, part by part, each part's program (`build.part_source`) with the
+options `build.program_options` gives CuPy, for sm_80: the Ampere build the issue asks to compile,
+which neither this machine nor the H200 one ever builds (the H200 builds sm_90a at first use).
+NVRTC is a library, so no GPU is needed: the dev extra installs NVIDIA's nvidia-cuda-nvrtc wheel.
 
 Each part is a test of its own, marked `early`: conftest runs them before the rest and has
 pytest-xdist hand out one test at a time, so that its workers start on the longest items (the
 first part, `gate_up_n8` alone, takes two minutes or more on a 2-core machine) and fill in around
 them with the short ones; alone, `pytest -n 2 tests/test_nvrtc.py` builds two parts at a time.
-A part whose sources (every file of `kernels.CUDA_DIR`), options and NVRTC version hash to a key
-that passed before is not compiled again (pytest's cache, `.pytest_cache`; `PWCTL_NVRTC_FRESH=1`
-or `--cache-clear` compiles anyway)."""
+A part whose program (which carries the hash of every source file it includes), options and
+NVRTC version hash to a key that passed before is not compiled again (pytest's cache,
+`.pytest_cache`; `PWCTL_NVRTC_FRESH=1` or `--cache-clear` compiles anyway): a change to one
+family's file recompiles that family's parts only."""
 
 from __future__ import annotations
 
@@ -21,15 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pwctl.runtime import kernels
-
-# every kernel the launchers name (runtime/moe/, kernels.py): the entry macros must make them all
-LAUNCHED = (
-    ["decode_prep", "route_prep", "prefill_prep", "token_tiles", "popc_planes"]
-    + [f"{k}_{n}" for k in ("gate_up", "down") for n in ("n1", "n2", "n4", "n8")]
-    + [f"{k}_{n}" for k in ("gate_up", "down") for n in ("p1", "p1b3", "p1b5", "pn", "pnb3")]
-    + [f"{k}_prefill{w}" for k in ("gate_up", "down") for w in ("", "_wg")]
-)
+from pwctl.kernels import build, geometry, registry
 
 
 def _nvrtc() -> ctypes.CDLL:
@@ -48,7 +41,7 @@ def _nvrtc() -> ctypes.CDLL:
 def _compile(nvrtc: ctypes.CDLL, source: bytes, options: tuple[str, ...]) -> tuple[int, str, bytes]:
     """(NVRTC's result code, its log, the cubin)."""
     prog = ctypes.c_void_p()
-    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"moe.cu", 0, None, None) == 0
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"part.cu", 0, None, None) == 0
     try:
         opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
         rc = nvrtc.nvrtcCompileProgram(prog, len(options), opts)
@@ -73,35 +66,82 @@ def _version(nvrtc: ctypes.CDLL) -> str:
     return f"{major.value}.{minor.value}"
 
 
-def _key(nvrtc: ctypes.CDLL, options: tuple[str, ...]) -> str:
-    """What a part's result depends on: every source file, the options, NVRTC's version and the
-    kernel names the check looks for."""
-    h = hashlib.sha256(repr((_version(nvrtc), options, LAUNCHED)).encode())
-    for path in sorted(p for p in kernels.CUDA_DIR.iterdir() if p.is_file()):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return "pwctl/nvrtc-sm80/" + h.hexdigest()
+def _key(nvrtc: ctypes.CDLL, source: str, options: tuple[str, ...]) -> str:
+    """What a part's result depends on: its program (the sources' hash in it), the options less
+    the checkout's path, NVRTC's version and every kernel name the check looks for."""
+    options = tuple(o for o in options if not o.startswith("-I"))
+    names = sorted(registry.BY_NAME)
+    return (
+        "pwctl/nvrtc-sm80/"
+        + hashlib.sha256(repr((_version(nvrtc), options, names, source)).encode()).hexdigest()
+    )
+
+
+def _kernels_in(cubin: bytes) -> list[str]:
+    """The registry's kernels whose code the cubin holds."""
+    return sorted(name for name in registry.BY_NAME if b".text." + name.encode() + b"\0" in cubin)
 
 
 @pytest.mark.early
-@pytest.mark.parametrize("part", range(len(kernels.PARTS)))
+@pytest.mark.parametrize("part", range(len(registry.PARTS)))
 def test_part_compiles_for_sm80_with_nvrtc(part, request):
     nvrtc = _nvrtc()
-    options = kernels.part_options("sm_80", part)
+    source, options = build.part_source(part), build.program_options("sm_80")
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-    key = _key(nvrtc, options)
+    key = _key(nvrtc, source, options)
     held = None if cache is None or os.environ.get("PWCTL_NVRTC_FRESH") else cache.get(key, None)
     if held is None:
-        rc, log, cubin = _compile(nvrtc, kernels.CUDA_SRC.read_bytes(), options)
+        rc, log, cubin = _compile(nvrtc, source.encode(), options)
         assert rc == 0, f"NVRTC failed on part {part} ({rc}):\n{log[-4000:]}"
-        held = sorted(name for name in LAUNCHED if b".text." + name.encode() + b"\0" in cubin)
+        held = _kernels_in(cubin)
         if cache is not None:
             cache.set(key, held)
-    assert held == sorted(kernels.PARTS[part]), f"part {part} holds {held}"
+    assert held == sorted(registry.PARTS[part]), f"part {part} holds {held}"
 
 
-def test_every_launched_kernel_is_in_one_part():
-    names = [name for part in kernels.PARTS for name in part]
-    assert sorted(names) == sorted(LAUNCHED)  # each once: PART_OF finds it, in one module only
+def test_every_kernel_is_in_one_part_of_its_family():
+    names = [name for part in registry.PARTS for name in part]
+    assert sorted(names) == sorted(registry.BY_NAME)  # each once: PART_OF finds it in one module
+    assert all(registry.PARTS)  # no part is empty
+    for part in range(len(registry.PARTS)):
+        assert registry.part_family(part) in registry.FAMILIES  # one family a part
+
+
+def test_the_registry_has_a_decode_kernel_for_every_build_the_launcher_names():
+    """The decode kernels the launchers name (runtime/moe/: `gate_up_<build>`, `down_<build>`): the
+    lookup's for every tile, the popc builds; and each family file holds its written-out
+    kernels (the entries are made by the program)."""
+    builds = [f"n{nt}" for nt in geometry.DECODE_TILES] + ["p1", "p1b3", "p1b5", "pn", "pnb3"]
+    for b in builds:
+        for kind in ("gate_up", "down"):
+            assert registry.BY_NAME[f"{kind}_{b}"].entry, (kind, b)
+    for k in registry.KERNELS:
+        text = (build.cuda_dir() / f"{k.family}.cu").read_text()
+        assert (f"#if WANT({k.name})" in text) != bool(k.entry), k.name
+
+
+def test_a_program_reads_only_its_familys_sources():
+    """A part's program includes its family's file, which includes what it needs: the prep
+    launches read neither the decode nor the prefill sources."""
+    prep = registry.PART_OF["decode_prep"]
+    files = {p.name for p in build.included(["prep.cu"], build.cuda_dir())}
+    assert files == {"common.cuh", "probes.cuh", "pieces.cuh", "prep.cu"}
+    assert '#include "prep.cu"' in build.part_source(prep)
+    assert build.sources_digest(build.included(["prep.cu"], build.cuda_dir())) in build.part_source(
+        prep
+    )
+
+
+def test_probes_take_one_switch_that_no_part_sets():
+    """The runtime's programs name no probe; a development build names one (the stamps here: the
+    kernel then writes its phases), and a name cuda/probes.cuh does not know stops the compile."""
+    assert not any("PWCTL_PROBE" in build.part_source(k) for k in range(len(registry.PARTS)))
+    nvrtc, options = _nvrtc(), build.program_options("sm_80")
+    stamped = build.program_source(["route_prep"], probe="stamps").encode()
+    rc, log, cubin = _compile(nvrtc, stamped, options)
+    assert rc == 0 and b"pwctl_stamps" in cubin, log[-2000:]
+    rc, log, _ = _compile(nvrtc, build.program_source(["route_prep"], probe="x").encode(), options)
+    assert rc != 0 and "names no probe" in log
 
 
 def test_nvrtc_reports_a_broken_source():

@@ -91,7 +91,7 @@ def test_pack_unpack_round_trip(cols):
 @pytest.mark.parametrize("rows", [1, 8, 13, 16])
 def test_tiled_planes_round_trip_and_place_words_in_units(rows):
     """Stored order (docs/FORMAT.md): word w of row r at (r // 8) 8 words + (w // 4) 32 +
-    (r % 8) 4 + w % 4, i.e. cuda/moe.cu's row_start(r) / 4 + tiled(w); padding rows hold 0."""
+    (r % 8) 4 + w % 4, i.e. cuda/planes.cuh's row_start(r) / 4 + tiled(w); padding rows hold 0."""
     words = 12
     plane = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int64).to(torch.int32)
     stored = tile(plane)

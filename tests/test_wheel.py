@@ -57,14 +57,14 @@ def test_installed_wheel_finds_its_sources_and_runs_the_cli(wheel, tmp_path):
     site = Path(_run(str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
                      cwd=tmp_path).strip())  # fmt: skip
     (site / "borrowed.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    probe = (
-        "from pwctl.runtime import kernels; "
-        "print(kernels.__file__); print(kernels.CUDA_DIR); print(kernels.CUDA_SRC.is_file())"
+    probe = (  # the whole program: every file it includes, found in the installed folder
+        "from pwctl.kernels import build, registry; print(build.__file__); print(build.cuda_dir());"
+        "files = build.included([f'{f}.cu' for f in registry.FAMILIES], build.cuda_dir());"
+        "print(len(files), '#include' in build.program_source(registry.BY_NAME))"
     )
-    module, folder, found = _run(str(py), "-c", probe, cwd=tmp_path).split()
+    module, folder, count, found = _run(str(py), "-c", probe, cwd=tmp_path).split()
     assert Path(module).is_relative_to(site) and not Path(module).is_relative_to(ROOT)
     assert Path(folder) == site / "pwctl" / "cuda" and found == "True"
-    assert {p.name for p in Path(folder).glob("*.cu")} == {
-        p.name for p in (ROOT / "cuda").glob("*.cu")
-    }
+    assert {p.name for p in Path(folder).iterdir()} == {p.name for p in (ROOT / "cuda").iterdir()}
+    assert int(count) == len(list((ROOT / "cuda").iterdir()))  # every file of cuda/ is read
     assert "--kernels" in _run(str(bin_dir / "pwctl"), "bench", "--kernels", "--help", cwd=tmp_path)

@@ -22,7 +22,7 @@ from pwctl.errors import PwctlError
 from pwctl.format.bitplanes import bits_nbytes, words_per_row
 from pwctl.format.pack import BlockInfo, PlaneInfo
 from pwctl.format.recipe import MoESpec
-from pwctl.runtime.kernels import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
+from pwctl.kernels.geometry import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
 from pwctl.runtime.memory.device_table import DeviceTable
 from pwctl.runtime.memory.page_table import GPU, PageTable, choose_slab, min_slab
 from pwctl.runtime.moe.dispatch import DispatchRules

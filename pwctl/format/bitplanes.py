@@ -10,7 +10,8 @@ reads table row n // rows_per_table.
 A plane is stored tiled (`tile`): in 16-byte units of 4 words, [rows / 8][words / 4][8 rows][4
 words], rows padded to a multiple of 8 with label 0. A warp that reads one unit of each of 8 rows
 from 4 adjacent units then reads 512 contiguous bytes, where the row-major layout gave it 8 pieces
-of 64 bytes (cuda/moe.cu `tiled`; Mixtral decode 3-7.5% faster, docs/decisions/025-tiled-planes.md).
+of 64 bytes (cuda/planes.cuh `tiled`; Mixtral decode 3-7.5% faster,
+docs/decisions/025-tiled-planes.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""How long NVRTC takes over cuda/moe.cu's programs on this machine, through CuPy as the runtime
-compiles them (`kernels.modules`), with CuPy's disk cache pointed at an empty folder so that
-nothing is found there. `parts`: the runtime's parts (`kernels.PARTS`); `kernels`: every kernel a
-program of its own, to choose the parts by. Programs build side by side, a thread a core.
+"""How long NVRTC takes over the kernels' programs on this machine, through CuPy as the runtime
+compiles them (`build.modules`), with CuPy's disk cache pointed at an empty folder so that
+nothing is found there. `parts`: the runtime's parts (`registry.PARTS`); `kernels`: every kernel
+a program of its own, to choose the parts by (pwctl/kernels/registry.py). Programs build side by
+side, a thread a core.
 
 Usage (device tool): python3 tools/kernel-dev/compile_parts.py [parts|kernels] [threads]
 Prints each program's seconds (its own compile, from submission when threads >= programs) and the
@@ -19,35 +20,34 @@ os.environ["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="pwctl-nvrtc-")  # before
 
 import cupy  # noqa: E402
 
-from pwctl.runtime import kernels  # noqa: E402
+from pwctl.kernels import build, registry  # noqa: E402
 
 
-def programs(mode: str, arch: str) -> list[tuple[str, tuple[str, ...]]]:
-    """(label, NVRTC options) of each program `mode` builds."""
+def programs(mode: str) -> list[tuple[str, str]]:
+    """(label, program) of each program `mode` builds."""
     if mode == "parts":
-        return [(f"part {k}: {' '.join(names)}", kernels.part_options(arch, k))
-                for k, names in enumerate(kernels.PARTS)]  # fmt: skip
-    names = [name for part in kernels.PARTS for name in part]
-    return [(name, kernels.program_options(arch, [name])) for name in names]
+        return [(f"part {k}: {' '.join(names)}", build.part_source(k))
+                for k, names in enumerate(registry.PARTS)]  # fmt: skip
+    return [(name, build.program_source([name])) for name in registry.BY_NAME]
 
 
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "parts"
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else os.cpu_count() or 1
-    arch = kernels.device_arch()
-    code = kernels.CUDA_SRC.read_text()
+    arch = build.device_arch()
+    options = build.program_options(arch)
 
-    def build(program: tuple[str, tuple[str, ...]]) -> tuple[str, float]:
-        label, options = program
+    def compile_one(program: tuple[str, str]) -> tuple[str, float]:
+        label, code = program
         t0 = time.perf_counter()
         mod = cupy.RawModule(code=code, options=options)
         mod.compile()
         return label, time.perf_counter() - t0
 
-    todo = programs(mode, arch)
+    todo = programs(mode)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(min(threads, len(todo))) as pool:
-        done = list(pool.map(build, todo))
+        done = list(pool.map(compile_one, todo))
     wall = time.perf_counter() - t0
     for label, seconds in sorted(done, key=lambda d: -d[1]):
         print(f"{seconds:7.1f} s  {label}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Correctness, then speed, of prebuilt cubins of cuda/moe.cu variants: nvcc builds made off the GPU
-# machine (`nvcc -arch=sm_90a -std=c++17 -cubin [-DFLAG=...] -o DIR/NAME.cubin cuda/moe.cu`), so no
-# NVRTC compile runs there. Each cubin must pass the decode kernel tests before its times count.
+# Correctness, then speed, of prebuilt cubins of kernel variants: nvcc builds made off the GPU
+# machine (`python3 tools/kernel-dev/write_program.py P.cu [--probe NAME]`, then `nvcc
+# -arch=sm_90a -std=c++17 -cubin -I VARIANT_DIR -o DIR/NAME.cubin P.cu`), so no NVRTC compile runs
+# there. Each cubin must pass the decode kernel tests before its times count.
 # Usage (device tool, with DIR carried):
 #   bash tools/kernel-dev/gpu_ab_cubins.sh DIR [shapes] [widths] [tokens] [rounds]
 #   e.g. bash tools/kernel-dev/gpu_ab_cubins.sh .carry/cubins mixtral,qwen3-moe,qwen-moe 3,4 1,4,16 3

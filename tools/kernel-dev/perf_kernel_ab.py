@@ -1,8 +1,9 @@
-"""A/B-time variants of cuda/moe.cu with the `bench --kernels` harness, in one process, several
-rounds interleaved (the best time of each is printed). Variants are .cu files (NVRTC compiles
-each: minutes, docs/decisions/032-nvrtc-parts.md; e.g. `git show main:cuda/moe.cu >
-/tmp/a.cu`) or cubins built elsewhere (`nvcc -arch=sm_90a -std=c++17 -cubin`: no compile on the
-GPU machine; compare cubins with cubins).
+"""A/B-time variants of the kernels with the `bench --kernels` harness, in one process, several
+rounds interleaved (the best time of each is printed). Variants are folders of sources, each a
+variant of cuda/ (NVRTC compiles each: minutes, docs/decisions/032-nvrtc-parts.md; e.g.
+`mkdir /tmp/a && git archive main cuda | tar -x --strip-components=1 -C /tmp/a`), or cubins
+built elsewhere (tools/kernel-dev/write_program.py, then nvcc: no compile on the GPU machine;
+compare cubins with cubins).
 A variant `x.cubin@runs=N@down=K@slab=S` runs x with DispatchRules.gate_up_runs = N (the CTAs of a
 one-token gate_up's persistent grid; 0: one CTA a tile), down_split = K (CTAs sharing a down
 tile's columns), and the synthetic layers paged over slabs of S bytes instead of the pager's
@@ -13,7 +14,7 @@ one-token layers with blocks wider than 4 bits off the 5-bit popc build (popc_b5
 `@sk=1` / `@sk=0` puts the sm_90a prefill's down on its stream-K wave or one CTA a unit
 (down_stream_k). The knobs are DispatchRules fields (pwctl/runtime/moe/dispatch.py).
 Usage (GPU machine):
-  python3 tools/kernel-dev/perf_kernel_ab.py a.cu,b.cu mixtral,qwen3-moe 3,4 1,4 [rounds]"""
+  python3 tools/kernel-dev/perf_kernel_ab.py /tmp/a,/tmp/b mixtral,qwen3-moe 3,4 1,4 [rounds]"""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 
 from pwctl.bench import kernels as bench
 from pwctl.bench.kernels import run_kernel_bench
-from pwctl.runtime import kernels
+from pwctl.kernels import launch
 from pwctl.runtime.moe.dispatch import DispatchRules
 
 SYNTHETIC = bench.synthetic_layer
@@ -55,8 +56,8 @@ def main() -> None:
                 os.environ["PWCTL_CUBIN"] = str(Path(path).resolve())
             else:
                 os.environ.pop("PWCTL_CUBIN", None)
-                kernels.CUDA_SRC = Path(path).resolve()
-            kernels.reload()
+                os.environ["PWCTL_CUDA_DIR"] = str(Path(path).resolve())
+            launch.reload()
             for row in run_kernel_bench(shapes, widths, tokens)[1]:
                 times = best.setdefault((row.shape, row.width, row.tokens, row.path), {})
                 times[v] = min(times.get(v, float("inf")), row.time_us)

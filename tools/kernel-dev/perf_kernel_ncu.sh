@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Nsight Compute profile of the fused MoE kernels on one synthetic layer: time, pipes, occupancy,
 # DRAM and the warp-stall breakdown (per issued instruction) that docs/PERF.md quotes.
-# Usage (GPU machine): bash tools/kernel-dev/perf_kernel_ncu.sh SHAPE WIDTH TOKENS [variant.cu ...]
+# Usage (GPU machine): bash tools/kernel-dev/perf_kernel_ncu.sh SHAPE WIDTH TOKENS [variant_dir ...]
 #   KRE=prefill bash tools/kernel-dev/perf_kernel_ncu.sh mixtral 3 512     (kernel-name regex; default decode)
-# Each variant .cu is copied over cuda/moe.cu for its run; the checkout's file is restored after.
+# Each variant is a folder of sources, a variant of cuda/ (PWCTL_CUDA_DIR for its run).
 set -uo pipefail
 shape=$1 width=$2 tokens=$3
 shift 3
 variants=("$@")
-[ ${#variants[@]} -eq 0 ] && variants=(cuda/moe.cu)
+[ ${#variants[@]} -eq 0 ] && variants=(cuda)
 kre=${KRE:-gate_up_n|down_n}
 stalls=""
 for r in long_scoreboard short_scoreboard wait math_pipe_throttle mio_throttle lg_throttle barrier \
@@ -22,13 +22,10 @@ metrics="$metrics,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active"
 metrics="$metrics,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active"
 metrics="$metrics,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 metrics="$metrics,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,lts__t_sector_hit_rate.pct$stalls"
-cp cuda/moe.cu /tmp/moe.cu.orig
 for v in "${variants[@]}"; do
-    [ "$v" != cuda/moe.cu ] && cp "$v" cuda/moe.cu
     echo "== $v $shape width $width tokens $tokens"
-    /usr/local/cuda/bin/ncu --metrics "$metrics" -k regex:"$kre" -s 2 -c 2 \
+    PWCTL_CUDA_DIR=$v /usr/local/cuda/bin/ncu --metrics "$metrics" -k regex:"$kre" -s 2 -c 2 \
         python3 tools/kernel-dev/perf_kernel_ncu.py "$shape" "$width" "$tokens" 2>&1 |
         grep -E "^\s+[a-z_]+ \(|^\s+[a-z]" |
         sed -E 's/ +/ /g; s/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//'
 done
-cp /tmp/moe.cu.orig cuda/moe.cu

@@ -3,7 +3,7 @@
 # (SASS) for one launch on a synthetic layer, summarized by tools/kernel-dev/ncu_stalls.py (stall
 # reasons over all samples, then the most-sampled instructions with their top reasons).
 # Usage (GPU machine): bash tools/kernel-dev/perf_kernel_stalls.sh KERNEL SHAPE WIDTH TOKENS [CUBIN]
-#   e.g. bash tools/kernel-dev/perf_kernel_stalls.sh gate_up_prefill_wg mixtral 4 512 build/moe.cubin
+#   e.g. bash tools/kernel-dev/perf_kernel_stalls.sh gate_up_prefill_wg mixtral 4 512 build/whole.cubin
 set -u
 kernel=$1 shape=$2 width=$3 tokens=$4
 [ $# -ge 5 ] && export PWCTL_CUBIN=$PWD/$5

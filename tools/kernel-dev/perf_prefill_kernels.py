@@ -19,14 +19,14 @@ from pwctl.bench.kernels import (
     random_routing,
     synthetic_layer,
 )
-from pwctl.runtime import kernels
+from pwctl.kernels import build
 
 
 def main() -> None:
     shapes = sys.argv[1].split(",")
     widths = [int(w) for w in sys.argv[2].split(",")]
     tokens = [int(t) for t in sys.argv[3].split(",")]
-    kinds = ["mma", "wgmma"] if kernels.has_wgmma() else ["mma"]
+    kinds = ["mma", "wgmma"] if build.has_wgmma() else ["mma"]
     for name in shapes:
         layer = synthetic_layer(SHAPES[name], seed=0)
         for width in widths:

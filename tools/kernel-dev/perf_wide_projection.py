@@ -23,7 +23,7 @@ import torch
 from perf_wide_blocks import ONE_TOKEN, mean_times, use_build, wide_widths
 
 from pwctl.bench.kernels import SHAPES, random_routing, routed_on, synthetic_layer
-from pwctl.runtime import kernels
+from pwctl.kernels import launch
 
 PROJECTIONS = {"gate": [0], "up": [1], "down": [2], "gate+up": [0, 1], "all": [0, 1, 2]}
 
@@ -62,7 +62,7 @@ def wave_time(layer, widths_of: Callable[[int], np.ndarray], seeds: int) -> floa
     (DispatchRules.gate_up_runs)."""
     moe = layer.moe
     rules = moe.rules
-    moe.rules = replace(rules, gate_up_runs=kernels.resident_ctas("gate_up_p1"))
+    moe.rules = replace(rules, gate_up_runs=launch.resident_ctas("gate_up_p1"))
     try:
         return mean_times(layer, 1, widths_of, {"p1": ONE_TOKEN["p1"]}, 1, seeds)[0]["p1"]
     finally:

@@ -1,8 +1,8 @@
 """Global loads that wait on each other, per kernel of a cubin: a load whose destination register
 the next load reuses was issued after the first one returned (the compiler had to keep them
-apart: a load behind a branch, a loop-carried sum). Session 24 found 8 such loads in a row in
-`popc_planes` (3 us of its 4.3) and a chain in `popc_fold` this way. Needs `cuobjdump` (the
-`nvidia-cuda-cuobjdump` wheel, docs/KERNELS.md).
+apart: a load behind a branch, a loop-carried sum). It found 8 such loads in a row in
+`popc_planes` (3 us of its 4.3) and a chain in `popc_fold` (docs/decisions/023-popc-pieces.md).
+Needs `cuobjdump` (the `nvidia-cuda-cuobjdump` wheel, docs/KERNELS.md).
 Usage: python3 tools/kernel-dev/sass_loads.py x.cubin [KERNEL]   (KERNEL: list its pairs)"""
 
 from __future__ import annotations

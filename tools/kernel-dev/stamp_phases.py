@@ -1,6 +1,6 @@
 """Where each CTA of a decode layer's kernels spends its time (a timing probe). With a cubin built
-with -DPWCTL_STAMPS, thread 0 of every CTA writes the global timer, its SM's clock and its SM id
-at each phase of its kernel (`STAMP` in cuda/moe.cu). This replays the layer's CUDA graph once
+with the `stamps` probe, thread 0 of every CTA writes the global timer, its SM's clock and its SM
+id at each phase of its kernel (`STAMP`, cuda/probes.cuh). This replays the layer's CUDA graph once
 and prints, per kernel: its CTAs, when they enter and end (us from the replay's first stamp),
 and each phase's median / p90 length (us, from the SM clocks). `routed`: the engine's call (router
 in the first launch) instead of given routing; `cold`: L2 flushed (`l2_flush` read) before the
@@ -11,12 +11,13 @@ the layer's size (DispatchRules.popc_decode); `runs=N`: a one-token gate_up on N
 one a tile; DispatchRules.gate_up_runs); `shares`: a persistent gate_up's CTA ends by the halves of
 their shares and by their SMs' halves (is the last CTA's lateness its share, its SM's load, or
 neither). Usage (GPU machine):
-  nvcc -arch=sm_90a -std=c++17 -cubin -DPWCTL_STAMPS -o stamps.cubin cuda/moe.cu
+  python3 tools/kernel-dev/write_program.py /tmp/stamps.cu --probe stamps
+  nvcc -arch=sm_90a -std=c++17 -cubin -I cuda -o stamps.cubin /tmp/stamps.cu
   PWCTL_CUBIN=$PWD/stamps.cubin python3 tools/kernel-dev/stamp_phases.py mixtral 1 \
       [routed] [cold] [waves]
   PWCTL_CUBIN=$PWD/stamps.cubin python3 tools/kernel-dev/stamp_phases.py qwen3-moe,mixtral 512 \
       prefill
-  (a -DPWCTL_STAMPS_CHAIN build, `chain`: the popc gate_up's staging chain, stamp by stamp)"""
+  (a `--probe stamps_chain` build, `chain`: the popc gate_up's staging chain, stamp by stamp)"""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from pwctl.bench.kernels import capture_graph, decode_calls, l2_flush, routed_call
-from pwctl.runtime import kernels
+from pwctl.kernels import build, geometry
 from pwctl.runtime.moe.dispatch import DispatchRules
 
 CTAS = 16384  # STAMP_CTAS
@@ -42,20 +43,20 @@ KINDS = {  # kind: (name, its phases in the order a CTA passes them); the popc g
                  (5, "fenced"), (6, "softmax"), (4, "routed"), (7, "grouped"))),
     3: ("popc_planes", ((0, "entry"), (1, "waited"), (2, "loaded"), (3, "scaled"), (7, "built"))),
 }  # fmt: skip
-CHAIN = {  # -DPWCTL_STAMPS_CHAIN: the popc gate_up's staging chain (`chain`)
+CHAIN = {  # the stamps_chain probe: the popc gate_up's staging chain (`chain`)
     0: ("gate_up", ((0, "entry"), (1, "waited"), (4, "slot's expert"), (5, "widths"),
                     (6, "quotients"), (3, "row pointers"), (2, "staged"), (7, "stored"))),
 }  # fmt: skip
 _WG = ((0, "entry"), (2, "staged"), (4, "first loads out"), (5, "half-chunk 0"),
        (6, "half-chunk 1"), (3, "streamed"))  # fmt: skip
-PREFILL_KINDS = {  # the sm_90a prefill kernels' phases (cuda/moe.cu prefill_wg_at)
+PREFILL_KINDS = {  # the sm_90a prefill kernels' phases (cuda/prefill_wg.cu prefill_wg_at)
     0: ("gate_up_prefill_wg", (*_WG, (7, "h stored"))),
     1: ("down_prefill_wg", (*_WG, (7, "added"))),
 }
 
 
 def stamps() -> tuple[cupy.ndarray, cupy.ndarray]:
-    mod = kernels.modules()[0]  # PWCTL_CUBIN: one module serves every part
+    mod = build.modules()[0]  # PWCTL_CUBIN: one module serves every part
     t = cupy.ndarray((4, CTAS, 16), cupy.uint64, memptr=mod.get_global("pwctl_stamps"))
     sm = cupy.ndarray((4, CTAS), cupy.uint32, memptr=mod.get_global("pwctl_smid"))
     return t, sm
@@ -107,7 +108,7 @@ def summary(t: np.ndarray, sm: np.ndarray, kinds: dict = KINDS, waves: bool = Fa
 
 def share_ends(t: np.ndarray, sm: np.ndarray, halves: int) -> list[str]:
     """A persistent gate_up's CTAs (kind 0, all of them routed) by the halves of their shares
-    (cuda/moe.cu RUN: CTA j takes [j H / n, (j + 1) H / n)) and by their SM's total halves: the
+    (cuda/lookup.cu RUN: CTA j takes [j H / n, (j + 1) H / n)) and by their SM's total halves: the
     median / max end (us) of each."""
     rows = np.flatnonzero(t[0, :, 0] > 0)
     t0 = t[:, :, 0][t[:, :, 0] > 0].min()
@@ -163,7 +164,7 @@ def main() -> None:
             moe = call.func
             if shares and not moe.spec.has_shared:  # routed CTAs only (no shared expert's)
                 slots = min(moe.spec.num_experts, T * moe.spec.top_k)  # the launch's slot bound
-                tiles = 32 * moe.proj[(0, False, "down")].wpad // kernels.ROWS
+                tiles = 32 * moe.proj[(0, False, "down")].wpad // geometry.ROWS
                 print("\n".join(share_ends(buf.get(), smid.get(), 2 * slots * tiles)))
 
 

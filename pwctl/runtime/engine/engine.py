@@ -27,8 +27,8 @@ import torch
 from pwctl.errors import PwctlError
 from pwctl.format.pack import Pack
 from pwctl.format.profile import PROFILE_JSON
+from pwctl.kernels import geometry
 from pwctl.policy import Budget, BudgetArg, Kind, Policy
-from pwctl.runtime import kernels
 from pwctl.runtime.engine.batcher import BatchConfig, Batcher
 from pwctl.runtime.engine.decode_graphs import DecodeGraphs
 from pwctl.runtime.engine.loader import load_model
@@ -349,7 +349,7 @@ class Engine:
         read routing on the host), steps of at most the decode kernels' tokens."""
         if not self._graphs_on(cfg):
             return None
-        seqs = min(cfg.max_seqs, kernels.DECODE_MAX_TOKENS)
+        seqs = min(cfg.max_seqs, geometry.DECODE_MAX_TOKENS)
         if self.paged is None:  # the 16-bit experts: nothing chosen on the host
             return DecodeGraphs(self.model, kv, seqs)
         paged = self.paged

@@ -14,7 +14,7 @@ import torch
 
 from pwctl.format.bitplanes import bits_nbytes, dequantize, untile
 from pwctl.format.pack import BlockInfo
-from pwctl.runtime.kernels import ptr
+from pwctl.kernels.launch import ptr
 from pwctl.runtime.memory.page_table import PageTable, min_slab
 
 
@@ -68,7 +68,7 @@ class DeviceTable:
         return True
 
     def kernel_args(self) -> tuple:
-        """The descriptor as the kernels take it (cuda/moe.cu PAGED_ARGS)."""
+        """The descriptor as the kernels take it (cuda/planes.cuh PAGED_ARGS)."""
         return self._args
 
     def chunk(self, b: int, p: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ NO_FENCE = -1
 def min_slab(blocks: list[BlockInfo]) -> int:
     """The least slab the kernels can read these blocks' planes from: a group of rows of the
     widest plane (bitplanes.group_bytes), so a row's words cross at most one slab edge
-    (cuda/moe.cu `row_ptr`)."""
+    (cuda/planes.cuh `row_ptr`)."""
     return max(group_bytes(b.words) for b in blocks)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pwctl.runtime import kernels
+from pwctl.kernels import geometry
 
 
 class WidthSpan(NamedTuple):
@@ -21,7 +21,7 @@ class WidthSpan(NamedTuple):
 
     narrowest: int
     widest: int
-    wide: float  # the share of the layer's weights in blocks wider than kernels.POPC_MAX_BITS
+    wide: float  # the share of the layer's weights in blocks wider than geometry.POPC_MAX_BITS
     wider: float  # the share in blocks wider than 5 bits (past p1b5's binary mma)
     gate_up_wide: float  # the same two shares of its gate and up weights alone: where the
     gate_up_wider: float  # one-token builds p1 and n1p1 differ on a large layer (the same down)
@@ -114,21 +114,21 @@ class DispatchRules:
     # a decode kind every call takes (A/B sweeps over builds, e.g. "n1p1"; it must suit the
     # call's token count and popc_decode), or None: `decode_kind`'s rule
     decode_kind: str | None = None
-    # one-token gate_up's persistent CTAs: None, by kernels.gate_up_runs, but one CTA a tile
+    # one-token gate_up's persistent CTAs: None, by geometry.gate_up_runs, but one CTA a tile
     # where a block is wider than the build's binary mma (`past_mma`: on Mixtral one CTA a tile
     # was 3-13% faster than the wave in 16 of 16 cells of 5-8-bit blocks; at 4 bits the wave is
     # 4% faster); a count, that many CTAs in equal shares (0: one a tile)
     gate_up_runs: int | None = None
-    # CTAs sharing a down tile's columns: None, by kernels.k_split; a count, that one
+    # CTAs sharing a down tile's columns: None, by geometry.k_split; a count, that one
     down_split: int | None = None
-    # The sm_90a prefill's down on a wave of CTAs that split the last units' columns (cuda/moe.cu
-    # down_span) where its rows are at least this many chunks of 8 plane words long: Mixtral (56)
-    # gained 2-6% at 512 tokens; Qwen1.5-MoE's shared expert (22) gained nothing measurable, and
-    # short rows lose (docs/decisions/017-prefill-down-stream-k.md).
+    # The sm_90a prefill's down on a wave of CTAs that split the last units' columns
+    # (cuda/prefill_wg.cu down_span) where its rows are at least this many chunks of 8 plane words
+    # long: Mixtral (56) gained 2-6% at 512 tokens; Qwen1.5-MoE's shared expert (22) gained
+    # nothing measurable, and short rows lose (docs/decisions/017-prefill-down-stream-k.md).
     down_stream_k_chunks: int = 32
     # None: by down_stream_k_chunks; True / False (perf_kernel_ab's @sk=)
     down_stream_k: bool | None = None
-    # kernels.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
+    # geometry.down_groups' one-wave plan for the popc kernels' down beside a shared expert (False:
     # the routed split and the shared expert's balanced one as they come; perf_kernel_ab's
     # @dwave=0)
     down_one_wave: bool = True
@@ -153,7 +153,7 @@ class DispatchRules:
             return popc_kind
         if T == 1 and self.popc_down and self.popc_decode is None and self.p1_pays(weights):
             return "n1p1"
-        return f"n{kernels.n_tiles(T)}"
+        return f"n{geometry.n_tiles(T)}"
 
     def popc_kind(self, T: int, span: WidthSpan, weights: int) -> str | None:
         """The popc kernels' build for a call of T tokens, or None for the lookup kernels. Up to
@@ -170,20 +170,22 @@ class DispatchRules:
         the pager widens a block stays correct, only slower."""
         auto = self.popc_decode is None
         pays = self.p1_pays(weights) if T == 1 else self.popc_pays(weights)
-        if T > kernels.POPC_MAX_TOKENS or not (pays if auto else self.popc_decode):
+        if T > geometry.POPC_MAX_TOKENS or not (pays if auto else self.popc_decode):
             return None
         b3 = "b3" if span.widest <= 3 else ""
         if T > 1:
-            if span.narrowest > kernels.POPC_MAX_BITS or (auto and span.wide >= self.pn_until_wide):
+            if span.narrowest > geometry.POPC_MAX_BITS or (
+                auto and span.wide >= self.pn_until_wide
+            ):
                 return None
             return "pn" + b3
-        if span.widest <= kernels.POPC_MAX_BITS:
+        if span.widest <= geometry.POPC_MAX_BITS:
             return "p1" + b3
         if auto:
             return self.wide_kind(span, weights)
         if self.popc_b5 and span.narrowest <= 5:
             return "p1b5"
-        return "p1" if span.narrowest <= kernels.POPC_MAX_BITS else None
+        return "p1" if span.narrowest <= geometry.POPC_MAX_BITS else None
 
     def wide_kind(self, span: WidthSpan, weights: int) -> str | None:
         """The default popc build of one token on a layer of p1_min_weights with a block past 4

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pwctl.format.recipe import MoESpec
-from pwctl.runtime import kernels, popc
+from pwctl.kernels import build, geometry, launch, popc
 from pwctl.runtime.memory.device_table import DeviceTable
 from pwctl.runtime.moe.dispatch import (
     ONE_TOKEN_BITS,
@@ -50,12 +50,12 @@ _NO_RUNS = (np.int32(0), np.uint64(0), np.uint64(0))
 @dataclass(frozen=True)
 class DecodeLaunch:
     """The shape side of a decode call's two launches: grids, and the scalar arguments around
-    the pointers (cuda/moe.cu *_ENTRY: the routed group's after x / h, the shared expert's after
+    the pointers (cuda/lookup.cu *_ENTRY: the routed group's after x / h, the shared expert's after
     its own pointers). Made once per (layer, routed slots, shared expert): an eager decode is
     host-bound."""
 
     gate_up_grid: tuple[int, int]
-    runs: int  # gate_up's persistent routed CTAs (cuda/moe.cu Run; the shared expert's after)
+    runs: int  # gate_up's persistent routed CTAs (cuda/lookup.cu Run; the shared expert's after)
     routed_tiles: int  # gate_up's routed tiles (16 rows of gate and up each), all slots'
     gate_up_routed: tuple
     gate_up_shared: tuple
@@ -98,7 +98,7 @@ class FusedMoE:
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         if on_cuda:  # every kernel compiled (or found in CuPy's cache) now, while the model loads,
-            kernels.modules()  # not in a first request's step (104 s on a fresh H200 machine)
+            build.modules()  # not in a first request's step (104 s on a fresh H200 machine)
         self._launches: dict[tuple[int, int, bool, str, bool], DecodeLaunch] = {}
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # `routed`'s launches by (layer, T, shared gate, kernels, `_past_mma`): made once, their
@@ -114,7 +114,7 @@ class FusedMoE:
         # expert weights one token reads in each layer: what the rules weigh a layer by
         self._reads = {layer: self._weights_a_token(layer) for layer in self.block_ids}
         # prefill kernels: "wgmma" (sm_90a, warpgroup mma) or "mma" (mma.sync, any sm_80+)
-        self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and kernels.has_wgmma() else "mma"
+        self.prefill_kernel = "wgmma" if dt.device.type == "cuda" and build.has_wgmma() else "mma"
         self._rules = rules or DispatchRules()
 
     @property
@@ -144,7 +144,7 @@ class FusedMoE:
         if reference or not x.is_cuda:
             path = "torch"
         elif path is None:
-            path = "decode" if T <= kernels.DECODE_MAX_TOKENS else "prefill"
+            path = "decode" if T <= geometry.DECODE_MAX_TOKENS else "prefill"
         if path == "decode":  # one launch groups, zeroes out and lays x out for both kernels
             out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
             wpad = self.proj[(layer, False, "gate")].wpad
@@ -199,7 +199,7 @@ class FusedMoE:
 
     def _routed_plan(
         self, layer: int, T: int, H: int, shared: bool, px: XPieces | None
-    ) -> tuple[kernels.Prepared, Callable[[], None], kernels.Prepared, Routing]:
+    ) -> tuple[launch.Prepared, Callable[[], None], launch.Prepared, Routing]:
         """The three launches of a `routed` call of T tokens (route_prep, gate_up, down) into
         this object's buffers for such calls, and the routing buffers they fill."""
         wpad = self.proj[(layer, False, "gate")].wpad
@@ -257,7 +257,7 @@ class FusedMoE:
     # --- CUDA: two kernels per expert group ---------------------------------------------------
 
     def _scalars(self, layer: int, shared: bool) -> tuple[tuple, tuple]:
-        """The shape arguments both kernel pairs take after their two pointers (cuda/moe.cu):
+        """The shape arguments both kernel pairs take after their two pointers (cuda/lookup.cu):
         gate_up (rows, words, wpad, h's wpad, bits bytes, rows per table), down (the same of
         down, without h's)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
@@ -286,7 +286,7 @@ class FusedMoE:
     ):
         """<= 64 tokens, x already in fragment order (`prepare_decode`): one token pass, no host
         sync (graph-capturable). Each kernel covers the routed slots and, when there is one, the
-        shared expert's slot in one launch (cuda/moe.cu *_ENTRY): the shared expert streams beside
+        shared expert's slot in one launch (lookup.cu *_ENTRY): the shared expert streams beside
         the routed ones, its CTAs numbered through grid rows after the routed slots'. With x's
         pieces (`_x_pieces`, built by the prep launch) the popc kernels run instead."""
         gate_up, down = self._decode_launches(layer, xf, pairs, shared, px)
@@ -307,7 +307,7 @@ class FusedMoE:
         pairs: Pairs,
         shared: Pairs | None,
         px: XPieces | None,
-    ) -> tuple[Callable[[], None], kernels.Prepared]:
+    ) -> tuple[Callable[[], None], launch.Prepared]:
         """`_decode`'s launches into these buffers: gate_up (with popc_planes after it when
         down is a popc build) and down, whose one hole is `out`. Both take PDL: gate_up behind
         decode_prep or route_prep (which lets it in once its routing block is the last one left),
@@ -316,7 +316,7 @@ class FusedMoE:
         key = (layer, pairs.expert.numel(), shared is not None, kind, self._past_mma(layer, kind))
         if key not in self._launches:
             self._launches[key] = self._decode_launch(*key[:4])
-        plan, ptr = self._launches[key], kernels.ptr
+        plan, ptr = self._launches[key], launch.ptr
         gu_build, dn_build = builds(kind)
         groups = [(False, pairs)] + ([(True, shared)] if shared is not None else [])
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
@@ -328,7 +328,7 @@ class FusedMoE:
             assert px is not None and px.buf is not None  # built by the prep launch
             xpx = (ptr(px.buf),)
         hpx, planes = _NO_PIECES * 2, None
-        if is_popc(dn_build):  # each pair's h's 16-bit planes, once a call (moe.cu popc_planes)
+        if is_popc(dn_build):  # each pair's h's 16-bit planes, once a call (popc.cu popc_planes)
             dn = [self.proj[(layer, t, "down")] for t, _ in groups]
             hps = [
                 self._pieces(t, h.shape[0], d.words, xf.device)
@@ -337,15 +337,15 @@ class FusedMoE:
             hpx = (ptr(hps[0]), ptr(hps[-1]))
             planes = self._planes(list(zip(hp, dn, hps, strict=True)))
         gu_args = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
-        block = (32 * kernels.WARPS,)
-        gate_up = kernels.Prepared(
+        block = (32 * geometry.WARPS,)
+        gate_up = launch.Prepared(
             f"gate_up_{gu_build}", plan.gate_up_grid, block,
             common + gu_args + xpx + self._run_args(plan, xf.device),
             early=True,
         )  # fmt: skip
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
         # down stages while gate_up finishes and waits before it reads h
-        down = kernels.Prepared(
+        down = launch.Prepared(
             f"down_{dn_build}", plan.down_grid, block, common + dn_args + hpx, (len(common) + 1,),
             early=True,
         )  # fmt: skip
@@ -363,16 +363,16 @@ class FusedMoE:
         expert's after them) and, for the tiles split between two shares, their halves' rows
         (2 halves x gate and up x ROWS floats) and tickets (zero between launches: a tile's
         second half to finish resets the tile's): a scratch a CTA and one more a group
-        (cuda/moe.cu RUN)."""
+        (cuda/lookup.cu RUN)."""
         runs, ctas = plan.runs, plan.gate_up_grid[0]
         if runs == 0:
             return _NO_RUNS
         n = ctas + 1 + (ctas > runs)
         if n not in self._run_buffers:
-            rows = torch.empty(n * 4 * kernels.ROWS, dtype=torch.float32, device=device)
+            rows = torch.empty(n * 4 * geometry.ROWS, dtype=torch.float32, device=device)
             self._run_buffers[n] = rows, torch.zeros(n, dtype=torch.int32, device=device)
         rows, tickets = self._run_buffers[n]
-        return (np.int32(runs), kernels.ptr(rows), kernels.ptr(tickets))
+        return (np.int32(runs), launch.ptr(rows), launch.ptr(tickets))
 
     def decode_builds(self, T: int) -> tuple[tuple[str, bool], ...]:
         """The decode kernels a call of T tokens launches in each layer now (`_kind`,
@@ -412,7 +412,7 @@ class FusedMoE:
             blocks = self._layer_blocks[layer]
             w = self.dt.synced_width[blocks]
             weights = self._block_weights[blocks]
-            past = (kernels.POPC_MAX_BITS, ONE_TOKEN_BITS["p1b5"])
+            past = (geometry.POPC_MAX_BITS, ONE_TOKEN_BITS["p1b5"])
 
             def shares(w: np.ndarray, weights: np.ndarray) -> list[float]:
                 return [float(weights[w > b].sum() / weights.sum()) for b in past]
@@ -443,38 +443,38 @@ class FusedMoE:
     def _pieces(
         self, what: str | bool, rows: int, words: int, device: torch.device
     ) -> torch.Tensor:
-        """A reused buffer of `rows` rows of x pieces (cuda/moe.cu PopcX) for the popc
+        """A reused buffer of `rows` rows of x pieces (cuda/pieces.cuh PopcX) for the popc
         kernels: "x" (the tokens), or a group's h (False: routed, True: shared expert)."""
         key = (what, rows, words)
         if key not in self._piece_buffers:
-            n = rows * popc.pieces(words) * popc.PIECE_BYTES
+            n = rows * popc.pieces(words) * geometry.PIECE_BYTES
             self._piece_buffers[key] = torch.empty(n, dtype=torch.uint8, device=device)
         return self._piece_buffers[key]
 
-    def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> kernels.Prepared:
+    def _planes(self, jobs: list[tuple[torch.Tensor, Proj, torch.Tensor]]) -> launch.Prepared:
         """popc_planes over one or two groups of fragment-order fp16 rows: (the rows, their
         projection, the pieces they become). A warp a k-step of the longest piece."""
         (s0, p0, d0), (s1, p1, d1) = jobs[0], jobs[-1]
-        i32, ptr = np.int32, kernels.ptr
+        i32, ptr = np.int32, launch.ptr
         args: tuple = (ptr(s0), i32(p0.wpad), i32(p0.words), i32(s0.shape[0]), ptr(d0))
         args += (ptr(s1), i32(p1.wpad), i32(p1.words), ptr(d1))
         grid: tuple[int, ...] = (
             max(popc.pieces(p.words) for _, p, _ in jobs),
             sum(s.shape[0] for s, _, _ in jobs),
         )
-        grid += (kernels.POPC_SPLIT,)
-        steps = min(popc.PIECE_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
-        return kernels.Prepared("popc_planes", grid, (32 * steps,), args, early=True)
+        grid += (geometry.POPC_SPLIT,)
+        steps = min(geometry.POPC_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
+        return launch.Prepared("popc_planes", grid, (32 * steps,), args, early=True)
 
     def _decode_launch(
         self, layer: int, n_routed: int, with_shared: bool, kind: str
     ) -> DecodeLaunch:
-        """Grids and shape arguments of a decode call's two launches (cuda/moe.cu *_ENTRY): fixed
+        """Grids and shape arguments of a decode call's two launches (cuda/lookup.cu *_ENTRY): fixed
         by the layer, its routed slot count, whether a shared expert rides along and the
         kernels. One-token calls (every slot live) run gate_up on a persistent grid
-        (`kernels.gate_up_runs`), its CTAs shared by the routed tiles and the shared expert's
-        (`kernels.gate_up_shares`); the popc kernels' down keeps to one wave (`_down_groups`)."""
-        i32, i64, rows = np.int32, np.int64, kernels.ROWS
+        (`geometry.gate_up_runs`), its CTAs shared by the routed tiles and the shared expert's
+        (`geometry.gate_up_shares`); the popc kernels' down keeps to one wave (`_down_groups`)."""
+        i32, i64, rows = np.int32, np.int64, geometry.ROWS
         groups = [False] + ([True] if with_shared else [])
         gu = [self.proj[(layer, g, "gate")] for g in groups]
         dn = [self.proj[(layer, g, "down")] for g in groups]
@@ -506,14 +506,14 @@ class FusedMoE:
 
     def _down_groups(
         self, kind: str, n_routed: int, dn: list[Proj]
-    ) -> tuple[kernels.DownGroup, kernels.DownGroup | None]:
+    ) -> tuple[geometry.DownGroup, geometry.DownGroup | None]:
         """down's routed group and the shared expert's (`dn[1]`, if any): the routed split
-        `down_split`, or by `kernels.k_split`, which fills the GPU for the lookup kernels and
+        `down_split`, or by `geometry.k_split`, which fills the GPU for the lookup kernels and
         one wave of the popc kernels' CTAs for them; both groups in one wave where a plan fits
-        (`kernels.down_groups`, unless the rules' down_one_wave is off)."""
-        wave = kernels.resident_ctas(f"down_{kind}") if is_popc(kind) else None
+        (`geometry.down_groups`, unless the rules' down_one_wave is off)."""
+        wave = launch.resident_ctas(f"down_{kind}") if is_popc(kind) else None
         shared = (dn[1].rows, dn[1].words) if len(dn) > 1 else None
-        return kernels.down_groups(
+        return geometry.down_groups(
             (dn[0].rows, dn[0].words),
             n_routed,
             shared,
@@ -525,10 +525,10 @@ class FusedMoE:
     def _gate_up_runs(
         self, kind: str, tiles: int, shared_tiles: int, past_mma: bool
     ) -> tuple[int, int]:
-        """gate_up's persistent CTAs (cuda/moe.cu Run) in a one-token call of `tiles` routed
+        """gate_up's persistent CTAs (cuda/lookup.cu Run) in a one-token call of `tiles` routed
         tiles (every slot live) and the shared expert's `shared_tiles`, (routed, shared):
-        `gate_up_runs` of them (at most a CTA a half tile), or `kernels.gate_up_runs` on one
-        wave of the kernel's CTAs, split by `kernels.gate_up_shares`; (0, 0), one CTA a tile,
+        `gate_up_runs` of them (at most a CTA a half tile), or `geometry.gate_up_runs` on one
+        wave of the kernel's CTAs, split by `geometry.gate_up_shares`; (0, 0), one CTA a tile,
         for the other builds and, unless gate_up_runs is set, where a block is wider than the
         build's mma (`past_mma`: DispatchRules.gate_up_runs)."""
         if kind not in ONE_TOKEN_BITS:
@@ -537,9 +537,9 @@ class FusedMoE:
         if ctas is None and past_mma:
             return 0, 0
         if ctas is None:
-            wave = kernels.resident_ctas(f"gate_up_{kind}")
-            ctas = kernels.gate_up_runs(tiles + shared_tiles, wave)
-        return kernels.gate_up_shares(ctas, tiles, shared_tiles)
+            wave = launch.resident_ctas(f"gate_up_{kind}")
+            ctas = geometry.gate_up_runs(tiles + shared_tiles, wave)
+        return geometry.gate_up_shares(ctas, tiles, shared_tiles)
 
     def _prefill(
         self,
@@ -557,15 +557,15 @@ class FusedMoE:
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
         common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
         gate_up, down = self._scalars(layer, shared)
-        i32, ptr = np.int32, kernels.ptr
-        rows = kernels.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
+        i32, ptr = np.int32, launch.ptr
+        rows = geometry.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
         row_tiles = (-(-32 * dn.wpad // rows["gate_up"]), -(-dn.rows // rows["down"]))
-        block = (32 * kernels.PREFILL_WARPS,)
+        block = (32 * geometry.PREFILL_WARPS,)
         if self.prefill_kernel == "wgmma" and dn.rows % 2 == 0:  # down adds row pairs
             xt = token_tiles(x, gu.wpad, pairs, tiles)
             n_tiles = tiles.shape[0]
             hp = x.new_empty(n_tiles * TILE_TOKENS, 32 * dn.wpad, dtype=torch.float16)
-            smem, sk = kernels.PREFILL_WG_SMEM, self._down_stream_k(dn)
+            smem, sk = geometry.PREFILL_WG_SMEM, self._down_stream_k(dn)
             # the stream-K wave's CTAs follow the whole units' (at most every unit the bound plans)
             down_grid = (n_tiles * row_tiles[1] + sk,) if sk else (row_tiles[1], n_tiles)
             grids = [(row_tiles[0], n_tiles), down_grid]
@@ -573,18 +573,18 @@ class FusedMoE:
             names = ("gate_up_prefill_wg", "down_prefill_wg")
         else:
             most = int((pairs.hi - pairs.lo).max())
-            passes = max(1, -(-most // kernels.PREFILL_TOKENS))
+            passes = max(1, -(-most // geometry.PREFILL_TOKENS))
             xt = fragment_order(x, gu.wpad)
             hp = torch.empty(pairs.token.numel(), dn.wpad, 32, dtype=torch.float16, device=x.device)
-            smem, extras = kernels.PREFILL_SMEM, [(i32(passes),)] * 2
+            smem, extras = geometry.PREFILL_SMEM, [(i32(passes),)] * 2
             grids = [(passes * n, pairs.expert.numel()) for n in row_tiles]
             names = ("gate_up_prefill", "down_prefill")
         io = ((ptr(xt), ptr(hp)) + gate_up, (ptr(hp), ptr(out)) + down)
         for name, grid, args, extra in zip(names, grids, io, extras, strict=True):
-            kernels.launch(name, grid, block, common + args + extra, shared_mem=smem)
+            launch.launch(name, grid, block, common + args + extra, shared_mem=smem)
 
     def _down_stream_k(self, dn: Proj) -> int:
-        """CTAs of the sm_90a prefill down's stream-K wave (cuda/moe.cu down_span), or 0 for one
-        CTA a (token tile, row tile): `DispatchRules.stream_k`."""
+        """CTAs of the sm_90a prefill down's stream-K wave (cuda/prefill_wg.cu down_span), or 0 for
+        one CTA a (token tile, row tile): `DispatchRules.stream_k`."""
         on = self.rules.stream_k(-(-dn.words // 8))
-        return kernels.resident_prefill_ctas("down_prefill_wg") if on else 0
+        return launch.resident_prefill_ctas("down_prefill_wg") if on else 0

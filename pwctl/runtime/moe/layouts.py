@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pwctl.format import bitplanes
-from pwctl.runtime import kernels
+from pwctl.kernels import geometry, launch
 from pwctl.runtime.moe.pairs import Pairs, all_tokens
 
 
@@ -42,9 +42,9 @@ def one_slot_tiles(T: int, device: torch.device) -> torch.Tensor:
 
 
 def fragment_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
-    """[n, K] -> float16 [n, wpad, 32] (cuda/moe.cu's activation layout), zero-padded to 32*wpad
-    columns: [n, w, 4s + i] holds column 32w + s // 2 + 16 (s % 2) + 4i. View ops only (no index
-    tensor), so CUDA-graph capture works."""
+    """[n, K] -> float16 [n, wpad, 32] (the kernels' activation layout, cuda/common.cuh),
+    zero-padded to 32*wpad columns: [n, w, 4s + i] holds column 32w + s // 2 + 16 (s % 2) + 4i.
+    View ops only (no index tensor), so CUDA-graph capture works."""
     # column 32w + 16h + 4i + c, stored as [w][c][h][i] (k-step s = 2c + h)
     n = x.shape[0]
     return _half_padded(x, wpad).view(n, wpad, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(n, wpad, 32)
@@ -56,7 +56,7 @@ def _half_padded(x: torch.Tensor, wpad: int) -> torch.Tensor:
     return F.pad(xh, (0, 32 * wpad - x.shape[1])) if 32 * wpad > x.shape[1] else xh
 
 
-TILE_TOKENS = kernels.PREFILL_TOKENS  # tokens of an sm_90a prefill tile (cuda/moe.cu WG_TOKENS)
+TILE_TOKENS = geometry.PREFILL_TOKENS  # tokens of an sm_90a prefill tile (prefill_wg.cu WG_TOKENS)
 
 
 def wgmma_order(x: torch.Tensor, wpad: int) -> torch.Tensor:
@@ -78,8 +78,8 @@ def _wgmma_columns(wpad: int, device: torch.device) -> torch.Tensor:
 
 def wgmma_tiles(x: torch.Tensor, wpad: int, rows: torch.Tensor) -> torch.Tensor:
     """Token tiles for the sm_90a prefill: rows [tiles * 128] of x, in wgmma order, each tile
-    laid out as the kernel's shared memory holds it (cuda/moe.cu `tile_pos`): per half-chunk of
-    128 positions, [k-step 8][token group 16][k 0-7 / 8-15][token 8][8 values]."""
+    laid out as the kernel's shared memory holds it (cuda/prefill_wg.cu `tile_pos`): per
+    half-chunk of 128 positions, [k-step 8][token group 16][k 0-7 / 8-15][token 8][8 values]."""
     xw = wgmma_order(x, wpad)[rows]
     tiles, hc = rows.numel() // TILE_TOKENS, 32 * wpad // 128
     return xw.view(tiles, 16, 8, hc, 8, 2, 8).permute(0, 3, 4, 1, 5, 2, 6).contiguous()
@@ -91,7 +91,7 @@ class TilePlan:
     tile count is a bound known from shapes (pairs / 128 + slots), so planning needs no host sync;
     tiles past the last real one have slot -1 and their CTAs exit at once. The bound exceeds the
     live tiles, so a plan ends with a dead tile; a dead tile's pass is the count of live tiles
-    (cuda/moe.cu down_span reads it from the last)."""
+    (cuda/prefill_wg.cu down_span reads it from the last)."""
 
     info: torch.Tensor  # int32 [tiles, 2]: (slot, pass) of each tile
     pair: torch.Tensor  # int64 [tiles * 128]: pair of each tile token (past a slot's end: its last)
@@ -109,7 +109,7 @@ def tile_bound(pairs: int, slots: int) -> int:
 
 def tile_plan(pairs: Pairs) -> TilePlan:
     """Tiles of 128 consecutive pairs of one slot, from device tensors only (no host sync). The
-    reference for `prepare_prefill`'s plan (cuda/moe.cu `plan_tiles`) and `token_tiles`."""
+    reference for `prepare_prefill`'s plan (cuda/prep.cu `plan_tiles`) and `token_tiles`."""
     lo, hi = pairs.lo.long(), pairs.hi.long()
     per = (hi - lo).clamp(min=0).add(TILE_TOKENS - 1).div(TILE_TOKENS, rounding_mode="floor")
     end = per.cumsum(0)
@@ -126,11 +126,11 @@ def tile_plan(pairs: Pairs) -> TilePlan:
 
 
 def down_spans(units: int, sk: int, chunks: int) -> list[tuple[int, int]]:
-    """CPU twin of cuda/moe.cu `down_span` on its stream-K wave (sk > 0 CTAs): each CTA's range of
-    chunks, in unit order, of `units` live units of `chunks` chunks. CTAs b < D = (units / sk) sk
-    take unit b whole; the next sk CTAs equal shares of the rest (at most half a unit each) if
-    it fills at most half a wave, else whole units too (then D = units and the shares are
-    empty)."""
+    """CPU twin of cuda/prefill_wg.cu `down_span` on its stream-K wave (sk > 0 CTAs): each CTA's
+    range of chunks, in unit order, of `units` live units of `chunks` chunks. CTAs b < D =
+    (units / sk) sk take unit b whole; the next sk CTAs equal shares of the rest (at most half a
+    unit each) if it fills at most half a wave, else whole units too (then D = units and the
+    shares are empty)."""
     d = units if 2 * (units % sk) > sk else units // sk * sk
     whole = [(b * chunks, (b + 1) * chunks) for b in range(d)]
     rest = (units - d) * chunks
@@ -145,9 +145,9 @@ def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) ->
     xh = x.half().contiguous()
     tiles = info.shape[0]
     xt = torch.empty(tiles, TILE_TOKENS * 32 * wpad, dtype=torch.float16, device=x.device)
-    units = wpad // 4 * 2048  # 16-byte units a tile (cuda/moe.cu token_tiles)
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
+    units = wpad // 4 * 2048  # 16-byte units a tile (cuda/prefill_wg.cu token_tiles)
+    p, i = launch.ptr, np.int32
+    launch.launch(
         "token_tiles",
         (min(64, -(-units // 256)), tiles),
         (256,),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pwctl.runtime import kernels
+from pwctl.kernels import launch
 
 
 @dataclass
@@ -23,11 +23,11 @@ class Pairs:
     hi: torch.Tensor  # int32 [slots]; hi == lo: empty slot
 
     def slot_args(self) -> tuple:
-        p = kernels.ptr
+        p = launch.ptr
         return (p(self.expert), p(self.lo), p(self.hi), p(self.token), p(self.weight))
 
     def kernel_args(self, block_ids: torch.Tensor) -> tuple:
-        return self.slot_args() + (kernels.ptr(block_ids), np.int32(block_ids.shape[0]))
+        return self.slot_args() + (launch.ptr(block_ids), np.int32(block_ids.shape[0]))
 
 
 def sort_by_expert(

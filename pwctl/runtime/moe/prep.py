@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from pwctl.format.recipe import MoESpec
-from pwctl.runtime import kernels, popc
+from pwctl.kernels import geometry, launch, popc
+from pwctl.kernels.geometry import ROUTE_LOADS, ROUTE_MAX_EXPERTS
 from pwctl.runtime.moe.layouts import tile_bound
 from pwctl.runtime.moe.pairs import Pairs, decode_buffers, pair_buffers
 
@@ -27,23 +28,23 @@ def prepare_prefill(
     pairs = pair_buffers(n, slots, index.device)
     info = torch.empty(tile_bound(n, slots), 2, dtype=torch.int32, device=index.device)
     idx, w = index.to(torch.int64).contiguous(), weights.float().contiguous()
-    blocks = 1 + min(2 * kernels.sm_count(), -(-out.numel() // (4 * kernels.PREP_THREADS)))
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
+    blocks = 1 + min(2 * geometry.sm_count(), -(-out.numel() // (4 * geometry.PREP_THREADS)))
+    p, i = launch.ptr, np.int32
+    launch.launch(
         "prefill_prep",
         (blocks,),
-        (kernels.PREP_THREADS,),
+        (geometry.PREP_THREADS,),
         (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (p(info), i(info.shape[0]), p(out), np.int64(out.numel())),
-        shared_mem=kernels.group_smem(num_experts, n),
+        shared_mem=geometry.group_smem(num_experts, n),
     )
     return pairs, info
 
 
 @dataclass(frozen=True)
 class XPieces:
-    """Where a prep launch writes T tokens' x pieces for the popc kernels (cuda/moe.cu
+    """Where a prep launch writes T tokens' x pieces for the popc kernels (cuda/pieces.cuh
     `x_piece`): a buffer of popc.pieces(words) pieces a token, words = the gate rows' words.
     Made once and reused: the prep kernels' arguments are fixed with it."""
 
@@ -54,8 +55,8 @@ class XPieces:
     @classmethod
     def over(cls, buf: torch.Tensor, words: int, T: int) -> XPieces:
         """Pieces of T tokens of `words` words into `buf`."""
-        blocks = popc.pieces(words) * T * kernels.POPC_SPLIT
-        return cls(buf, (np.int32(words), kernels.ptr(buf), np.int32(blocks)), blocks)
+        blocks = popc.pieces(words) * T * geometry.POPC_SPLIT
+        return cls(buf, (np.int32(words), launch.ptr(buf), np.int32(blocks)), blocks)
 
 
 _NO_X_PIECES = XPieces(None, (np.int32(0), np.uint64(0), np.int32(0)), 0)
@@ -81,16 +82,16 @@ def prepare_decode(
     xh = x.half().contiguous()
     blocks = 1 + min(64, -(-max(xf.numel(), out.numel()) // 1024))  # block 0 groups
     px = pieces or _NO_X_PIECES
-    p, i = kernels.ptr, np.int32
-    kernels.launch(
+    p, i = launch.ptr, np.int32
+    launch.launch(
         "decode_prep",
         (blocks + px.blocks,),
-        (kernels.PREP_THREADS,),
+        (geometry.PREP_THREADS,),
         (p(idx), p(w), i(n), i(k), i(num_experts), i(slots))
         + (p(pairs.token), p(pairs.weight), p(pairs.expert), p(pairs.lo), p(pairs.hi))
         + (p(xh), i(T), i(x.shape[1]), i(wpad), p(xf), p(out), i(out.numel()))
         + px.args,
-        shared_mem=kernels.group_smem(num_experts),
+        shared_mem=geometry.group_smem(num_experts),
     )
     return pairs, xf
 
@@ -116,15 +117,14 @@ def routing_buffers(T: int, spec: MoESpec, shared_gate: bool, device: torch.devi
     )
 
 
-ROUTE_MAX_EXPERTS, ROUTE_MAX_K = 256, 8  # cuda/moe.cu route_prep
+ROUTE_MAX_K = 8  # top-k route_prep takes (cuda/route.cu)
 ROUTE_ORDERS = {"softmax_topk": 0, "topk_softmax": 1}
-ROUTE_LOADS = 4  # cuda/moe.cu slice_dot: 16-byte loads a lane issues together, on each row
 
 
 def route_slices(H: int) -> int:
-    """Warps of one router dot product over H (cuda/moe.cu router_logits): the fewest, a power
+    """Warps of one router dot product over H (cuda/route.cu router_logits): the fewest, a power
     of two up to a block's warps, that leave each lane at most ROUTE_LOADS loads a row."""
-    slices, warps = 1, kernels.PREP_THREADS // 32
+    slices, warps = 1, geometry.PREP_THREADS // 32
     while slices < warps and -(-H // (8 * slices)) > 32 * ROUTE_LOADS:
         slices *= 2
     return slices
@@ -138,7 +138,7 @@ def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool
     if not x.is_cuda:
         return True
     return (
-        x.shape[0] <= kernels.DECODE_MAX_TOKENS
+        x.shape[0] <= geometry.DECODE_MAX_TOKENS
         and x.dtype == gate_weight.dtype == torch.float16
         and x.shape[1] % 8 == 0
         and x.data_ptr() % 16 == 0
@@ -169,8 +169,8 @@ def prepare_routed(
     shared = shared_gate_weight is not None
     pairs, xf = buffers or decode_buffers(T, spec.top_k, spec.num_experts, wpad, x.device)
     routing = routing or routing_buffers(T, spec, shared, x.device)
-    launch = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces)
-    launch(*routed_pointers(x, gate_weight, shared_gate_weight, out))
+    prepared = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces)
+    prepared(*routed_pointers(x, gate_weight, shared_gate_weight, out))
     return pairs, xf, routing
 
 
@@ -197,17 +197,17 @@ def route_launch(
     xf: torch.Tensor,
     routing: Routing,
     pieces: XPieces | None,
-) -> kernels.Prepared:
+) -> launch.Prepared:
     """`prepare_routed`'s launch for T tokens of H into these buffers: `routed_pointers` fill
     its holes (x, router weights, shared gate weights, out [T, H] float32) at each call."""
     E, k = spec.num_experts, spec.top_k
     slots, units, slices = min(E, T * k), max(xf.numel(), T * H), route_slices(H)
     warps = T * (E + shared) * slices
     blocks = min(
-        2 * kernels.sm_count(), max(-(-warps // (kernels.PREP_THREADS // 32)), -(-units // 1024))
+        2 * geometry.sm_count(), max(-(-warps // (geometry.PREP_THREADS // 32)), -(-units // 1024))
     )
     px = pieces or _NO_X_PIECES
-    p, i, hole = kernels.ptr, np.int32, np.uint64(0)
+    p, i, hole = launch.ptr, np.int32, np.uint64(0)
     head = (
         (hole, i(T), i(H), hole, i(E), hole, i(k))  # x, its shape, router and shared gate
         + (i(ROUTE_ORDERS[spec.order]), i(spec.norm_topk_prob), np.float32(spec.routed_scaling))
@@ -218,5 +218,5 @@ def route_launch(
     )
     args = head + (hole, i(T * H)) + px.args + (i(slices),)  # out
     holes = (0, 3, 5, len(head))
-    grid, smem = (blocks + px.blocks,), kernels.group_smem(E)
-    return kernels.Prepared("route_prep", grid, (kernels.PREP_THREADS,), args, holes, smem)
+    grid, smem = (blocks + px.blocks,), geometry.group_smem(E)
+    return launch.Prepared("route_prep", grid, (geometry.PREP_THREADS,), args, holes, smem)

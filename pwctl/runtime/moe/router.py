@@ -1,5 +1,5 @@
 """The router's choice per token: top-k experts and their weights in the recipe's order (torch).
-Every path computes it so or, for CUDA decode, as cuda/moe.cu `route_prep` does in one launch
+Every path computes it so or, for CUDA decode, as cuda/route.cu `route_prep` does in one launch
 (tested against this)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CPU twin of the one-token decode kernels on binary tensor cores (cuda/moe.cu `gate_up_p1`,
+"""CPU twin of the one-token decode kernels on binary tensor cores (cuda/popc.cu `gate_up_p1`,
 `down_p1`): the same arithmetic in torch, for the tests to hold the kernels' algebra and column
 order to the lookup reference.
 
@@ -10,26 +10,26 @@ with c_S the Moebius sums of T (`subset_coefficients`). Then
 
 and with x as 16-bit two's-complement fixed point q = round(x / sx), every (AND_S) . q is an
 exact integer (what mma .and.popc adds up over q's bit planes). The kernels quantize x per piece
-of at most `PIECE_STEPS` k-steps of 256 columns, each piece with its own scale; `step_words`
+of at most `POPC_STEPS` k-steps of 256 columns, each piece with its own scale; `step_words`
 gives which words (32 columns each) a k-step holds."""
 
 from __future__ import annotations
 
 import torch
 
-PIECE_STEPS = 32  # cuda/moe.cu POPC_STEPS
-PIECE_BYTES = PIECE_STEPS * 32 * 16 + PIECE_STEPS * 4 + 16  # sizeof(PopcX)
+from pwctl.kernels.geometry import POPC_STEPS
+
 Q_MAX = 32767  # 16-bit two's complement
 
 
 def steps(words: int) -> int:
-    """k-steps of a row of `words` words (words % 4 == 0; cuda/moe.cu popc_steps)."""
+    """k-steps of a row of `words` words (words % 4 == 0; cuda/pieces.cuh popc_steps)."""
     return 2 * (words // 16) + -(-(words % 16) // 8)
 
 
 def pieces(words: int) -> int:
-    """PopcX pieces of a row (cuda/moe.cu popc_pieces)."""
-    return -(-steps(words) // PIECE_STEPS)
+    """PopcX pieces of a row (cuda/pieces.cuh popc_pieces)."""
+    return -(-steps(words) // POPC_STEPS)
 
 
 def subset_coefficients(table: torch.Tensor, bits: int) -> torch.Tensor:
@@ -101,9 +101,9 @@ def popc_matvec(
         return torch.cat(spans)
 
     y = torch.zeros(rows, dtype=torch.float64)
-    for base in range(lo - lo % PIECE_STEPS, hi, PIECE_STEPS):
-        sx = scale_of(x.float()[columns(base, base + PIECE_STEPS)])
-        col = columns(max(lo, base), min(hi, base + PIECE_STEPS))
+    for base in range(lo - lo % POPC_STEPS, hi, POPC_STEPS):
+        sx = scale_of(x.float()[columns(base, base + POPC_STEPS)])
+        col = columns(max(lo, base), min(hi, base + POPC_STEPS))
         q = quantize_with(x.float()[col], sx)
         acc = coef[:, 0] * q.sum().double()
         for S in range(1, 1 << bits):
