@@ -34,7 +34,7 @@ from pwctl.runtime.memory.page_table import PageTable
 class BudgetCalculator:
     """The engine's accounting of a pack on `device`, without its experts on any device unless
     `measure`: then the fixed part is the engine's own on `device`, confirmed by its start-up
-    step (runtime/accounting.py; a GPU is needed, and the formula stands where it measures
+    step (runtime/memory/accounting.py; a GPU is needed, and the formula stands where it measures
     nothing, e.g. on the CPU)."""
 
     def __init__(
