@@ -185,9 +185,7 @@ def step_bytes(device: str, run: Callable[[], object]) -> int:
     reserved high-water mark past what it held before, plus the growth of CuPy's pool. Resets
     torch's peak statistics (the engine calls it at start-up, before any run is measured)."""
     dev = torch.device(device)
-    torch.cuda.synchronize(dev)
-    torch.cuda.empty_cache()  # reserved then is what is live
-    torch.cuda.reset_peak_memory_stats(dev)
+    DevicePeak.reset(device)  # reserved then is what is live
     before, pool = torch.cuda.memory_reserved(dev), _cupy_pool_bytes()
     run()
     torch.cuda.synchronize(dev)
