@@ -197,6 +197,19 @@ def test_bench_modes_read_the_options_the_command_declares():
     assert read <= declared and declared - read == flags - {"predictions"}
 
 
+def test_bench_modes_get_typed_values(monkeypatch, tmp_path):
+    """A mode's `run` gets typer's converted values (a Path for --json), not click's raw strings:
+    the device machine's click left `--json` a str in ctx.params and bench --kernels failed
+    writing its rows."""
+    from pwctl.commands import bench
+
+    seen: dict = {}
+    monkeypatch.setattr(bench.MODES["--planner"], "run", lambda json: seen.update(json=json))
+    r = runner.invoke(app, ["bench", "--planner", "--json", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    assert seen["json"] == tmp_path / "p.json" and isinstance(seen["json"], Path)
+
+
 def test_parse_device(monkeypatch):
     import pwctl.device as dev
 

@@ -170,8 +170,10 @@ def run(
     json: JsonOut = None,
 ) -> None:
     """Measure quality, memory and speed of policies on a pack (or of the quantizer)."""
+    # typer's converted values (a Path, not click's str), taken before any other local exists
+    values = dict(locals())
     mode = MODES[_chosen_mode(ctx)]
-    mode.run(**{name: ctx.params[name] for name in _options(mode)})
+    mode.run(**{name: values[name] for name in _options(mode)})
 
 
 def _chosen_mode(ctx: typer.Context) -> str:

@@ -4,6 +4,8 @@
 # than 3% slower here (issue 63's check of the split against the commit before it). Each side's
 # first build compiles its kernels (NVRTC, ~2 min on 16 cores) into CuPy's cache: run it twice on
 # a warm machine and take the second call's comparison (both sides cached, 2 rounds in 600 s).
+# -P: python -m would put the working directory (this checkout) first on sys.path, before
+# PYTHONPATH, and every side would import this checkout.
 # Usage (GPU machine): bash tools/kernel-dev/bench_commits.sh BASE_DIR [rounds] [bench options]
 #   BASE_DIR: the other commit's pwctl/ and cuda/, e.g. `mkdir -p .carry/base && git archive
 #   b72610e pwctl cuda | tar -x -C .carry/base` (carried to the device); default options: the
@@ -20,7 +22,7 @@ for r in $(seq "$rounds"); do
     for side in base head; do
         dir=$PWD
         [ $side = base ] && dir=$base
-        PYTHONPATH=$dir python3 -m pwctl.cli bench --kernels "${opts[@]}" \
+        PYTHONPATH=$dir python3 -P -m pwctl.cli bench --kernels "${opts[@]}" \
             --json "$out/bench_$side$r.json" >/dev/null 2>"$out/bench_$side$r.log" ||
             { echo "$side round $r failed"; tail -5 "$out/bench_$side$r.log"; }
     done
