@@ -47,6 +47,9 @@ mkdir -p "$JSON"
 
 # --measure: the engine's fixed part, confirmed by its start-up step (decision 043)
 budget() { python3 -m pwctl.bench.serving_budget "$PACK" --device cuda "$@"; }
+row() {  # a policy's JSON name: uniform:3 -> uniform3, pagedweight:2225602560B -> pagedweight
+  case $1 in uniform:*) echo "${1/:/}" ;; *) echo "${1%%:*}" ;; esac
+}
 tp() {  # name, then bench arguments: one bench process, its rc printed
   local name=$1
   shift
@@ -74,7 +77,7 @@ a)
   MEM_A=$(budget --planes uniform:4 --seqs 4 --tokens 2304 --max-seqs 4 --measure)
   echo "(a) memory budget $MEM_A, pagedweight BUDGET $PLANES4"
   for P in uniform:4 "pagedweight:$PLANES4"; do
-    tp "a_${P%%:*}" --batch 1 --batch 4 --max-seqs 4 --memory-budget "$MEM_A" --policy "$P"
+    tp "a_$(row "$P")" --batch 1 --batch 4 --max-seqs 4 --memory-budget "$MEM_A" --policy "$P"
   done
   ;;
 b)
@@ -82,14 +85,14 @@ b)
   MEM_B=$(budget --planes fp16 --seqs 4 --tokens 2304 --max-seqs 32 --measure)
   echo "(b) memory budget $MEM_B (16-bit weights + KV of 4 x 2304 tokens), BUDGET $PLANES4"
   for P in fp16 uniform:4 "pagedweight:$PLANES4"; do
-    tp "b_${P%%:*}" --concurrency 32 --requests 64 --max-seqs 32 --memory-budget "$MEM_B" \
+    tp "b_$(row "$P")" --concurrency 32 --requests 64 --max-seqs 32 --memory-budget "$MEM_B" \
       --policy "$P"
   done
   ;;
 c)
   PLANES4=$(budget --what planes --planes uniform:4)
   for P in fp16 uniform:4 "pagedweight:$PLANES4"; do
-    tp "c_${P%%:*}" --batch 1 --policy "$P"
+    tp "c_$(row "$P")" --batch 1 --policy "$P"
   done
   timeout 200 python3 recipes/perf_hf_generate.py "$CK" "${IO[@]}" --dtype bfloat16 \
     --json "$JSON/c_hf_generate.json" | tail -4
@@ -124,8 +127,8 @@ for name, doc in merged.items():
         if fx.get("measured_step") is not None:
             print("    fixed MB:", {k: round((v or 0) / 1e6) for k, v in fx.items()})
         growth = r.get("peak_growth") or []
-        if r["over_budget"] and growth:  # where the reserved mark rose: the last few steps
-            print("    peak growth (last 6):", growth[-6:])
+        if r["over_budget"] and growth:  # where the reserved mark rose: start-up, last steps
+            print("    peak growth (start-up, last 6):", growth[:1], growth[1:][-6:])
     if "tpot_s" in doc:
         print(f"{name:16s} transformers generate {doc['dtype']}: TPOT {1e3 * doc['tpot_s']:.2f} ms")
 PY
@@ -140,7 +143,7 @@ e)
   for P in uniform:3 uniform:4 "static:$PLANES3" "pagedweight:$PLANES3"; do
     X=()
     [ "${P%%:*}" = pagedweight ] && X=(--max-bits 4)
-    tp "e_${P%%:*}" "${B[@]}" --policy "$P" "${X[@]}"
+    tp "e_$(row "$P")" "${B[@]}" --policy "$P" "${X[@]}"
   done
   ;;
 d)
@@ -182,7 +185,7 @@ n)
   MEM_N=$((${MEM_N%b} * 115 / 100))b
   echo "(n) memory budget $MEM_N, BUDGET $PLANES4"
   for P in uniform:4 "pagedweight:$PLANES4"; do
-    tp "n_${P%%:*}" --batch 1 --batch 4 --concurrency 32 --requests 64 --max-seqs 32 \
+    tp "n_$(row "$P")" --batch 1 --batch 4 --concurrency 32 --requests 64 --max-seqs 32 \
       --memory-budget "$MEM_N" --policy "$P" --max-bits 4
   done
   ;;

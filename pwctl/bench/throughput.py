@@ -276,9 +276,11 @@ class _Timeline:
         self.last: dict[int, float] = {}
         self.peak = self.peak_planes = self.peak_kv = 0
         # CUDA: the steps at which the allocator's reserved high-water mark rose (where a peak
-        # past the budget comes from): step, running, prefill tokens so far, captures, MB
+        # past the budget comes from): step, running, prefill tokens so far, captures, MB; the
+        # first entry is the mark start-up and warm-up left
         self.growth: list[dict[str, float]] = []
-        self._high = torch.cuda.max_memory_reserved() if device.startswith("cuda") else 0
+        self._high = 0  # the mark at the last entry: a creep of small rises adds up to one
+        self._track_growth()
         store = batcher.memory.store
         self._widths = store.widths  # the plan, changed in place between steps
         self._weights = np.array([b.rows * b.cols for b in store.pack.blocks], dtype=np.float64)
@@ -330,7 +332,7 @@ class _Timeline:
                 "max_allocated_mb": round(torch.cuda.max_memory_allocated() / 1e6, 1),
                 "grew_mb": round((high - self._high) / 1e6, 1),
             })  # fmt: skip
-        self._high = max(self._high, high)
+            self._high = high
 
     def _account(self, got: list[Sequence]) -> int:
         """The step's peaks; returns the KV bytes in use this step."""

@@ -110,7 +110,7 @@ class Engine:
         self._tokenizer: Any = None  # loaded on first use
         self._allocators: dict[str, WidthAllocator] = {}
         self.allocator: WidthAllocator | None = None
-        # bytes the largest eager step of each shape took on the device (`_confirm_fixed`)
+        # bytes the largest eager step of each shape took on the device (`_measure_step`)
         self._measured: dict[StepShape, int] = {}
 
     @property
@@ -273,11 +273,9 @@ class Engine:
         dynamic = self.allocator is not None and self.allocator.dynamic
         max_len = self.max_len(cfg)
         total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
-        kv, memory = self._arena(total, fixed, capacity, cfg, on_widths)
-        if self._confirm_fixed(cfg, kv, memory, fixed):  # a smaller arena, or widths moved
-            del kv, memory
+        if self._measure_step(cfg, total, fixed, capacity):  # the fixed part may have grown
             total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
-            kv, memory = self._arena(total, fixed, capacity, cfg, on_widths)
+        kv, memory = self._arena(total, fixed, capacity, cfg, on_widths)
         sched = Scheduler(kv, cfg.max_batch_tokens, cfg.max_seqs, cfg.max_queue, memory.make_room)
         runner = ModelRunner(self.model, kv, self.device, self._decode_graphs(cfg, kv))
         self.batcher = Batcher(
@@ -309,26 +307,27 @@ class Engine:
         self._settle_paged()  # the budget's first plan runs from the first step
         return kv, memory
 
-    def _confirm_fixed(
-        self, cfg: BatchConfig, kv: KVCache, memory: MemoryBudget, fixed: int
-    ) -> bool:
-        """CUDA: run the largest eager step and the largest decode graph once and keep what
-        they took (`fixed_part` counts it from then on). Whether the arena must be built
-        again: the fixed part grew past `fixed`, or the step's full-length sequence demoted
-        planes (a dynamic policy's first plan may leave the KV cache less than one sequence; a
-        fresh budget plans again). A formula that fell short is logged: the calculator
+    def _measure_step(self, cfg: BatchConfig, total: int, fixed: int, capacity: int) -> bool:
+        """CUDA, once a step shape: run the largest eager step and the largest decode graph and
+        keep what they took (`fixed_part` counts it from then on); whether anything ran. They
+        run in a probe arena of the first plan's planes and one full-length sequence (the
+        budget's other KV blocks are not made), so where the formula fell short the step's
+        workspace takes their room, not room past the budget; the serving arena is built after,
+        from the confirmed part. A formula that fell short is logged: the calculator
         (`serving_budget`) has only it."""
         step = self._step_shape(cfg)
         if not measures_steps(self.device) or step in self._measured:
             return False
+        one = self._seq_blocks(cfg)
+        unmade = (capacity - one) * self._block_bytes(cfg)
+        kv, memory = self._arena(total - unmade, fixed, one, cfg, None)
         short = kv.blocks_for(step.max_len) - kv.available
-        if short > 0:
+        if short > 0:  # a dynamic policy's first plan may leave less than one sequence
             memory.make_room(short, urgent=True)
         runner = ModelRunner(self.model, kv, self.device, self._decode_graphs(cfg, kv))
         largest = partial(runner.largest_step, step.max_seqs, step.max_batch_tokens, step.max_len)
         self._measured[step] = step_bytes(self.device, largest)
-        del largest
-        del runner  # its graphs' pool goes before serving's graphs make their own
+        del largest, runner, kv, memory  # the graphs' pool goes before serving's make their own
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
         confirmed = self.fixed_bytes(cfg)
@@ -338,7 +337,7 @@ class Engine:
                 "arena gives up that much (please report: the calculator will be short too)",
                 (confirmed - fixed) / 1e6,
             )
-        return short > 0 or confirmed > fixed
+        return True
 
     def max_len(self, cfg: BatchConfig) -> int:
         """The longest sequence (prompt + output) the batching path serves."""
