@@ -75,3 +75,39 @@ def test_widths_recover_after_a_burst_within_bounded_steps(bundled_pack):
     top = engine.store.max_bits
     assert (engine.store.widths == top).all(), np.bincount(engine.store.widths)
     assert memory.planes == engine.widest_plane_bytes()
+
+
+def test_demotions_leave_headroom_so_a_growing_cache_demotes_rarely(bundled_pack, monkeypatch):
+    """A KV cache growing a block or two a step: with `headroom` each demotion frees room for
+    several steps, so widths change less often than without it (each change waits for the
+    device), and the demoted bytes stay within the headroom of what was asked."""
+    import pwctl.runtime.memory.budget as budget_module
+
+    Rule = budget_module.PromotionRule
+
+    def run(headroom: float) -> tuple[int, MemoryBudget]:
+        rule = Rule(headroom=headroom)
+        monkeypatch.setattr(budget_module, "PromotionRule", lambda: rule)
+        engine = Engine(Pack(bundled_pack))
+        probe = engine.start_batching(parse_policy("pagedweight:0.4"), None, CFG)
+        budget = probe.memory.fixed + engine.widest_plane_bytes() + 12 * probe.kv.block_bytes
+        changes: list[int] = []
+        batcher = engine.start_batching(
+            parse_policy("pagedweight:0.4"), f"{budget}b", CFG, lambda w: changes.append(1)
+        )
+        prompts = ["In the beginning", "The quick brown fox", "It is a truth", "0123 4567"] * 2
+        ids = [engine.tokenizer(p).input_ids for p in prompts]
+        out = engine.generate_batch(ids, SamplingParams(max_tokens=24, ignore_eos=True))
+        assert all(len(s.output_ids) == 24 for s in out)
+        return len(changes), batcher.memory
+
+    without, m0 = run(0.0)
+    with_room, m1 = run(0.015)
+    assert m1.moves.demotions > 0 and with_room < without, (with_room, without)
+    assert m1.promotion.headroom == 0.015 and m0.promotion.headroom == 0.0
+    try:
+        Rule(headroom=0.02)
+    except ValueError as e:
+        assert "below the watermark" in str(e)
+    else:
+        raise AssertionError("a headroom at the watermark would be promoted back")

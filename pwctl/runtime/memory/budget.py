@@ -40,11 +40,20 @@ class PromotionRule:
     demand and immediate): only once the spare bytes stay above `watermark` x the arena for
     `hold` steps in a row (a free-memory signal wavering around the mark moves widths at most
     once a crossing), and at most `cap` x the arena a step (the pager's copies spread over
-    steps; the KV cache can take bytes back at once either way)."""
+    steps; the KV cache can take bytes back at once either way). A demotion frees `headroom` x
+    the arena beyond the blocks asked for, so a KV cache growing a block or two a step demotes
+    once every many steps, not every step (each demotion waits for the device: bursty load,
+    H100, 2026-12-06, 258 moves per 1,000 tokens); below the watermark, so what it leaves spare
+    is not promoted back."""
 
     watermark: float = 0.02
     hold: int = 4
     cap: float = 0.125
+    headroom: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.headroom < self.watermark:
+            raise ValueError("headroom must be below the watermark (else it is promoted back)")
 
 
 @dataclass
@@ -108,9 +117,10 @@ class MemoryBudget:
             return n_blocks <= 0
         want = self.kv.pool.limit + n_blocks
         target = self.space - want * self.kv.block_bytes
-        self._set(self.allocator.fit(target))
+        headroom = int(self.promotion.headroom * self.space) // self.kv.block_bytes
+        self._set(self.allocator.fit(target - headroom * self.kv.block_bytes))
         if urgent and self.planes > target and not self.allocator.relaxed:
-            self._set(self.allocator.squeeze(target))
+            self._set(self.allocator.squeeze(target))  # floors give way for what is asked only
         if self.paged is not None:
             self.paged.reclaim()  # the demoted planes' slabs are free now
         self._update_limit()
