@@ -117,6 +117,7 @@ def main() -> None:
           f" min {t[0] * 1e3:.2f} max {t[-1] * 1e3:.2f} over {a.steps}")  # fmt: skip
     if a.device.startswith("cuda"):
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        captured = graphs.captures if graphs is not None else 0
         with torch.profiler.profile(activities=acts) as prof:
             t0 = synced(a.device)
             for _ in range(a.steps):
@@ -127,6 +128,9 @@ def main() -> None:
         print(f"profiled ({a.seqs} sequences): wall {wall / a.steps * 1e3:.2f} ms a step, GPU "
               f"busy {busy:.2f} ms a step ({busy / median:.0%} of the unprofiled median step), "
               f"{kernels / a.steps:.0f} GPU ops a step")  # fmt: skip
+        if graphs is not None and graphs.captures > captured:  # eager kernels of a capture
+            print(f"  ({graphs.captures - captured} graph captures in the profiled steps: their "
+                  "eager runs count in the busy time)")  # fmt: skip
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
     prof_py = cProfile.Profile()
     prof_py.enable()

@@ -178,3 +178,34 @@ def test_one_token_steps_keep_the_last_residual(bundled_pack):
         factors.append(alloc.planner._res_block.copy())
     assert np.isfinite(factors[0]).all() and not np.allclose(factors[0], 1.0)
     assert np.array_equal(factors[1], factors[0])
+
+
+def test_text_catches_up_while_the_next_step_runs(bundled_pack):
+    """A running sequence's newest token is decoded to text during the next step (beside its
+    kernels on the GPU): between steps its text lags by at most that token; with stop strings
+    the text is current after each step; a finished sequence has all of its text."""
+    engine = Engine(Pack(bundled_pack))
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=2))
+    plain = batcher.add(engine.tokenizer(PROMPTS[0]).input_ids, SamplingParams(max_tokens=12))
+    stops = SamplingParams(max_tokens=12, stop=["\x00never"])
+    watched = batcher.add(engine.tokenizer(PROMPTS[1]).input_ids, stops)
+
+    def text(seq: Sequence, n: int) -> str:
+        return engine.tokenizer.decode(seq.output_ids[:n], skip_special_tokens=True)
+
+    lagged = 0
+    while batcher.has_work:
+        batcher.step()
+        for seq in (plain, watched):
+            if seq.finished:
+                assert seq.text == text(seq, len(seq.output_ids)) or seq.finish_reason == "stop"
+            elif seq is watched and seq.output_ids:
+                assert text(seq, len(seq.output_ids)).startswith(seq.text)
+                assert len(seq.text) >= len(text(seq, len(seq.output_ids) - 1))
+            elif seq.output_ids:
+                assert text(seq, len(seq.output_ids) - 1).startswith(seq.text)
+                lagged += seq.text != text(seq, len(seq.output_ids))
+        batcher.catch_up_text()
+        if not plain.finished and plain.output_ids:
+            assert text(plain, len(plain.output_ids)).startswith(plain.text)
+    assert lagged > 0 and plain.finished and watched.finished

@@ -173,6 +173,7 @@ def _closed_loop(
         submit()
     while batcher.has_work:
         got = batcher.step()
+        batcher.catch_up_text()  # a first-line answer is judged on the text of this step's token
         trace.record(batcher, got)
         done = 0
         for seq in got:
