@@ -7,6 +7,7 @@
 # Usage (device tool): bash recipes/gpu_check.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source "$(dirname "$0")/cupy_cache.sh"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip -e failed"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 330 python3 -m pytest -q -s -m gpu -o faulthandler_timeout=200 tests/test_kernels.py tests/test_dense_experts.py tests/test_paged_engine.py tests/test_pager.py tests/test_decode_graphs.py tests/test_scheduler.py \
@@ -15,3 +16,4 @@ timeout 210 pwctl bench --kernels --shape mixtral --shape qwen-moe --shape qwen3
     --tokens 1 --tokens 2 --tokens 4 --json "${OUT:-/tmp}/kernels.json" 2>&1 | tail -8
 # one-token layers, lookup and binary tensor cores (FusedMoE.popc_decode), kernel by kernel
 timeout 90 python3 recipes/profile_decode.py mixtral,qwen-moe,qwen3-moe 1 popc 2>&1 | grep -v "Writing model"
+save_cupy_cache

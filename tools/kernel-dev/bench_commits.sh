@@ -18,6 +18,7 @@ opts=("$@")
     --width 4 --tokens 1 --tokens 4 --tokens 512)
 out=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source recipes/cupy_cache.sh  # both sides' kernels from a carried cache: no compile
 for r in $(seq "$rounds"); do
     for side in base head; do
         dir=$PWD
@@ -29,3 +30,4 @@ for r in $(seq "$rounds"); do
 done
 python3 tools/kernel-dev/bench_compare.py "$(ls "$out"/bench_base*.json | paste -sd, -)" \
     "$(ls "$out"/bench_head*.json | paste -sd, -)" --slower 3
+save_cupy_cache
