@@ -30,4 +30,6 @@ for r in $(seq "$rounds"); do
 done
 python3 tools/kernel-dev/bench_compare.py "$(ls "$out"/bench_base*.json | paste -sd, -)" \
     "$(ls "$out"/bench_head*.json | paste -sd, -)" --slower 3
+rc=$?
 save_cupy_cache
+exit $rc
