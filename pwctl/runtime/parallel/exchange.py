@@ -1,0 +1,118 @@
+"""One MoE layer's expert-parallel step: tokens go to their experts' owners and come back.
+
+Every rank routes its own tokens, then (a collective each, in this order on every rank):
+1. counts: how many (token, expert) pairs it sends each rank (`all_to_all_single`);
+2. the pairs' hidden rows and expert ids, to the owners (uneven splits);
+3. the owners' outputs, back along the same splits;
+and the sender combines them with its own routing weights (the weights never travel). A rank
+with no tokens still joins each collective, with empty splits. Splits are read on the host, so
+a step with an exchange runs eagerly (no CUDA graph): fixed-size padded exchanges would be what
+graphs need."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pwctl.errors import PwctlError
+from pwctl.runtime.parallel.placement import ExpertPlacement
+
+# (expert id, its tokens' hidden rows [n, H]) -> the expert's output rows [n, H]
+RunExpert = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def join(rank: int, world: int, backend: str = "gloo", timeout_s: float = 60.0) -> None:
+    """This process into the group (MASTER_ADDR / MASTER_PORT from the environment, as torchrun
+    sets them), with an explicit timeout: a rank that dies makes the others' next collective
+    fail within it instead of hanging."""
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+    except (RuntimeError, ValueError) as e:
+        raise PwctlError(f"rank {rank} of {world}: could not join the group ({e})") from None
+
+
+@dataclass
+class ExchangeStats:
+    calls: int = 0
+    sent_bytes: int = 0  # hidden rows and ids sent to other ranks, and outputs sent back
+    seconds: float = 0.0  # wall time inside the collectives
+
+
+class ExpertExchange:
+    """The exchange of one rank; `placement` says who owns what, `group` is the process group
+    (None: the default one)."""
+
+    def __init__(self, placement: ExpertPlacement, group: dist.ProcessGroup | None = None):
+        self.placement, self.group = placement, group
+        self.rank = dist.get_rank(group)
+        if dist.get_world_size(group) != placement.ranks:
+            raise PwctlError(
+                f"the placement is for {placement.ranks} ranks, the group has "
+                f"{dist.get_world_size(group)}"
+            )
+        self._owner = torch.as_tensor(placement.owner, dtype=torch.long)
+        self.stats = ExchangeStats()
+
+    def __call__(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        index: torch.Tensor,
+        run: RunExpert,
+    ) -> torch.Tensor:
+        """Sum over each token's routed experts, run where they live: float32 [T, H] for x
+        [T, H], weights and index [T, k]. `run(e, rows)` runs an expert this rank owns."""
+        T, k = index.shape
+        R, H = self.placement.ranks, x.shape[1]
+        flat = index.reshape(-1).long()
+        dest = self._owner[layer].to(flat.device)[flat]
+        order = torch.argsort(dest, stable=True)
+        tokens = order // k
+        send = torch.bincount(dest, minlength=R)
+        recv = self._counts(send)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
+        rows = self._swap(x[tokens], sum(recv_splits), recv_splits, send_splits)
+        experts = self._swap(flat[order], sum(recv_splits), recv_splits, send_splits)
+        out_rows = torch.zeros_like(rows)
+        for e in experts.unique().tolist():
+            mine = torch.nonzero(experts == e)[:, 0]
+            out_rows[mine] = run(int(e), rows[mine]).to(rows.dtype)
+        back = self._swap(out_rows, T * k, send_splits, recv_splits)
+        out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+        w = weights.reshape(-1)[order].float()
+        out.index_add_(0, tokens, back.float() * w[:, None])
+        self.stats.calls += 1
+        return out
+
+    def _counts(self, send: torch.Tensor) -> torch.Tensor:
+        recv = torch.empty_like(send)
+        self._timed(lambda: dist.all_to_all_single(recv, send, group=self.group))
+        return recv
+
+    def _swap(
+        self, t: torch.Tensor, n_out: int, out_splits: list[int], in_splits: list[int]
+    ) -> torch.Tensor:
+        """`t`'s rows, in_splits[r] of them to rank r; returns the n_out rows received."""
+        out = t.new_empty((n_out, *t.shape[1:]))
+        self._timed(
+            lambda: dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, self.group)
+        )
+        row = t.shape[1:].numel() * t.element_size()  # bytes a row (an empty t has none)
+        self.stats.sent_bytes += (sum(in_splits) - in_splits[self.rank]) * row
+        return out
+
+    def _timed(self, fn: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        except RuntimeError as e:  # a peer died or timed out: say so in one line
+            raise PwctlError(f"rank {self.rank}: expert exchange failed ({e})") from None
+        self.stats.seconds += time.perf_counter() - start

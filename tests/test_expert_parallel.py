@@ -1,0 +1,96 @@
+"""Expert parallelism on CPU with gloo (issue 67): the placement balances router load with equal
+expert counts; the exchange, in separate processes as torchrun would start them, gives every
+rank the same MoE output as all experts on one rank, a rank with no tokens included; a rank that
+dies makes the others fail with a clear error within the group's timeout, not hang."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pwctl.errors import PwctlError
+from pwctl.runtime.parallel.placement import ExpertPlacement
+
+WORKER = Path(__file__).with_name("expert_parallel_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+import expert_parallel_worker as worker  # noqa: E402  # the reference shares its weights
+
+
+def test_placement_balances_load_with_equal_counts():
+    rng = np.random.default_rng(0)
+    load = rng.pareto(1.5, size=(3, 60)) + 0.01  # a few hot experts, as routers have
+    p = ExpertPlacement.balanced(load, 4)
+    for layer in range(3):
+        assert sorted(np.bincount(p.owner[layer], minlength=4)) == [15] * 4
+        assert np.array_equal(np.sort(np.concatenate([p.local(r, layer) for r in range(4)])),
+                              np.arange(60))  # fmt: skip
+    shares = p.rank_load(load) / load.sum(1, keepdims=True)
+    contiguous = ExpertPlacement(np.repeat(np.arange(4), 15)[None].repeat(3, 0), 4)
+    naive = contiguous.rank_load(load) / load.sum(1, keepdims=True)
+    hottest = (load / load.sum(1, keepdims=True)).max(1)
+    assert shares.max() < naive.max()
+    assert (shares.max(1) <= 1 / 4 + hottest).all()  # greedy's bound: a fair share + one expert
+    with pytest.raises(PwctlError, match="needs 1 to 60 ranks"):
+        ExpertPlacement.balanced(load, 61)
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _ranks(world: int, out: Path, mode: str) -> list[subprocess.CompletedProcess]:
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world), port, str(out), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    done = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
+    return done
+
+
+def _reference(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, layer: int):
+    w = worker.experts()[layer]
+    out = torch.zeros(x.shape[0], x.shape[1])
+    for t in range(x.shape[0]):
+        for s in range(index.shape[1]):
+            out[t] += weights[t, s] * worker.mlp(w[int(index[t, s])], x[t : t + 1])[0]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_ranks_get_the_one_rank_output(world, tmp_path):
+    runs = _ranks(world, tmp_path, "ok")
+    assert all(r.returncode == 0 for r in runs), [r.stdout for r in runs]
+    for rank in range(world):
+        got = load_file(str(tmp_path / f"rank{rank}.st"))
+        assert got["x"].shape[0] == worker.TOKENS[rank]
+        for layer in range(worker.LAYERS):
+            want = _reference(got["x"], got["weights"], got["index"], layer)
+            torch.testing.assert_close(got[f"out{layer}"], want, rtol=1e-5, atol=1e-5)
+    assert "sent 0 bytes" not in runs[0].stdout  # tokens really travelled
+
+
+def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path):
+    start = time.monotonic()
+    runs = _ranks(2, tmp_path, "die")
+    assert time.monotonic() - start < 60
+    assert runs[1].returncode == 0
+    assert runs[0].returncode == 3 and "expert exchange failed" in runs[0].stdout, runs[0].stdout
