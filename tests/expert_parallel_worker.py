@@ -1,7 +1,9 @@
 """One rank of tests/test_expert_parallel.py, run as its own process (as torchrun would start it):
-python tests/expert_parallel_worker.py RANK WORLD PORT OUT_DIR MODE. MODE "ok": route this rank's
-tokens, run the exchange over two MoE layers, save inputs and outputs (safetensors); "die": rank
-1 leaves right after joining, and the others' exchange must fail with a clear error."""
+python tests/expert_parallel_worker.py RANK WORLD PORT OUT_DIR MODE [PACK]. MODE "ok": route this
+rank's tokens, run the exchange over two MoE layers, save inputs and outputs (safetensors);
+"die": rank 1 leaves right after joining, and the others' exchange must fail with a clear error;
+"engine": this rank's prompts (`rank_prompts`) through the engine of PACK with its experts
+exchanged, greedy; saves the tokens and the first step's logits."""
 
 from __future__ import annotations
 
@@ -42,16 +44,47 @@ def tokens(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, weights, index
 
 
+PROMPTS = ["In the beginning God created", "The quick brown fox", "It is a truth", "0123 4567",
+           "Once upon a time"]  # fmt: skip
+
+
+def rank_prompts(rank: int, world: int) -> list[str]:
+    """Uneven work: rank 0 gets most prompts, the last rank one."""
+    return PROMPTS[rank::world] if rank < world - 1 else PROMPTS[rank : rank + 1]
+
+
+def serve(pack: str, prompts: list[str], rank_engine=None) -> dict[str, torch.Tensor]:
+    """Greedy tokens (12 a prompt) and the first step's logits on one engine of `pack`; with
+    `rank_engine(engine)` its experts are exchanged with the other ranks."""
+    from pwctl.format.pack import Pack
+    from pwctl.policy import parse_policy
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.engine import Engine
+    from pwctl.runtime.engine.scheduler import SamplingParams
+
+    engine = Engine(Pack(Path(pack)))
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=2))
+    first: list[torch.Tensor] = []
+    forward = batcher.runner.forward
+    batcher.runner.forward = lambda batch: first.append(forward(batch)) or first[-1]
+    ids = [engine.tokenizer(p).input_ids for p in prompts]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runner = rank_engine(engine) if rank_engine else engine
+    seqs = runner.generate_batch(ids, params)
+    return {"tokens": torch.tensor([s.output_ids for s in seqs]), "logits": first[0]}
+
+
 def main() -> None:
-    rank, world, port, out, mode = (
-        int(sys.argv[1]),
-        int(sys.argv[2]),
-        sys.argv[3],
-        sys.argv[4],
-        sys.argv[5],
-    )
+    rank, world, port, out, mode = sys.argv[1:6]
+    rank, world = int(rank), int(world)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     join(rank, world, timeout_s=10)
+    if mode == "engine":
+        from pwctl.runtime.parallel.ranks import RankEngine
+
+        got = serve(sys.argv[6], rank_prompts(rank, world), RankEngine)  # the profile's placement
+        save_file(got, str(Path(out) / f"rank{rank}.st"))
+        return
     if mode == "die" and rank == 1:
         os._exit(0)  # gone without a word: the others must not hang
     load = torch.rand(LAYERS, EXPERTS, generator=torch.Generator().manual_seed(7)).numpy()
@@ -70,9 +103,8 @@ def main() -> None:
         except PwctlError as e:
             print(f"error: {e}", flush=True)
             sys.exit(3)
-    save_file(
-        {"x": x, "weights": weights, "index": index, **outs}, str(Path(out) / f"rank{rank}.st")
-    )
+    saved = {"x": x, "weights": weights, "index": index, **outs}
+    save_file(saved, str(Path(out) / f"rank{rank}.st"))
     print(f"sent {exchange.stats.sent_bytes} bytes in {exchange.stats.calls} calls", flush=True)
 
 

@@ -20,6 +20,7 @@ from pwctl.runtime.moe.router import route
 if TYPE_CHECKING:
     from pwctl.runtime.memory.paged_experts import PagedExperts
     from pwctl.runtime.moe.dense_experts import DenseExperts
+    from pwctl.runtime.parallel.exchange import ExpertExchange
 
 
 class MoEBlock(nn.Module):
@@ -35,6 +36,8 @@ class MoEBlock(nn.Module):
         self.observer: MoETap | None = None
         self.paged: PagedExperts | None = None  # set by the engine: the paged backend
         self.dense: DenseExperts | None = None  # or the 16-bit experts (fp16 policy)
+        # expert parallel (runtime/parallel): routed experts run on their owners' ranks
+        self.exchange: ExpertExchange | None = None
 
     def shared_scale(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's gate per token [T, 1] (None: ungated or no shared expert)."""
@@ -55,6 +58,9 @@ class MoEBlock(nn.Module):
         weights, index = route(self.gate(x), self.spec)
         if self.observer is not None:
             self.observer(self.layer, x, index, weights)
+        if self.exchange is not None:  # routed experts on their owners, the shared one here
+            out = self.exchanged(x, weights, index).to(x.dtype)
+            return self._add_shared(x, out).view_as(hidden)
         if self.paged is not None:
             out = self.paged.fused(self.layer, x, weights, index, self.shared_scale(x))
             return out.to(x.dtype).view_as(hidden)
@@ -62,6 +68,16 @@ class MoEBlock(nn.Module):
             out = self.dense(self.layer, x, weights, index, self.shared_scale(x))
             return out.to(x.dtype).view_as(hidden)
         return self._store_forward(x, weights, index).view_as(hidden)
+
+    def exchanged(
+        self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """Routed experts through the exchange (float32 [T, H]): this rank runs, from the
+        store, what the others (and it) send to the experts it owns. A rank with no tokens
+        calls it with T = 0: it still serves the others."""
+        assert self.exchange is not None
+        run = lambda e, rows: self.store.mlp(self.layer, e, rows)  # noqa: E731
+        return self.exchange(self.layer, x, weights, index, run)
 
     def _store_forward(
         self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
@@ -71,11 +87,15 @@ class MoEBlock(nn.Module):
             tokens, slot = torch.where(index == e)
             y = self.store.mlp(self.layer, e, x[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        if self.spec.has_shared:
-            shared = self.store.mlp(self.layer, self.spec.num_experts, x)
-            scale = self.shared_scale(x)
-            out = out + (shared if scale is None else scale * shared)
-        return out
+        return self._add_shared(x, out)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` plus the shared expert's output (gated where the recipe gates it), if any."""
+        if not self.spec.has_shared:
+            return out
+        shared = self.store.mlp(self.layer, self.spec.num_experts, x)
+        scale = self.shared_scale(x)
+        return out + (shared if scale is None else scale * shared)
 
 
 class MoETap:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pwctl.errors import PwctlError
+from pwctl.format.pack import Pack
+from pwctl.format.profile import PROFILE_JSON, Profile
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,14 @@ class ExpertPlacement:
     def uniform(cls, moe_layers: int, experts: int, ranks: int) -> ExpertPlacement:
         """No profile: every expert expected alike (contiguous-looking counts, balanced)."""
         return cls.balanced(np.ones((moe_layers, experts)), ranks)
+
+    @classmethod
+    def for_pack(cls, pack: Pack, ranks: int) -> ExpertPlacement:
+        """The profile's router share balanced, or without a profile every expert alike."""
+        m = pack.manifest
+        if (pack.path / PROFILE_JSON).is_file():
+            return cls.balanced(Profile.load(pack).router_share, ranks)
+        return cls.uniform(len(m.moe_layers), m.spec.num_experts, ranks)
 
     def local(self, rank: int, layer: int) -> np.ndarray:
         """Experts of `layer` that `rank` runs, ascending."""

@@ -1,0 +1,69 @@
+"""Serving on several ranks in step: each rank's engine runs its own requests (data-parallel
+attention, its own KV cache), and every MoE layer's exchange needs every rank. So the ranks
+step together: each step they agree whether any has work, and a rank whose step ran no forward
+(nothing scheduled, or no work left while others have some) joins each layer's exchange with no
+tokens. The CPU store path only, for now: the paged and 16-bit backends run experts in fused
+kernels that do not take an exchange yet."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pwctl.errors import PwctlError
+from pwctl.runtime.engine.engine import Engine
+from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
+from pwctl.runtime.moe.block import MoEBlock
+from pwctl.runtime.parallel.exchange import ExpertExchange
+from pwctl.runtime.parallel.placement import ExpertPlacement
+
+
+class RankEngine:
+    """One rank's engine with its MoE blocks' routed experts exchanged over `group`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        group: dist.ProcessGroup | None = None,
+        placement: ExpertPlacement | None = None,
+    ):
+        """`placement` (None: the pack's profile balanced over the group's ranks)."""
+        if engine.paged is not None or engine.dense is not None:
+            raise PwctlError("--expert-parallel runs the CPU store path only for now")
+        self.engine, self.group = engine, group
+        ranks = dist.get_world_size(group)
+        self.placement = placement or ExpertPlacement.for_pack(engine.pack, ranks)
+        self.exchange = ExpertExchange(self.placement, group)
+        self.blocks = [m for m in engine.model.modules() if isinstance(m, MoEBlock)]
+        for block in self.blocks:
+            block.exchange = self.exchange
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """This rank's prompts to completion, stepping with every other rank."""
+        batcher = self.engine.batcher
+        if batcher is None:
+            raise PwctlError("start_batching first")
+        seqs = [batcher.add(p, params) for p in prompts]
+        while self._anyone_busy(batcher.has_work):
+            calls = self.exchange.stats.calls
+            if batcher.has_work:
+                batcher.step()
+            if self.exchange.stats.calls == calls:  # no forward ran here: join with nothing
+                self.empty_step()
+        return seqs
+
+    def empty_step(self) -> None:
+        """Every MoE layer's exchange, in layer order, with no tokens of this rank."""
+        spec = self.blocks[0].spec if self.blocks else None
+        if spec is None:
+            return
+        x = torch.empty(0, spec.hidden, dtype=self.engine.dtype, device=self.engine.device)
+        index = torch.empty(0, spec.top_k, dtype=torch.long, device=x.device)
+        weights = torch.empty(0, spec.top_k, dtype=torch.float32, device=x.device)
+        for block in self.blocks:  # as owners they still run what the others send
+            block.exchanged(x, weights, index)
+
+    def _anyone_busy(self, busy: bool) -> bool:
+        flag = torch.tensor([int(busy)])
+        dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
