@@ -107,3 +107,10 @@ def test_engines_on_two_ranks_serve_what_one_engine_serves(bundled_pack, tmp_pat
         want = worker.serve(str(bundled_pack), worker.rank_prompts(rank, 2))
         assert torch.equal(got["tokens"], want["tokens"])
         torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=1e-4)
+
+
+def test_placement_of_a_pack_without_a_profile_is_uniform(bundled_qwen_pack):
+    from pwctl.format.pack import Pack
+
+    p = ExpertPlacement.for_pack(Pack(bundled_qwen_pack), 4)  # tiny-qwen-moe: 32 experts
+    assert p.owner.shape[1] == 32 and (np.bincount(p.owner[0], minlength=4) == 8).all()

@@ -50,7 +50,7 @@ class ExpertPlacement:
         m = pack.manifest
         if (pack.path / PROFILE_JSON).is_file():
             return cls.balanced(Profile.load(pack).router_share, ranks)
-        return cls.uniform(len(m.moe_layers), m.spec.num_experts, ranks)
+        return cls.uniform(len(m.moe_layers), int(m.spec["num_experts"]), ranks)
 
     def local(self, rank: int, layer: int) -> np.ndarray:
         """Experts of `layer` that `rank` runs, ascending."""
