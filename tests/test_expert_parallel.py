@@ -5,6 +5,7 @@ dies makes the others fail with a clear error within the group's timeout, not ha
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -114,3 +115,18 @@ def test_placement_of_a_pack_without_a_profile_is_uniform(bundled_qwen_pack):
 
     p = ExpertPlacement.for_pack(Pack(bundled_qwen_pack), 4)  # tiny-qwen-moe: 32 experts
     assert p.owner.shape[1] == 32 and (np.bincount(p.owner[0], minlength=4) == 8).all()
+
+
+def test_generate_with_two_ranks_prints_what_one_rank_prints(bundled_pack, tmp_path):
+    """`pwctl generate --expert-parallel 2` starts its second rank itself (an owner of half the
+    experts) and writes the completion one rank writes."""
+    out = {}
+    for n in (1, 2):
+        json_path = tmp_path / f"g{n}.json"
+        cmd = [sys.executable, "-m", "pwctl.cli", "generate", str(bundled_pack), "--prompt",
+               "In the beginning", "--max-tokens", "8", "--device", "cpu", "--policy",
+               "uniform:4", "--expert-parallel", str(n), "--json", str(json_path)]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[n] = json.loads(json_path.read_text())
+    assert out[2]["completion"] == out[1]["completion"] and out[2]["tokens"] == 8

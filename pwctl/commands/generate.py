@@ -38,11 +38,19 @@ def run(
     cuda_graphs: CudaGraphs = True,
     verify: Verify = True,
     device: Device = "auto",
+    expert_parallel: Annotated[
+        int,
+        typer.Option(
+            help="ranks that share the experts (each runs its owned experts for all; started "
+            "here, or by torchrun); the CPU path only for now"
+        ),
+    ] = 1,
     json: JsonOut = None,
 ) -> None:
     """Greedy-decode a continuation of PROMPT with the experts at POLICY's widths."""
     pol = policy_or_auto(policy)
     checks.at_least("--max-tokens", max_tokens, 1)
+    checks.at_least("--expert-parallel", expert_parallel, 1)
     BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
     device = parse_device(device)
     from pwctl.runtime.engine.batcher import BatchConfig
@@ -68,7 +76,23 @@ def run(
         f"policy {pol}, device {device}, memory budget {budget / 1e6:.1f} MB", highlight=False
     )
     ids = engine.tokenizer(prompt).input_ids
-    (seq,) = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))
+    params = SamplingParams(max_tokens=max_tokens)
+    if expert_parallel > 1:
+        if experts != "store":
+            raise PwctlError("--expert-parallel runs on the CPU for now (--device cpu)")
+        from pwctl.runtime.parallel.launch import ranks
+        from pwctl.runtime.parallel.ranks import RankEngine
+
+        bits = "-" if max_bits is None else str(max_bits)
+        owner = [str(pack), str(pol), bits, "-" if memory_budget is None else memory_budget]
+        with ranks(expert_parallel, owner) as rank:
+            prompts = [ids] if rank == 0 else []  # under torchrun other ranks only serve
+            seqs = RankEngine(engine).generate_batch(prompts, params)
+        if rank != 0:
+            return
+        (seq,) = seqs
+    else:
+        (seq,) = engine.generate_batch([ids], params)
     console.print(seq.text, highlight=False, markup=False)
     write_json(
         json,

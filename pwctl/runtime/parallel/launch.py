@@ -1,0 +1,63 @@
+"""Starting the ranks of `--expert-parallel N`: under torchrun (RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT in the environment) each process is already a rank; otherwise the command's own
+process is rank 0 and starts ranks 1..N-1 itself, each `python -m pwctl.runtime.parallel.owner`
+on the same pack and policy. Those serve only as their experts' owners (the requests, and the
+output, are rank 0's). Gloo on the CPU (the only path for now)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from pwctl.errors import PwctlError
+from pwctl.runtime.parallel.exchange import join
+
+TIMEOUT_S = 120.0  # a rank that dies fails the others' next exchange within this
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world) when torchrun (or another launcher) started this process as a rank."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+@contextmanager
+def ranks(n: int, owner_args: list[str]) -> Iterator[int]:
+    """This process as a rank of `n` (yields its rank): under a launcher as it says, else rank
+    0 with ranks 1..n-1 started as owners (`owner_args`: their command line after the module).
+    On exit the group is left and started ranks are waited for (one that failed: an error)."""
+    launched = torchrun_rank()
+    children: list[subprocess.Popen] = []
+    if launched is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", _free_port())
+        for r in range(1, n):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n)}
+            cmd = [sys.executable, "-m", "pwctl.runtime.parallel.owner", *owner_args]
+            children.append(subprocess.Popen(cmd, env=env))
+        launched = (0, n)
+    rank, world = launched
+    if world != n:
+        raise PwctlError(f"--expert-parallel {n}, but the launcher started {world} ranks")
+    try:
+        join(rank, world, timeout_s=TIMEOUT_S)
+        yield rank
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        failed = [c.args for c in children if c.wait(timeout=TIMEOUT_S) != 0]
+        if failed:
+            raise PwctlError(f"{len(failed)} expert-parallel rank(s) failed: see their output")
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])

@@ -1,0 +1,40 @@
+"""A rank that only serves its experts to the others (started by `launch.ranks`):
+python -m pwctl.runtime.parallel.owner PACK POLICY MAX_BITS MEMORY_BUDGET ("-": none), with
+torchrun's environment."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pwctl.errors import PwctlError
+
+
+def main(argv: list[str]) -> int:
+    from pwctl.policy import parse_policy
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.engine import Engine, open_pack
+    from pwctl.runtime.engine.scheduler import SamplingParams
+    from pwctl.runtime.parallel.exchange import join
+    from pwctl.runtime.parallel.launch import TIMEOUT_S, torchrun_rank
+    from pwctl.runtime.parallel.ranks import RankEngine
+
+    pack, policy = Path(argv[0]), parse_policy(argv[1])
+    max_bits = None if argv[2] == "-" else int(argv[2])
+    budget = None if argv[3] == "-" else argv[3]
+    launched = torchrun_rank()
+    if launched is None:
+        raise PwctlError("an owner rank needs RANK and WORLD_SIZE (launch.ranks sets them)")
+    join(*launched, timeout_s=TIMEOUT_S)
+    engine = Engine(open_pack(pack), "cpu", max_bits=max_bits)
+    engine.start_batching(policy, budget, BatchConfig())
+    RankEngine(engine).generate_batch([], SamplingParams())  # serve until no rank has work
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except PwctlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
