@@ -100,9 +100,9 @@ def main() -> None:
 
         try:
             outs[f"out{layer}"] = exchange(layer, x, weights, index, run)
-        except PwctlError as e:
+        except PwctlError as e:  # a broken gloo group aborts in its destructor: leave now
             print(f"error: {e}", flush=True)
-            sys.exit(3)
+            os._exit(3)
     saved = {"x": x, "weights": weights, "index": index, **outs}
     save_file(saved, str(Path(out) / f"rank{rank}.st"))
     print(f"sent {exchange.stats.sent_bytes} bytes in {exchange.stats.calls} calls", flush=True)

@@ -49,6 +49,9 @@ def ranks(n: int, owner_args: list[str]) -> Iterator[int]:
     try:
         join(rank, world, timeout_s=TIMEOUT_S)
         yield rank
+    except PwctlError as e:  # e.g. a peer died: gloo's group then aborts the process when it
+        print(f"error: {e}", file=sys.stderr, flush=True)  # is torn down, so leave at once
+        os._exit(2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
