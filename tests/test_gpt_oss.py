@@ -336,3 +336,26 @@ def test_paged_attention_with_sinks_equals_transformers(window):
     fixed = DecodeBatch(kv, torch.cat([slots[i] for i in rows]), table, n)
     got = attend(fixed, q[:, :, -3:], k[:, :, -3:], v[:, :, -3:])
     torch.testing.assert_close(got, want[-3:], rtol=1e-5, atol=1e-6)
+
+
+def test_calibrated_conversion_of_either_input(gpt_oss, tmp_path):
+    """--calib runs the source model (MXFP4: dequantized by transformers, no kernels) and
+    weighs the quantizer by E[x^2] of gate / up's input and of down's: glu(gate x + b, up x + b)
+    of the interleaved columns. Both inputs give the same statistics, so the same planes."""
+    calib = tmp_path / "calib.txt"
+    calib.write_text(tiny.TOKENIZER_TEXT * 20)
+    packs = []
+    for kind in ("bf16", "mxfp4"):
+        convert(gpt_oss[kind], tmp_path / kind, ConvertOptions(calib=calib, calib_tokens=512))
+        packs.append(Pack(tmp_path / kind))
+    assert all(p.manifest.weighting == "calib-ex2" for p in packs)
+    assert all(b.importance_tokens is not None for b in packs[0].blocks)
+    for x, y in zip(*(p.blocks for p in packs), strict=True):
+        assert [p.crc32 for p in x.planes] == [p.crc32 for p in y.planes]
+    engine = Engine(packs[1])
+    ids = torch.randint(1, tiny.VOCAB, (1, 32), generator=torch.Generator().manual_seed(2))
+    engine.set_policy(parse_policy("fp16"))
+    ref = torch.log_softmax(engine.logits(ids), -1)
+    engine.set_policy(parse_policy("uniform:8"))
+    out = torch.log_softmax(engine.logits(ids), -1)
+    assert float((ref.exp() * (ref - out)).sum(-1).mean()) < 1e-3

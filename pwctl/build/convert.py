@@ -14,6 +14,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,6 +47,8 @@ COPY_PATTERNS = (
     "added_tokens.json",
 )
 FP16_MAX = 65504.0
+# one block of a fused layout: expert, projection, rows, cols, dtype, its read
+ExpertSource = tuple[int, str, int, int, torch.dtype, Callable[[], torch.Tensor]]
 
 
 @dataclass
@@ -201,7 +204,7 @@ def _transposed(
     gu: str,
     dn: str,
     mx: dict[str, dict[str, str]],
-) -> tuple[list[tuple], set[str]]:
+) -> tuple[list[ExpertSource], set[str]]:
     """One layer's blocks from transposed fused tensors (GPT-OSS: gate_up [E, H, 2I] with gate
     and up interleaved along its columns when the recipe says so, down [E, I, H]), in 16-bit
     or as MXFP4 blocks + scales ([E, out, in / 32, 16] and [E, out, in / 32], not transposed:
@@ -241,11 +244,15 @@ def _transposed(
     if spec.expert_bias:
         for key, shape in (("gate_up_bias", (n_exp, 2 * i)), ("down_bias", (n_exp, h))):
             _check(ckpt, recipe.experts[key].format(layer=layer), shape)
-    sources = []
+
+    def rows_of(e: int, r: slice) -> Callable[[], torch.Tensor]:
+        return lambda: gate_up(e)[r].contiguous()
+
+    sources: list[ExpertSource] = []
     for e in range(n_exp):
-        for p, rows in (("gate", gate_rows), ("up", up_rows)):
-            sources.append((e, p, i, h, dt, lambda e=e, r=rows: gate_up(e)[r].contiguous()))
-        sources.append((e, "down", h, i, dt, lambda e=e: down(e)))
+        sources.append((e, "gate", i, h, dt, rows_of(e, gate_rows)))
+        sources.append((e, "up", i, h, dt, rows_of(e, up_rows)))
+        sources.append((e, "down", h, i, dt, partial(down, e)))
     return sources, names
 
 

@@ -122,10 +122,10 @@ def _proxy(
         full = {p: store.weight_at(j, top) for p, j in ids.items()}
 
         bias = biases[block.layer]
-        b = None if bias is None or block.shared else bias.of(block.expert)
+        eb = None if bias is None or block.shared else bias.of(block.expert)
 
-        def expert(wts, inp=inp, b=b):
-            return expert_mlp(inp, wts["gate"], wts["up"], wts["down"], store.glu, b)
+        def expert(wts, inp=inp, eb=eb):
+            return expert_mlp(inp, wts["gate"], wts["up"], wts["down"], store.glu, eb)
 
         y = expert(full)
         for p, j in ids.items():
