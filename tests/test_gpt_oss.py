@@ -359,3 +359,84 @@ def test_calibrated_conversion_of_either_input(gpt_oss, tmp_path):
     engine.set_policy(parse_policy("uniform:8"))
     out = torch.log_softmax(engine.logits(ids), -1)
     assert float((ref.exp() * (ref - out)).sum(-1).mean()) < 1e-3
+
+
+# --- end to end, as a user runs it -------------------------------------------------------------
+
+
+def test_end_to_end_convert_profile_generate_serve_bench(gpt_oss, tmp_path):
+    """convert (bf16 and MXFP4 input), profile, generate, bench --ppl through the CLI, then
+    `pwctl serve` in its own process: completions equal the reference path's greedy tokens."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from typer.testing import CliRunner
+
+    from pwctl.cli import app
+
+    runner = CliRunner()
+    packs = {}
+    for kind in ("bf16", "mxfp4"):
+        packs[kind] = tmp_path / f"pack-{kind}"
+        args = ["convert", str(gpt_oss[kind]), str(packs[kind]), "--min-bits", "3"]
+        r = runner.invoke(app, [*args, "--max-bits", "6", "--json", str(tmp_path / "c.json")])
+        assert r.exit_code == 0, r.output
+        assert json.loads((tmp_path / "c.json").read_text())["blocks"] == 2 * 4 * 3
+    pack = packs["mxfp4"]
+    data = tmp_path / "text.txt"
+    data.write_text(tiny.TOKENIZER_TEXT * 20)
+    r = runner.invoke(app, ["profile", str(pack), "--data", str(data), "--samples", "2",
+                            "--seq-len", "32", "--method", "measured"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["generate", str(pack), "--prompt", "The quick brown",
+                            "--max-tokens", "6", "--policy", "pagedweight:0.5",
+                            "--json", str(tmp_path / "g.json")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "g.json").read_text())["policy"] == "pagedweight:0.5"
+    r = runner.invoke(app, ["bench", str(pack), "--ppl", "--data", str(data), "--seq-len", "64",
+                            "--policy", "fp16", "--policy", "uniform:3", "--policy", "uniform:6",
+                            "--json", str(tmp_path / "b.json")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = {x["policy"]: x for x in json.loads((tmp_path / "b.json").read_text())["results"]}
+    # MXFP4 experts: a table's rows hold few distinct values (16 codes x a few exponents), which
+    # 6-bit tables of this tiny model hold exactly
+    assert rows["fp16"]["kl"] == 0 and rows["uniform:3"]["kl"] > rows["uniform:6"]["kl"] >= 0
+
+    engine = Engine(Pack(pack))
+    engine.set_policy(parse_policy("uniform:4"))
+    prompt = "It is a truth universally acknowledged"
+    want = engine.tokenizer.decode(
+        engine.generate_ids(engine.tokenizer(prompt).input_ids, 12), skip_special_tokens=True
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pwctl.cli", "serve", str(pack), "--port", str(port),
+           "--policy", "uniform:4", "--device", "cpu", "--max-model-len", "256"]  # fmt: skip
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read().decode() if server.stdout else ""
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        chat = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+    finally:
+        os.kill(server.pid, signal.SIGTERM)
+        server.wait(30)

@@ -95,6 +95,7 @@ def _features(engine: Engine, tap: MoETap, n_seq: int, seq_len: int):
     return feats, share
 
 
+@torch.no_grad()  # the model's own parameters (GPT-OSS's expert biases) would record a graph
 def _proxy(
     engine: Engine, tap: MoETap, widths: list[int], n_seq: int, seq_len: int, progress
 ) -> np.ndarray:
