@@ -245,8 +245,16 @@ def _transposed(
         for key, shape in (("gate_up_bias", (n_exp, 2 * i)), ("down_bias", (n_exp, h))):
             _check(ckpt, recipe.experts[key].format(layer=layer), shape)
 
+    last: dict[int, torch.Tensor] = {}  # the expert gate_up was last read for: up follows gate
+
     def rows_of(e: int, r: slice) -> Callable[[], torch.Tensor]:
-        return lambda: gate_up(e)[r].contiguous()
+        def fetch() -> torch.Tensor:
+            if e not in last:
+                last.clear()
+                last[e] = gate_up(e)
+            return last[e][r].contiguous()
+
+        return fetch
 
     sources: list[ExpertSource] = []
     for e in range(n_exp):
