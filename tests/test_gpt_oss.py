@@ -440,3 +440,17 @@ def test_end_to_end_convert_profile_generate_serve_bench(gpt_oss, tmp_path):
     finally:
         os.kill(server.pid, signal.SIGTERM)
         server.wait(30)
+
+
+def test_the_cuda_kernels_refuse_gpt_oss_until_they_have_its_variant(gpt_oss):
+    """No fused kernel has the clamped SwiGLU or the biases yet (issue 65 item 5): a GPT-OSS pack
+    on CUDA's paged experts is refused at construction (Engine turns it into a PwctlError), and
+    route_prep never takes a biased router; the CPU's torch path runs it (above)."""
+    from pwctl.runtime.moe.fused import FusedMoE
+    from pwctl.runtime.moe.prep import can_route
+
+    spec = spec_of(tiny.tiny_config("gpt_oss").to_dict())
+    on_cuda = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="clamped_swiglu with expert biases: the kernels"):
+        FusedMoE(spec, on_cuda, {})  # type: ignore[arg-type]
+    assert not can_route(spec, torch.zeros(1, spec.hidden), torch.zeros(4, spec.hidden))
