@@ -83,7 +83,7 @@ def collect(
     extra: dict[str, Any] = {}
     quant = AutoConfig.from_pretrained(src, local_files_only=True).to_dict()
     if (quant.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-        from transformers import Mxfp4Config  # dequantized here, never kernels from the hub
+        from transformers.utils.quantization_config import Mxfp4Config  # dequantized, no kernels
 
         extra["quantization_config"] = Mxfp4Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(
