@@ -454,3 +454,16 @@ def test_the_cuda_kernels_refuse_gpt_oss_until_they_have_its_variant(gpt_oss):
     with pytest.raises(ValueError, match="clamped_swiglu with expert biases: the kernels"):
         FusedMoE(spec, on_cuda, {})  # type: ignore[arg-type]
     assert not can_route(spec, torch.zeros(1, spec.hidden), torch.zeros(4, spec.hidden))
+
+
+def test_profile_proxy_keeps_the_biases(gpt_oss):
+    """profile's one-pass proxy runs each expert with its biases (and without autograd: the
+    biases are parameters): finite damage that falls with the width."""
+    from pwctl.build.profile import run_profile
+
+    engine = Engine(Pack(gpt_oss["bf16-pack"]))
+    ids = torch.randint(1, tiny.VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    profile = run_profile(engine, ids, "proxy")
+    damage = torch.as_tensor(profile.damage)
+    assert torch.isfinite(damage).all()
+    assert (damage[:, 0] >= damage[:, -1]).all() and damage[:, 0].sum() > damage[:, -2].sum()
