@@ -29,7 +29,7 @@ def test_dense_experts_equal_the_store_every_arch(arch, packs):
         x = torch.randn(9, block.spec.hidden)
         weights, index = route(block.gate(x), block.spec)
         want = block._store_forward(x, weights, index)
-        got = dense(block.layer, x, weights, index, block.shared_scale(x))
+        got = dense(block.layer, x, weights, index, block.shared_scale(x), block.bias())
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -71,7 +71,7 @@ def run_ppl(
             ref = torch.log_softmax(engine.logits(ids)[0, :-1], -1)
         blocks = [(b, tap.seen[b.layer][0]) for b in tap.blocks]
         with torch.no_grad():
-            ref_out = [b(x) for b, x in blocks]
+            ref_out = [b.moe(x) for b, x in blocks]
         norm += sum(float(y.pow(2).sum()) for y in ref_out)
         for p, name in zip(policies, names, strict=True):
             engine.set_policy(p, headroom=float(headroom[i]))
@@ -83,7 +83,7 @@ def run_ppl(
             kl[name][i] = (ref.exp() * (ref - lp)).sum().item()
             with torch.no_grad():
                 err[name] += sum(
-                    float((b(x) - y).pow(2).sum())
+                    float((b.moe(x) - y).pow(2).sum())
                     for (b, x), y in zip(blocks, ref_out, strict=True)
                 )
     per_window = np.full(len(windows), windows.shape[1] - 1, dtype=np.float64)

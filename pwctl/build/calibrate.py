@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pwctl.errors import PwctlError
 from pwctl.format.recipe import MoESpec, Recipe
+from pwctl.runtime.moe.activation import glu_of
 from pwctl.text import token_windows
 
 PRIOR_TOKENS = 16.0
@@ -73,13 +74,21 @@ def collect(
     seq_len: int = 512,
     max_tokens: int = 16384,
 ) -> Importance:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
     except (OSError, ValueError) as e:
         raise PwctlError(f"{src}: --calib needs the checkpoint's tokenizer ({e})") from None
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+    extra: dict[str, Any] = {}
+    quant = AutoConfig.from_pretrained(src, local_files_only=True).to_dict()
+    if (quant.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        from transformers.utils.quantization_config import Mxfp4Config  # dequantized, no kernels
+
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        src, dtype=torch.float32, local_files_only=True, **extra
+    )
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types `to` as a decorator
     stats: dict[tuple[int, int, str], ChannelStats] = {}
     pooled: dict[tuple[int, str], ChannelStats] = defaultdict(lambda: None)  # type: ignore
@@ -89,6 +98,20 @@ def collect(
         if key not in table or table[key] is None:
             table[key] = ChannelStats(torch.zeros(width))
         table[key].add(x)
+
+    glu = glu_of(spec)
+    transposed = recipe.experts.get("transposed", False)  # GPT-OSS: [E, H, 2I], interleaved
+
+    def expert_h(mod: Any, e: int, xe: torch.Tensor) -> torch.Tensor:
+        """What expert e's down reads: glu(gate x, up x), biases and layout per the recipe."""
+        w = mod.gate_up_proj[e]
+        gu = xe @ w if transposed else F.linear(xe, w)
+        if spec.expert_bias:
+            gu = gu + mod.gate_up_proj_bias[e]
+        if spec.gate_up_interleaved:
+            return glu(gu[..., 0::2], gu[..., 1::2])
+        gate, up = gu.chunk(2, dim=-1)
+        return glu(gate, up)
 
     for layer in moe_layers:
         moe: Any = model.get_submodule(recipe.moe_path(layer))  # transformers' own classes
@@ -100,8 +123,7 @@ def collect(
             acc((layer, "in"), pooled, x, spec.hidden)
             for e in idx.unique().tolist():
                 xe = x[(idx == e).any(-1)]
-                gate, up = F.linear(xe, mod.gate_up_proj[e]).chunk(2, dim=-1)
-                h = mod.act_fn(gate) * up
+                h = expert_h(mod, e, xe)
                 acc((layer, e, "in"), stats, xe, spec.hidden)
                 acc((layer, e, "mid"), stats, h, spec.intermediate)
                 acc((layer, "mid"), pooled, h, spec.intermediate)

@@ -8,16 +8,18 @@ source model is loaded once, before quantization, for the importance statistics.
 
 from __future__ import annotations
 
+import json
 import resource
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from pwctl.build import calibrate
+from pwctl.build import calibrate, mxfp4
 from pwctl.build.checkpoint import FLOAT_DTYPES, Checkpoint, resolve_source, torch_dtype
 from pwctl.build.quantize import quantize_nested
 from pwctl.device import parse_device
@@ -45,6 +47,8 @@ COPY_PATTERNS = (
     "added_tokens.json",
 )
 FP16_MAX = 65504.0
+# one block of a fused layout: expert, projection, rows, cols, dtype, its read
+ExpertSource = tuple[int, str, int, int, torch.dtype, Callable[[], torch.Tensor]]
 
 
 @dataclass
@@ -139,10 +143,18 @@ def plan_blocks(
         return (h, inter) if proj == "down" else (inter, h)
 
     for layer in range(n_layers):
-        per = {p: recipe.per_expert[p].format(layer=layer, expert=0) for p in PROJECTIONS}
+        per = {p: recipe.per_expert[p].format(layer=layer, expert=0) for p in recipe.per_expert}
         gu = recipe.fused["gate_up"].format(layer=layer)
         dn = recipe.fused["down"].format(layer=layer)
-        if per["gate"] in ckpt.tensors:
+        mx = {n: {k: v.format(name=n) for k, v in recipe.mxfp4.items()} for n in (gu, dn)}
+        found = gu in ckpt.tensors or mx[gu].get("blocks") in ckpt.tensors
+        if recipe.experts.get("transposed") and found:
+            layouts[layer] = "fused" if gu in ckpt.tensors else "mxfp4"
+            sources, names = _transposed(ckpt, recipe, spec, layer, gu, dn, mx)
+            for e, p, rows, cols, dt, fetch in sources:
+                add(layer, e, False, p, rows, cols, dt, fetch)
+            consumed |= names
+        elif per.get("gate") in ckpt.tensors:
             layouts[layer] = "per_expert"
             for e in range(n_exp):
                 for p in PROJECTIONS:
@@ -179,9 +191,99 @@ def plan_blocks(
     if not layers:
         raise PwctlError(
             f"{ckpt.path}: no expert tensors found where the {recipe.model_type} "
-            f"recipe expects them (e.g. {recipe.per_expert['gate']})"
+            f"recipe expects them (e.g. {recipe.per_expert.get('gate', recipe.fused['gate_up'])})"
         )
     return layers, blocks, consumed, layouts
+
+
+def _transposed(
+    ckpt: Checkpoint,
+    recipe: Recipe,
+    spec: MoESpec,
+    layer: int,
+    gu: str,
+    dn: str,
+    mx: dict[str, dict[str, str]],
+) -> tuple[list[ExpertSource], set[str]]:
+    """One layer's blocks from transposed fused tensors (GPT-OSS: gate_up [E, H, 2I] with gate
+    and up interleaved along its columns when the recipe says so, down [E, I, H]), in 16-bit
+    or as MXFP4 blocks + scales ([E, out, in / 32, 16] and [E, out, in / 32], not transposed:
+    rows are outputs); and the tensors consumed. Biases are checked, not consumed: they go to
+    nonexpert.safetensors with the rest."""
+    h, i, n_exp = spec.hidden, spec.intermediate, spec.num_experts
+    inter = recipe.experts.get("interleaved", False)
+    gate_rows, up_rows = (slice(0, None, 2), slice(1, None, 2)) if inter else (
+        slice(0, i), slice(i, None))  # fmt: skip
+    if gu in ckpt.tensors:  # [E, in, out]: an expert's slice transposed
+        dt = _check(ckpt, gu, (n_exp, h, 2 * i))
+        _check(ckpt, dn, (n_exp, i, h))
+
+        def gate_up(e: int) -> torch.Tensor:
+            return ckpt.slice(gu, e).T
+
+        def down(e: int) -> torch.Tensor:
+            return ckpt.slice(dn, e).T.contiguous()
+
+        names = {gu, dn}
+    else:
+        dt = torch.bfloat16  # exact: FP4 elements times powers of two
+        for name, out, cols in ((gu, 2 * i, h), (dn, h, i)):
+            _check_mxfp4(ckpt, name, mx[name], (n_exp, out, cols))
+
+        def read(name: str, e: int) -> torch.Tensor:
+            b, sc = (ckpt.slice(mx[name][k], e) for k in ("blocks", "scales"))
+            return mxfp4.dequantize(b, sc).to(dt)
+
+        def gate_up(e: int) -> torch.Tensor:
+            return read(gu, e)
+
+        def down(e: int) -> torch.Tensor:
+            return read(dn, e)
+
+        names = {mx[n][k] for n in (gu, dn) for k in ("blocks", "scales")}
+    if spec.expert_bias:
+        for key, shape in (("gate_up_bias", (n_exp, 2 * i)), ("down_bias", (n_exp, h))):
+            _check(ckpt, recipe.experts[key].format(layer=layer), shape)
+
+    last: dict[int, torch.Tensor] = {}  # the expert gate_up was last read for: up follows gate
+
+    def rows_of(e: int, r: slice) -> Callable[[], torch.Tensor]:
+        def fetch() -> torch.Tensor:
+            if e not in last:
+                last.clear()
+                last[e] = gate_up(e)
+            return last[e][r].contiguous()
+
+        return fetch
+
+    sources: list[ExpertSource] = []
+    for e in range(n_exp):
+        sources.append((e, "gate", i, h, dt, rows_of(e, gate_rows)))
+        sources.append((e, "up", i, h, dt, rows_of(e, up_rows)))
+        sources.append((e, "down", h, i, dt, partial(down, e)))
+    return sources, names
+
+
+def _check_mxfp4(
+    ckpt: Checkpoint, name: str, mx: dict[str, str], shape: tuple[int, int, int]
+) -> None:
+    """`name`'s MXFP4 blocks and scales exist, as uint8 of the weight `shape` [E, out, in]."""
+    blocks, scales = mx["blocks"], mx["scales"]
+    n, out, cols = shape
+    ckpt.info(blocks)  # one missing: its error names it
+    if scales not in ckpt.tensors:
+        raise PwctlError(f"{ckpt.path}: MXFP4 tensor {blocks} has no scales tensor {scales}")
+    groups = (n, out, cols // mxfp4.GROUP)
+    want = {blocks: (*groups, mxfp4.BYTES), scales: groups}
+    for t, s in want.items():
+        info = ckpt.info(t)
+        if info.dtype != "U8":
+            raise PwctlError(f"{info.shard}: MXFP4 tensor {t} has dtype {info.dtype}; expected U8")
+        if cols % mxfp4.GROUP or info.shape != s:
+            raise PwctlError(
+                f"{info.shard}: MXFP4 tensor {t} has shape {list(info.shape)}, expected "
+                f"{list(s)} (a weight of {list(shape)} in groups of {mxfp4.GROUP})"
+            )
 
 
 def quantize_block(
@@ -274,9 +376,13 @@ def convert(
         if ref is not None:
             ref.close()
         _copy_side_files(path, writer.tmp)
+        config = ckpt.config
+        if "mxfp4" in layouts.values():  # the pack's experts are planes, the rest 16-bit
+            config = {k: v for k, v in config.items() if k != "quantization_config"}
+            (writer.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         manifest = Manifest(
             model_type=ckpt.model_type,
-            config=ckpt.config,
+            config=config,
             spec=asdict(spec),
             min_bits=opts.min_bits,
             max_bits=opts.max_bits,

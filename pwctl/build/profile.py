@@ -20,6 +20,7 @@ import torch
 from pwctl.errors import PwctlError
 from pwctl.format.profile import FEATURES, Profile
 from pwctl.policy import parse_policy
+from pwctl.runtime.moe.activation import expert_mlp
 from pwctl.runtime.moe.block import MoETap
 from pwctl.text import norm_features
 
@@ -94,6 +95,7 @@ def _features(engine: Engine, tap: MoETap, n_seq: int, seq_len: int):
     return feats, share
 
 
+@torch.no_grad()  # the model's own parameters (GPT-OSS's expert biases) would record a graph
 def _proxy(
     engine: Engine, tap: MoETap, widths: list[int], n_seq: int, seq_len: int, progress
 ) -> np.ndarray:
@@ -103,6 +105,7 @@ def _proxy(
     pack, store = engine.pack, engine.store
     out = np.zeros((len(pack.blocks), len(widths), n_seq))
     top = widths[-1]
+    biases = {m.layer: m.bias() for m in tap.blocks}  # GPT-OSS's routed experts' biases
     for n, block in enumerate(pack.blocks):
         if block.proj != "gate":
             continue  # one pass per expert handles its three blocks
@@ -119,8 +122,11 @@ def _proxy(
         ids = {p: pack.index[(block.layer, block.expert, p)] for p in ("gate", "up", "down")}
         full = {p: store.weight_at(j, top) for p, j in ids.items()}
 
-        def expert(wts, inp=inp):
-            return (store.act(inp @ wts["gate"].T) * (inp @ wts["up"].T)) @ wts["down"].T
+        bias = biases[block.layer]
+        eb = None if bias is None or block.shared else bias.of(block.expert)
+
+        def expert(wts, inp=inp, eb=eb):
+            return expert_mlp(inp, wts["gate"], wts["up"], wts["down"], store.glu, eb)
 
         y = expert(full)
         for p, j in ids.items():

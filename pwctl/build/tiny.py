@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 VOCAB = 320
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 TOKENIZER_TEXT = (
     "In the beginning God created the heavens and the earth. The earth was formless and empty. "
     "It is a truth universally acknowledged that a single man in possession of a good fortune "
@@ -19,7 +19,13 @@ TOKENIZER_TEXT = (
 
 
 def tiny_config(arch: str, hidden: int = 128, layers: int = 2, experts: int = 4):
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        GptOssConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=VOCAB,
@@ -61,6 +67,25 @@ def tiny_config(arch: str, hidden: int = 128, layers: int = 2, experts: int = 4)
         return OlmoeConfig(
             **common, intermediate_size=hidden, num_experts=experts, num_experts_per_tok=2
         )
+    if arch == "gpt_oss":  # sliding (window 8) and full layers alternate, as in the release
+        return GptOssConfig(
+            **common,
+            intermediate_size=hidden,
+            head_dim=hidden // 4,
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=0.75,  # the release's 7.0 is never reached by a tiny random model
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        )
     raise ValueError(f"no tiny config for {arch}")
 
 
@@ -93,15 +118,65 @@ def make_checkpoint(
     fused: bool = False,
     seed: int = 0,
     logit_scale: float = 20.0,
+    mxfp4: bool = False,
     **sizes: int,
 ) -> Path:
-    """Save a random tiny `arch` model (and tokenizer) to `path`; returns `path`."""
+    """Save a random tiny `arch` model (and tokenizer) to `path`; returns `path`. GPT-OSS is
+    saved in bf16 (as released), its experts on the MXFP4 grid (the bf16 releases are
+    dequantized MXFP4 too) and, with `mxfp4`, as MXFP4 blocks and scales: the same weights."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **sizes)).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
+    packed = _gpt_oss_weights(model) if arch == "gpt_oss" else {}
     model.save_pretrained(path, save_original_format=not fused)
+    if mxfp4:
+        if not packed:
+            raise ValueError(f"no MXFP4 experts for {arch}")
+        _write_mxfp4(path, packed)
     make_tokenizer(path)
     return path
+
+
+def _gpt_oss_weights(model: Any) -> dict[str, torch.Tensor]:
+    """GPT-OSS's tiny weights, in place: biases, router bias and attention sinks big enough to
+    matter (transformers initialises some to zero), experts snapped to the MXFP4 grid, all bf16.
+    Returns the experts' MXFP4 tensors under the hub's names (`<name>_blocks`, `<name>_scales`)."""
+    from pwctl.build import mxfp4
+
+    packed = {}
+    with torch.no_grad():
+        for n, layer in enumerate(model.model.layers):
+            experts, prefix = layer.mlp.experts, f"model.layers.{n}.mlp.experts"
+            experts.gate_up_proj_bias.normal_(0.0, 0.5)
+            experts.down_proj_bias.normal_(0.0, 0.1)
+            layer.mlp.router.bias.normal_(0.0, 1.0)
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(experts, name)  # [E, in, out]; MXFP4 holds [E, out, in]
+                blocks, scales = mxfp4.quantize(w.transpose(1, 2))
+                w.copy_(mxfp4.dequantize(blocks, scales).transpose(1, 2))
+                packed[f"{prefix}.{name}_blocks"] = blocks
+                packed[f"{prefix}.{name}_scales"] = scales
+    model.to(torch.bfloat16)
+    return packed
+
+
+def _write_mxfp4(path: Path, packed: dict[str, torch.Tensor]) -> None:
+    """Replace the saved experts' 16-bit tensors by their MXFP4 blocks and scales, and mark the
+    config as the hub marks it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    shard = path / "model.safetensors"
+    tensors = load_file(shard)
+    for name in packed:
+        if name.endswith("_blocks"):
+            del tensors[name.removesuffix("_blocks")]
+    save_file({**tensors, **packed}, shard, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": None}
+    (path / "config.json").write_text(json.dumps(config, indent=2))

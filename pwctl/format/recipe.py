@@ -17,6 +17,11 @@ from pwctl.errors import PwctlError
 RECIPE_DIR = Path(__file__).parents[1] / "recipes"
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 PROJECTIONS = ("gate", "up", "down")
+# the experts' gated activation: act(gate) * up with transformers' ACT2FN[hidden_act], or GPT-OSS's
+# clamped SwiGLU (runtime/moe/activation.py)
+CLAMPED_SWIGLU = "clamped_swiglu"
+SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}  # GPT-OSS's, where a config lacks them
+MOE_RETURNS = ("tensor", "tuple")  # what transformers' decoder layer unpacks from the MoE block
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,12 @@ class Recipe:
     fused: dict[str, str]
     shared: dict[str, str] = field(default_factory=dict)
     rename: dict[str, str] = field(default_factory=dict)
+    # [experts]: act (CLAMPED_SWIGLU overrides hidden_act), bias (gate_up / down biases, 16-bit
+    # non-expert tensors), transposed (fused tensors [E, in, out]), interleaved (gate_up's
+    # gate and up alternate)
+    experts: dict[str, Any] = field(default_factory=dict)
+    mxfp4: dict[str, str] = field(default_factory=dict)  # blocks / scales names of a fused name
+    moe_returns: str = "tensor"
 
     def moe_path(self, layer: int) -> str:
         return self.moe_module.format(layer=layer)
@@ -54,6 +65,12 @@ class MoESpec:
     shared_intermediate: int
     shared_gate: bool
     act: str
+    router_bias: bool = False  # the router linear has a bias (GPT-OSS)
+    expert_bias: bool = False  # routed experts' gate/up and down have biases
+    gate_up_interleaved: bool = False  # gate_up's bias alternates gate, up (as its columns did)
+    # CLAMPED_SWIGLU: (up + 1) * gate * sigmoid(alpha gate), gate <= limit, |up| <= limit
+    swiglu_alpha: float = SWIGLU["swiglu_alpha"]
+    swiglu_limit: float = SWIGLU["swiglu_limit"]
 
     @property
     def has_shared(self) -> bool:
@@ -74,15 +91,22 @@ def load_recipe(model_type: str) -> Recipe:
     routing = data.get("routing", {})
     if routing.get("order") not in ROUTER_ORDERS:
         raise PwctlError(f"recipe {path}: routing.order must be one of {ROUTER_ORDERS}")
+    if data.get("moe_returns", "tensor") not in MOE_RETURNS:
+        raise PwctlError(f"recipe {path}: moe_returns must be one of {MOE_RETURNS}")
+    if not data.get("per_expert") and not data.get("fused"):
+        raise PwctlError(f"recipe {path}: names no expert tensors ([per_expert] or [fused])")
     return Recipe(
         model_type=data["model_type"],
         moe_module=data["moe_module"],
         config_keys=data["config"],
         routing=routing,
-        per_expert=data["per_expert"],
-        fused=data["fused"],
+        per_expert=data.get("per_expert", {}),
+        fused=data.get("fused", {}),
         shared=data.get("shared", {}),
         rename=data.get("rename", {}),
+        experts=data.get("experts", {}),
+        mxfp4=data.get("mxfp4", {}),
+        moe_returns=data.get("moe_returns", "tensor"),
     )
 
 
@@ -108,6 +132,10 @@ def resolve_spec(recipe: Recipe, config: dict[str, Any]) -> MoESpec:
         return found
 
     shared_inter = int(value("shared_intermediate", 0)) if recipe.shared else 0
+    act = str(recipe.experts.get("act") or getattr(cfg, "hidden_act", "silu"))
+    swiglu = {}
+    if act == CLAMPED_SWIGLU:  # the config's values where it has them, else GPT-OSS's
+        swiglu = {k: float(value(k, default)) for k, default in SWIGLU.items()}
     return MoESpec(
         num_experts=int(value("num_experts")),
         top_k=int(value("top_k")),
@@ -118,5 +146,9 @@ def resolve_spec(recipe: Recipe, config: dict[str, Any]) -> MoESpec:
         routed_scaling=float(value("routed_scaling", 1.0)),
         shared_intermediate=shared_inter,
         shared_gate=bool(recipe.shared.get("gate_weight")),
-        act=str(getattr(cfg, "hidden_act", "silu")),
+        act=act,
+        router_bias=bool(recipe.routing.get("router_bias", False)),
+        expert_bias=bool(recipe.experts.get("bias", False)),
+        gate_up_interleaved=bool(recipe.experts.get("interleaved", False)),
+        **swiglu,
     )

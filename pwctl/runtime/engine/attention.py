@@ -163,6 +163,12 @@ def _mask(span: SeqSpan, window: int | None, device: torch.device) -> torch.Tens
     n, total = span.q_stop - span.q_start, span.past + span.q_stop - span.q_start
     if (window is None or total <= window) and (n == 1 or span.past == 0):
         return None
+    return _allowed(span, window, device)
+
+
+def _allowed(span: SeqSpan, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [n, L] mask (True: attend) of a span's queries over its cache rows."""
+    total = span.past + span.q_stop - span.q_start
     q_pos = torch.arange(span.past, total, device=device)[:, None]
     k_pos = torch.arange(total, device=device)[None, :]
     allowed = k_pos <= q_pos
@@ -181,8 +187,11 @@ def paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     pwctl_batch: PagedBatch | DecodeBatch | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
+    """`s_aux`: GPT-OSS's attention sinks, a logit a query head [q_heads] that joins the
+    softmax with no value (`_with_sinks`)."""
     if pwctl_batch is None:
         raise RuntimeError(f"{ATTN_NAME} attention runs only inside Engine.step")
     batch, layer = pwctl_batch, cast(int, module.layer_idx)  # transformers' attention modules
@@ -193,7 +202,7 @@ def paged_attention(
     out = torch.empty_like(query[0].transpose(0, 1))  # [T, q_heads, D]
     group = batch.decode_group(window)
     if group is not None:
-        out[group.rows] = _attend_decode(query, kv, layer, group, groups, scaling)
+        out[group.rows] = _attend_decode(query, kv, layer, group, groups, scaling, s_aux)
     for i, span in enumerate(batch.spans):
         if group is not None and span.q_stop - span.q_start == 1:
             continue
@@ -202,6 +211,9 @@ def paged_attention(
         k, v = kv.read(layer, batch.span_rows(i))
         k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
         mask = _mask(span, window, q.device)
+        if s_aux is not None:  # [q_heads, n, L + 1] float: the sink's logit in the last column
+            sinks = s_aux.to(q.dtype).view(-1, 1, 1)
+            k, v, mask = _with_sinks(k, v, _allowed(span, window, q.device)[None], sinks)
         causal = mask is None and q.shape[1] > 1
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=groups > 1
@@ -210,8 +222,32 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
+def _with_sinks(
+    k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks as one more key: keys and values [..., L, D] get a row of zeros, whose
+    score q.0 * scale is exactly the float mask's value there, the head's sink logit; the mask
+    [..., Lq, L + 1] is 0 / -inf from `allowed` [..., Lq, L] before it. The softmax then runs
+    over the real keys and the sink, which adds nothing to the sum (transformers' eager
+    attention of GPT-OSS), and SDPA keeps its kernels. `sinks` broadcasts against `allowed`'s
+    leading dims with a trailing [1, 1]. Fixed shapes in, fixed shapes out (CUDA graphs)."""
+    zeros = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    k, v = torch.cat([k, zeros], dim=-2), torch.cat([v, zeros.to(v.dtype)], dim=-2)
+    lead = torch.broadcast_shapes(allowed.shape[:-1], sinks.shape[:-1])
+    never = torch.full((), float("-inf"), dtype=sinks.dtype, device=k.device)
+    bias = torch.where(allowed, torch.zeros_like(never), never)
+    mask = torch.cat([bias.expand(*lead, allowed.shape[-1]), sinks.expand(*lead, 1)], dim=-1)
+    return k, v, mask
+
+
 def _attend_decode(
-    query: torch.Tensor, kv: KVCache, layer: int, group: DecodeGroup, groups: int, scaling
+    query: torch.Tensor,
+    kv: KVCache,
+    layer: int,
+    group: DecodeGroup,
+    groups: int,
+    scaling,
+    s_aux: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[S, q_heads, D] outputs of the decode spans: one gather, one masked SDPA. Grouped
     query heads attend as `groups` queries of their key/value head ([S, kv_heads, groups, D]:
@@ -226,7 +262,11 @@ def _attend_decode(
     q = q.reshape(S, kv_heads, groups, D)
     k = k.view(S, L, kv_heads, D).transpose(1, 2).to(q.dtype)  # [S, kv_heads, L, D]
     v = v.view(S, L, kv_heads, D).transpose(1, 2).to(q.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+    mask = group.mask
+    if s_aux is not None:  # [S, kv_heads, groups, L + 1]: the sinks in the last column
+        sinks = s_aux.to(q.dtype).view(1, kv_heads, groups, 1)
+        k, v, mask = _with_sinks(k, v, mask, sinks)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return o.reshape(S, kv_heads * groups, D)
 
 

@@ -34,7 +34,8 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config)
         for layer in m.moe_layers:
             parent, attr = recipe.moe_path(layer).rsplit(".", 1)
-            setattr(model.get_submodule(parent), attr, MoEBlock(spec, layer, store))
+            block = MoEBlock(spec, layer, store, recipe.moe_returns == "tuple")
+            setattr(model.get_submodule(parent), attr, block)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in pack.nonexpert().items()}
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:

@@ -17,13 +17,13 @@ import logging
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from pwctl.errors import PwctlError
 from pwctl.format.bitplanes import dequantize
 from pwctl.format.pack import Fault, Pack
+from pwctl.format.recipe import MoESpec
 from pwctl.policy import FP16_WIDTH, Kind, Policy
+from pwctl.runtime.moe.activation import expert_mlp, glu_of
 from pwctl.runtime.widths.width_plan import WidthPlan
 
 VARIANT_BASE = 100  # width codes of registered variants (baselines), above any real width
@@ -42,7 +42,7 @@ class ExpertStore:
         m = pack.manifest
         self.min_bits, self.max_bits = m.min_bits, m.max_bits
         self.plan = WidthPlan(len(pack.blocks), m.max_bits)  # the one writer of widths
-        self.act = ACT2FN[m.spec["act"]]
+        self.glu = glu_of(MoESpec(**m.spec))  # (gate x, up x) -> h
         self._planes: dict[int, tuple[torch.Tensor | None, dict[int, torch.Tensor]]] = {}
         self._reference: dict[str, torch.Tensor] | None = None
         self._cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -186,10 +186,17 @@ class ExpertStore:
         table = tables[width].to(self.device)
         return dequantize(planes[:width].to(self.device), table, block.rows_per_table, block.cols)
 
-    def mlp(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """down(act(gate x) * up x) for one expert (shared experts use index num_experts)."""
+    def mlp(
+        self,
+        layer: int,
+        expert: int,
+        x: torch.Tensor,
+        bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """down(glu(gate x, up x)) for one expert (shared experts use index num_experts), with
+        the expert's (gate, up, down) biases where the recipe has them."""
         idx = self.pack.index
         gate = self.weight(idx[(layer, expert, "gate")])
         up = self.weight(idx[(layer, expert, "up")])
         down = self.weight(idx[(layer, expert, "down")])
-        return F.linear(self.act(F.linear(x, gate)) * F.linear(x, up), down)
+        return expert_mlp(x, gate, up, down, self.glu, bias)

@@ -14,6 +14,7 @@ from torch import nn
 
 from pwctl.format.recipe import MoESpec
 from pwctl.runtime.memory.expert_store import ExpertStore
+from pwctl.runtime.moe.activation import ExpertBias
 from pwctl.runtime.moe.prep import can_route
 from pwctl.runtime.moe.router import route
 
@@ -23,15 +24,35 @@ if TYPE_CHECKING:
     from pwctl.runtime.parallel.exchange import ExpertExchange
 
 
+class BiasHolder(nn.Module):
+    """The routed experts' 16-bit biases under transformers' names (`experts.gate_up_proj_bias`
+    [E, 2I], `experts.down_proj_bias` [E, H]): non-expert tensors of the pack, never planes."""
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(spec.num_experts, 2 * spec.intermediate))
+        self.down_proj_bias = nn.Parameter(torch.zeros(spec.num_experts, spec.hidden))
+        self.interleaved = spec.gate_up_interleaved
+
+    def split(self) -> ExpertBias:
+        gu = self.gate_up_proj_bias
+        gate, up = (gu[:, 0::2], gu[:, 1::2]) if self.interleaved else gu.chunk(2, dim=-1)
+        return ExpertBias(gate, up, self.down_proj_bias)
+
+
 class MoEBlock(nn.Module):
     # parameter names match transformers' in-memory layout, so non-expert weights load as-is
-    def __init__(self, spec: MoESpec, layer: int, store: ExpertStore):
+    def __init__(self, spec: MoESpec, layer: int, store: ExpertStore, returns_tuple: bool = False):
+        """`returns_tuple`: the decoder layer unpacks (hidden, router scores) (recipe
+        moe_returns; the scores are None: nothing reads them at inference)."""
         super().__init__()
         self.spec, self.layer, self.store = spec, layer, store
-        self.gate = nn.Linear(spec.hidden, spec.num_experts, bias=False)
+        self.returns_tuple = returns_tuple
+        self.gate = nn.Linear(spec.hidden, spec.num_experts, bias=spec.router_bias)
         self.shared_expert_gate = (
             nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
         )
+        self.experts = BiasHolder(spec) if spec.expert_bias else None
         # profile's tap: called as observer(layer, x [T, H], index [T, k], weights [T, k])
         self.observer: MoETap | None = None
         self.paged: PagedExperts | None = None  # set by the engine: the paged backend
@@ -45,7 +66,16 @@ class MoEBlock(nn.Module):
             return None
         return torch.sigmoid(self.shared_expert_gate(x))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def bias(self) -> ExpertBias | None:
+        """The routed experts' biases (None: the recipe has none)."""
+        return None if self.experts is None else self.experts.split()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
+        out = self.moe(hidden)
+        return (out, None) if self.returns_tuple else out
+
+    def moe(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The block's output for `hidden` [..., H] (what `forward` returns, or its first)."""
         x = hidden.reshape(-1, self.spec.hidden)
         fused = self.paged.fused if self.paged is not None else None
         if fused is not None and can_route(self.spec, x, self.gate.weight):
@@ -62,10 +92,12 @@ class MoEBlock(nn.Module):
             out = self.exchanged(x, weights, index).to(x.dtype)
             return self._add_shared(x, out).view_as(hidden)
         if self.paged is not None:
-            out = self.paged.fused(self.layer, x, weights, index, self.shared_scale(x))
+            out = self.paged.fused(
+                self.layer, x, weights, index, self.shared_scale(x), bias=self.bias()
+            )
             return out.to(x.dtype).view_as(hidden)
         if self.dense is not None:
-            out = self.dense(self.layer, x, weights, index, self.shared_scale(x))
+            out = self.dense(self.layer, x, weights, index, self.shared_scale(x), self.bias())
             return out.to(x.dtype).view_as(hidden)
         return self._store_forward(x, weights, index).view_as(hidden)
 
@@ -83,9 +115,11 @@ class MoEBlock(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
     ) -> torch.Tensor:
         out = torch.zeros_like(x)
+        bias = self.bias()
         for e in index.unique().tolist():
             tokens, slot = torch.where(index == e)
-            y = self.store.mlp(self.layer, e, x[tokens]) * weights[tokens, slot, None]
+            b = None if bias is None else bias.of(e)
+            y = self.store.mlp(self.layer, e, x[tokens], b) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return self._add_shared(x, out)
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from pwctl.errors import PwctlError
 from pwctl.format.pack import Pack
 from pwctl.format.recipe import MoESpec
+from pwctl.runtime.moe.activation import ExpertBias, glu_of
 from pwctl.runtime.moe.pairs import sort_by_expert
 
 
@@ -48,7 +48,7 @@ class DenseExperts:
     def __init__(self, pack: Pack, device: str, dtype: torch.dtype):
         spec = MoESpec(**pack.manifest.spec)
         self.spec, self.device, self.dtype = spec, device, dtype
-        self.act = ACT2FN[pack.manifest.spec["act"]]
+        self.glu = glu_of(spec)
         reference = pack.reference()
         index = pack.index
 
@@ -82,8 +82,10 @@ class DenseExperts:
         weights: torch.Tensor,
         index: torch.Tensor,
         shared_scale: torch.Tensor | None = None,
+        bias: ExpertBias | None = None,
     ) -> torch.Tensor:
-        """sum_k weights[t, k] * expert_{index[t, k]}(x[t]) (+ the shared expert) [T, H]."""
+        """sum_k weights[t, k] * expert_{index[t, k]}(x[t]) (+ the shared expert) [T, H],
+        with the routed experts' `bias` where the recipe has them."""
         d = self.layers.get(layer)
         if d is None:
             raise PwctlError(f"layer {layer} has no dense experts")
@@ -92,8 +94,13 @@ class DenseExperts:
         order, _, ends = sort_by_expert(index, self.spec.num_experts)
         tok, offs = order // k, ends.to(torch.int32)
         gu = torch._grouped_mm(xd[tok], d.gate_up.transpose(1, 2), offs=offs)
-        h = self.act(gu[:, : d.inter]) * gu[:, d.inter :]
+        expert = index.reshape(-1)[order]
+        if bias is not None:
+            gu = gu + torch.cat([bias.gate, bias.up], dim=-1)[expert].to(gu.dtype)
+        h = self.glu(gu[:, : d.inter], gu[:, d.inter :])
         y = torch._grouped_mm(h, d.down.transpose(1, 2), offs=offs)
+        if bias is not None:
+            y = y + bias.down[expert].to(y.dtype)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros(T, x.shape[1], device=x.device, dtype=y.dtype)
         out.index_add_(0, tok, y)
@@ -101,6 +108,6 @@ class DenseExperts:
             gate_up, down = d.shared
             g = F.linear(xd, gate_up)
             i = down.shape[1]
-            s = F.linear(self.act(g[:, :i]) * g[:, i:], down)
+            s = F.linear(self.glu(g[:, :i], g[:, i:]), down)
             out = out + (s if shared_scale is None else shared_scale.to(s.dtype) * s)
         return out

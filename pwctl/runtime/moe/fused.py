@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pwctl.format.recipe import MoESpec
 from pwctl.kernels import build, geometry, launch, popc
 from pwctl.runtime.memory.device_table import DeviceTable
+from pwctl.runtime.moe.activation import ExpertBias, expert_mlp, glu_of
 from pwctl.runtime.moe.dispatch import (
     ONE_TOKEN_BITS,
     DispatchRules,
@@ -74,9 +75,13 @@ class FusedMoE:
     ):
         """`index`: (layer, expert, proj) -> block (shared experts: expert = num_experts).
         `rules`: which decode kernels a call takes (default: `DispatchRules()`)."""
-        if spec.act != "silu":
-            raise ValueError(f"activation {spec.act}: the kernels implement silu")
+        if dt.device.type == "cuda" and (spec.act != "silu" or spec.expert_bias):
+            raise ValueError(  # the torch path below runs any (CPU)
+                f"activation {spec.act}{' with expert biases' if spec.expert_bias else ''}: "
+                "the kernels implement silu without biases"
+            )
         self.spec, self.dt = spec, dt
+        self.glu = glu_of(spec)
         experts = spec.num_experts + (1 if spec.has_shared else 0)
         self.block_ids: dict[int, torch.Tensor] = {}
         self._layer_blocks: dict[int, np.ndarray] = {}  # host copy: the widths' page-table rows
@@ -137,11 +142,13 @@ class FusedMoE:
         shared_scale: torch.Tensor | None = None,
         reference: bool = False,
         path: str | None = None,
+        bias: ExpertBias | None = None,
     ) -> torch.Tensor:
         """Sum over routed experts (and the shared one) for tokens x [T, H]: float32 [T, H].
-        `path` forces "decode" or "prefill" on CUDA (benchmarks); default: by token count."""
+        `path` forces "decode" or "prefill" on CUDA (benchmarks); default: by token count.
+        `bias`: the routed experts' biases (the torch path only)."""
         T, E = x.shape[0], self.spec.num_experts
-        if reference or not x.is_cuda:
+        if reference or not x.is_cuda or bias is not None:
             path = "torch"
         elif path is None:
             path = "decode" if T <= geometry.DECODE_MAX_TOKENS else "prefill"
@@ -156,7 +163,7 @@ class FusedMoE:
             return out
         if path == "torch":
             out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-            self._torch(layer, False, x, group(index, weights, E), out)
+            self._torch(layer, False, x, group(index, weights, E), out, bias)
             if self.spec.has_shared:
                 self._torch(layer, True, x, all_tokens(T, shared_scale, E, x.device), out)
             return out
@@ -242,17 +249,30 @@ class FusedMoE:
 
     # --- the torch path: CPU execution and the kernels' reference ------------------------------
 
-    def _torch(self, layer: int, shared: bool, x: torch.Tensor, pairs: Pairs, out: torch.Tensor):
+    def _torch(
+        self,
+        layer: int,
+        shared: bool,
+        x: torch.Tensor,
+        pairs: Pairs,
+        out: torch.Tensor,
+        bias: ExpertBias | None = None,
+    ):
         ids = self.block_ids[layer]
         xf = x.float()
         for s in range(pairs.expert.numel()):
             lo, hi = int(pairs.lo[s]), int(pairs.hi[s])
             if hi <= lo:
                 continue
-            g, u, d = (self.dt.weight(int(b)) for b in ids[int(pairs.expert[s])].tolist())
+            e = int(pairs.expert[s])
+            g, u, d = (self.dt.weight(int(b)) for b in ids[e].tolist())
             tok = pairs.token[lo:hi].long()
-            h = F.silu(xf[tok] @ g.T) * (xf[tok] @ u.T)
-            out.index_add_(0, tok, (h @ d.T) * pairs.weight[lo:hi, None])
+            b = None
+            if bias is not None:
+                bg, bu, bd = bias.of(e)
+                b = (bg.float(), bu.float(), bd.float())
+            y = expert_mlp(xf[tok], g, u, d, self.glu, b)
+            out.index_add_(0, tok, y * pairs.weight[lo:hi, None])
 
     # --- CUDA: two kernels per expert group ---------------------------------------------------
 

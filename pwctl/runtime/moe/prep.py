@@ -134,7 +134,10 @@ def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool
     """Whether `FusedMoE.routed` takes this call: always on the CPU (torch's router); on CUDA
     when `prepare_routed` does, a decode of fp16 tokens and router, rows a multiple of 8 values
     starting 16-byte aligned (the dot products load 16 bytes at a time), at most 256 experts and
-    top-8."""
+    top-8. Never with biases (GPT-OSS's router and experts): route_prep has none, and the torch
+    twin is `route` then the fused MoE's call, which takes them."""
+    if spec.router_bias or spec.expert_bias:
+        return False
     if not x.is_cuda:
         return True
     return (
