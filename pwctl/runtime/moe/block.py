@@ -108,7 +108,11 @@ class MoEBlock(nn.Module):
         store, what the others (and it) send to the experts it owns. A rank with no tokens
         calls it with T = 0: it still serves the others."""
         assert self.exchange is not None
-        run = lambda e, rows: self.store.mlp(self.layer, e, rows)  # noqa: E731
+        bias = self.bias()
+
+        def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return self.store.mlp(self.layer, e, rows, None if bias is None else bias.of(e))
+
         return self.exchange(self.layer, x, weights, index, run)
 
     def _store_forward(
