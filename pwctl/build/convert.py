@@ -8,6 +8,7 @@ source model is loaded once, before quantization, for the importance statistics.
 
 from __future__ import annotations
 
+import json
 import resource
 import shutil
 import time
@@ -224,6 +225,7 @@ def convert(
     path = resolve_source(src)
     ckpt = Checkpoint(path)
     recipe = load_recipe(ckpt.model_type)
+    multimodal = _language_model(ckpt, recipe)
     spec = resolve_spec(recipe, ckpt.config)
     layers, blocks, consumed, layouts = plan_blocks(ckpt, recipe, spec)
     check_replaceable(out, opts.force)  # before any work: --force replaces only a pack
@@ -274,6 +276,8 @@ def convert(
         if ref is not None:
             ref.close()
         _copy_side_files(path, writer.tmp)
+        if multimodal:  # the pack holds the language model alone: its config is the text one
+            (writer.tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2))
         manifest = Manifest(
             model_type=ckpt.model_type,
             config=ckpt.config,
@@ -303,6 +307,19 @@ def convert(
         pack_bytes,
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
+
+
+def _language_model(ckpt: Checkpoint, recipe: Recipe) -> bool:
+    """A multimodal checkpoint (the recipe's `[text]`) seen as its language model alone: the
+    text config, tensors under text names, the towers left out. Whether it was one."""
+    text = recipe.text_config(ckpt.config)
+    if text is ckpt.config:
+        return False
+    ckpt.config = text
+    ckpt.tensors = {
+        new: info for name, info in ckpt.tensors.items() if (new := recipe.text_name(name))
+    }
+    return True
 
 
 def _write_nonexpert(writer: PackWriter, ckpt: Checkpoint, recipe: Recipe, consumed: set[str]):

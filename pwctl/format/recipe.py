@@ -3,6 +3,12 @@
 A recipe names an architecture's expert tensors (per-expert hub layout and transformers' fused
 layout), the config keys that hold its routing fields, and how its router combines experts. The
 converter and the MoE module read only this, so a new architecture needs a recipe, not code.
+
+Optional parts, for architectures whose MoE is not one module (Gemma-4): `router_module`, a
+router of its own that reads the residual stream (`[routing] norm`, `per_expert_scale`), beside
+the experts at `moe_module`; `[text]`, the language model of a multimodal checkpoint (its config
+key, its tensors' prefix, the towers left out); `aliases`, other model types the recipe serves;
+`[config] enabled`, the config flag without which the model has no MoE.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pwctl.errors import PwctlError
 
 RECIPE_DIR = Path(__file__).parents[1] / "recipes"
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
+ROUTER_NORMS = ("none", "rms_scaled")
 PROJECTIONS = ("gate", "up", "down")
 
 
@@ -29,9 +36,32 @@ class Recipe:
     fused: dict[str, str]
     shared: dict[str, str] = field(default_factory=dict)
     rename: dict[str, str] = field(default_factory=dict)
+    router_module: str | None = None  # a router module of its own (reads the residual stream)
+    text: dict[str, Any] = field(default_factory=dict)  # a multimodal checkpoint's language model
+    aliases: tuple[str, ...] = ()
 
     def moe_path(self, layer: int) -> str:
         return self.moe_module.format(layer=layer)
+
+    def router_path(self, layer: int) -> str | None:
+        return None if self.router_module is None else self.router_module.format(layer=layer)
+
+    def text_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The language model's config: `config` itself, or its `[text] config` entry (a
+        multimodal checkpoint's)."""
+        key = self.text.get("config")
+        inner = config.get(key) if key else None
+        return dict(inner) if isinstance(inner, dict) else config
+
+    def text_name(self, disk_name: str) -> str | None:
+        """A checkpoint tensor's name in the language model alone (the multimodal prefix
+        taken off), or None for the towers `[text] drop` leaves out."""
+        if any(disk_name.startswith(p) for p in self.text.get("drop", ())):
+            return None
+        prefix = self.text.get("prefix")
+        if prefix and disk_name.startswith(prefix):
+            return "model." + disk_name[len(prefix) :]
+        return disk_name
 
     def in_memory_name(self, disk_name: str) -> str:
         """Non-expert tensor name as transformers holds it (e.g. Mixtral's block_sparse_moe)."""
@@ -54,6 +84,13 @@ class MoESpec:
     shared_intermediate: int
     shared_gate: bool
     act: str
+    # Gemma-4's router (a module of its own, reading the residual stream): "rms_scaled" is a
+    # scale-free RMSNorm (eps `norm_eps`) times a learned scale and hidden^-0.5 before the
+    # projection; `expert_scale`: the renormalised top-k weights times a learned per-expert scale
+    router_norm: str = "none"
+    expert_scale: bool = False
+    norm_eps: float = 1e-6
+    own_router: bool = False  # the router is a module of its own; MoEBlock gets its choice
 
     @property
     def has_shared(self) -> bool:
@@ -64,9 +101,20 @@ def supported() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.toml"))
 
 
-def load_recipe(model_type: str) -> Recipe:
+def _recipe_path(model_type: str) -> Path | None:
+    """`<model_type>.toml`, or the recipe that lists `model_type` among its aliases."""
     path = RECIPE_DIR / f"{model_type}.toml"
-    if not path.is_file():
+    if path.is_file():
+        return path
+    for other in sorted(RECIPE_DIR.glob("*.toml")):
+        if model_type in tomllib.loads(other.read_text()).get("aliases", ()):
+            return other
+    return None
+
+
+def load_recipe(model_type: str) -> Recipe:
+    path = _recipe_path(model_type)
+    if path is None:
         raise PwctlError(
             f"unsupported architecture '{model_type}'; supported: {', '.join(supported())}"
         )
@@ -74,6 +122,12 @@ def load_recipe(model_type: str) -> Recipe:
     routing = data.get("routing", {})
     if routing.get("order") not in ROUTER_ORDERS:
         raise PwctlError(f"recipe {path}: routing.order must be one of {ROUTER_ORDERS}")
+    if routing.get("norm", "none") not in ROUTER_NORMS:
+        raise PwctlError(f"recipe {path}: routing.norm must be one of {ROUTER_NORMS}")
+    if (routing.get("norm", "none") != "none" or routing.get("per_expert_scale")) and not data.get(
+        "router_module"
+    ):
+        raise PwctlError(f"recipe {path}: routing.norm and per_expert_scale need router_module")
     return Recipe(
         model_type=data["model_type"],
         moe_module=data["moe_module"],
@@ -83,6 +137,9 @@ def load_recipe(model_type: str) -> Recipe:
         fused=data["fused"],
         shared=data.get("shared", {}),
         rename=data.get("rename", {}),
+        router_module=data.get("router_module"),
+        text=data.get("text", {}),
+        aliases=tuple(data.get("aliases", ())),
     )
 
 
@@ -92,9 +149,15 @@ def resolve_spec(recipe: Recipe, config: dict[str, Any]) -> MoESpec:
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.for_model(**config)
+        cfg = AutoConfig.for_model(**config).get_text_config()
     except (ValueError, TypeError) as e:
         raise PwctlError(f"config.json of a {recipe.model_type} model is unusable ({e})") from None
+    flag = recipe.config_keys.get("enabled")
+    if flag is not None and not getattr(cfg, flag, False):
+        raise PwctlError(
+            f"config.json of a {recipe.model_type} model has no MoE ('{flag}' is not true): "
+            "pwctl serves MoE models only"
+        )
 
     def value(name: str, default: Any = None) -> Any:
         if name in recipe.routing:
@@ -118,5 +181,9 @@ def resolve_spec(recipe: Recipe, config: dict[str, Any]) -> MoESpec:
         routed_scaling=float(value("routed_scaling", 1.0)),
         shared_intermediate=shared_inter,
         shared_gate=bool(recipe.shared.get("gate_weight")),
-        act=str(getattr(cfg, "hidden_act", "silu")),
+        act=str(getattr(cfg, recipe.config_keys.get("act", "hidden_act"), None) or "silu"),
+        router_norm=str(recipe.routing.get("norm", "none")),
+        expert_scale=bool(recipe.routing.get("per_expert_scale", False)),
+        norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
+        own_router=recipe.router_module is not None,
     )

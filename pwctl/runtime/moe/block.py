@@ -27,7 +27,10 @@ class MoEBlock(nn.Module):
     def __init__(self, spec: MoESpec, layer: int, store: ExpertStore):
         super().__init__()
         self.spec, self.layer, self.store = spec, layer, store
-        self.gate = nn.Linear(spec.hidden, spec.num_experts, bias=False)
+        # no gate where the router is a module of its own (spec.own_router: it hands its choice in)
+        self.gate = (
+            None if spec.own_router else nn.Linear(spec.hidden, spec.num_experts, bias=False)
+        )
         self.shared_expert_gate = (
             nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
         )
@@ -42,8 +45,19 @@ class MoEBlock(nn.Module):
             return None
         return torch.sigmoid(self.shared_expert_gate(x))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The experts' sum for `hidden` [..., H]; routed here, or by the router module of its
+        own (spec.own_router), whose choice comes in as `top_k_index` / `top_k_weights` [T, k]."""
         x = hidden.reshape(-1, self.spec.hidden)
+        if self.gate is None:
+            if top_k_index is None or top_k_weights is None:
+                raise RuntimeError("this MoE block's router is a module of its own: pass its pick")
+            return self._chosen(hidden, x, top_k_weights.float(), top_k_index)
         fused = self.paged.fused if self.paged is not None else None
         if fused is not None and can_route(self.spec, x, self.gate.weight):
             sg = self.shared_expert_gate  # router, grouping and layout in one launch
@@ -53,6 +67,12 @@ class MoEBlock(nn.Module):
                 self.observer(self.layer, x, routing.index.clone(), routing.weights.clone())
             return out.to(x.dtype).view_as(hidden)
         weights, index = route(self.gate(x), self.spec)
+        return self._chosen(hidden, x, weights, index)
+
+    def _chosen(
+        self, hidden: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts of the routing chosen, on whichever backend is installed."""
         if self.observer is not None:
             self.observer(self.layer, x, index, weights)
         if self.paged is not None:

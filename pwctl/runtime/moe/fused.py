@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from pwctl.format.recipe import MoESpec
 from pwctl.kernels import build, geometry, launch, popc
@@ -74,9 +75,10 @@ class FusedMoE:
     ):
         """`index`: (layer, expert, proj) -> block (shared experts: expert = num_experts).
         `rules`: which decode kernels a call takes (default: `DispatchRules()`)."""
-        if spec.act != "silu":
+        if spec.act != "silu" and dt.device.type == "cuda":
             raise ValueError(f"activation {spec.act}: the kernels implement silu")
         self.spec, self.dt = spec, dt
+        self._act = F.silu if spec.act == "silu" else ACT2FN[spec.act]  # the torch path's
         experts = spec.num_experts + (1 if spec.has_shared else 0)
         self.block_ids: dict[int, torch.Tensor] = {}
         self._layer_blocks: dict[int, np.ndarray] = {}  # host copy: the widths' page-table rows
@@ -251,7 +253,7 @@ class FusedMoE:
                 continue
             g, u, d = (self.dt.weight(int(b)) for b in ids[int(pairs.expert[s])].tolist())
             tok = pairs.token[lo:hi].long()
-            h = F.silu(xf[tok] @ g.T) * (xf[tok] @ u.T)
+            h = self._act(xf[tok] @ g.T) * (xf[tok] @ u.T)
             out.index_add_(0, tok, (h @ d.T) * pairs.weight[lo:hi, None])
 
     # --- CUDA: two kernels per expert group ---------------------------------------------------
