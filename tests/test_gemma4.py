@@ -191,3 +191,72 @@ def test_paged_experts_equal_the_store(gemma4):
             torch.testing.assert_close(got.seen[layer][2], weights)
         prompt = ids[0, :10].tolist()
         assert paged.generate_ids(prompt, 10) == store.generate_ids(prompt, 10)
+
+
+# --- attention and KV per layer -----------------------------------------------------------------
+
+VARIANTS = {
+    # 26B-A4B's attention shape: sliding / full alternating, full layers wider and k_eq_v
+    "plain": {},
+    # the smaller Gemma-4s' extras: the last layers reuse earlier layers' keys and values, and
+    # per-layer inputs
+    "shared-kv": dict(
+        layers=4, num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=tiny.VOCAB,
+    ),
+}  # fmt: skip
+
+
+def test_kv_layout_per_layer():
+    from pwctl.runtime.memory.kv_cache import KVLayout
+
+    plain = KVLayout.from_config(tiny.gemma4_config())
+    assert plain.shapes == ((2, 32), (1, 64)) and plain.n_layers == 2
+    assert (plain.kv_heads, plain.head_dim) == (2, 32)  # the widest row (64 floats each)
+    assert plain.bytes_per_token() == 2 * 4 * (2 * 32 + 64)
+    shared = KVLayout.from_config(tiny.gemma4_config(**VARIANTS["shared-kv"] | {"layers": 4}))
+    assert shared.n_layers == 2 and shared.sources == (0, 1, 0, 1)
+    assert [shared.owns(a) for a in range(4)] == [True, True, False, False]
+    assert shared.bytes_per_token() == plain.bytes_per_token()  # two layers store nothing
+    mixtral = KVLayout.from_config(tiny.tiny_config("mixtral"))
+    assert mixtral.shapes == () and mixtral.sources == ()  # uniform layouts stay as they were
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_batched_engine_equals_transformers(variant, tmp_path):
+    """The batching path (pwctl_paged attention over the paged KV cache: chunked prefill past
+    the sliding window, decode rows batched) gives transformers' own greedy tokens with the
+    source weights (fp16 policy), and at 8 bits the paged experts (their arena holding the KV
+    blocks) give the store's, both what the reference path gives; a block counts each layer's
+    real bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.scheduler import SamplingParams
+
+    sizes = VARIANTS[variant]
+    src = tiny.make_checkpoint(tiny.GEMMA4, tmp_path / "ckpt", logit_scale=10.0, **sizes)
+    convert(src, tmp_path / "pack", ConvertOptions())
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    prompts = [list(range(1, 30)), list(range(40, 45)), list(range(100, 121))]
+    cfg = BatchConfig(max_batch_tokens=16, max_model_len=96)
+    with torch.no_grad():
+        outs = [
+            source.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            for p in prompts
+        ]
+    theirs = [o[0, len(p) :].tolist() for o, p in zip(outs, prompts, strict=True)]
+    pack = Pack(tmp_path / "pack")
+    store = Engine(pack, experts="store")
+    store.start_batching(parse_policy("fp16"), None, cfg)
+    assert [s.output_ids for s in store.generate_batch(prompts, SamplingParams(12))] == theirs
+    for engine in (store, Engine(pack, experts="paged")):
+        engine.set_policy(parse_policy("uniform:8"))
+        want = [engine.generate_ids(p, 12) for p in prompts]
+        engine.start_batching(parse_policy("uniform:8"), None, cfg)
+        got = [s.output_ids for s in engine.generate_batch(prompts, SamplingParams(12))]
+        assert got == want, engine.experts
+        layout = engine.batcher.runner.kv.layout
+        assert layout.shapes  # per layer
+        assert engine._block_bytes(cfg) >= cfg.block_size * layout.bytes_per_token()
+    assert store._block_bytes(cfg) == cfg.block_size * layout.bytes_per_token()
