@@ -260,3 +260,56 @@ def test_batched_engine_equals_transformers(variant, tmp_path):
         assert layout.shapes  # per layer
         assert engine._block_bytes(cfg) >= cfg.block_size * layout.bytes_per_token()
     assert store._block_bytes(cfg) == cfg.block_size * layout.bytes_per_token()
+
+
+# --- the dense MLP as blocks --------------------------------------------------------------------
+
+
+def test_dense_mlp_is_blocks_with_a_floor(gemma4):
+    """`[dense]`: the dense MLP every token runs is three blocks a layer in the shared
+    expert's slot (shared: the planner's floor), not non-expert weights; a budgeted policy
+    under pressure keeps them at the floor a shared expert gets, and the proxy profile reads
+    the dense MLP's own input."""
+    from pwctl.build.profile import run_profile
+    from pwctl.runtime.widths.allocator import WidthAllocator
+    from pwctl.runtime.widths.planner import PlannerConfig
+
+    pack = Pack(gemma4["pack"])
+    m = pack.manifest
+    assert m.spec["dense_intermediate"] == 128 and m.spec["shared_intermediate"] == 0
+    dense = [b for b in pack.blocks if b.shared]
+    assert len(dense) == 3 * len(m.moe_layers)
+    assert all(b.expert == m.spec["num_experts"] for b in dense)
+    assert {(b.proj, b.rows, b.cols) for b in dense} == {
+        ("gate", 128, 128), ("up", 128, 128), ("down", 128, 128)
+    }  # fmt: skip
+    assert not [n for n in pack.nonexpert() if ".mlp." in n]
+    assert resolve_spec(load_recipe("gemma4"), tiny.gemma4_config().to_dict()).has_dense
+
+    engine = Engine(pack)
+    ids = torch.randint(1, tiny.VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
+    with MoETap(engine.model) as tap:
+        engine.logits(ids)
+    for layer in m.moe_layers:  # the dense MLP's input is not the experts'
+        assert not torch.allclose(tap.dense_seen[layer], tap.seen[layer][0])
+    run_profile(engine, ids, "proxy").save(pack)
+    alloc = WidthAllocator(Pack(gemma4["pack"]), parse_policy("pagedweight:0.2"))
+    widths = alloc.widths()
+    shared = [b.shared for b in pack.blocks]
+    floor = m.min_bits + PlannerConfig().shared_floor
+    assert all(w >= floor for w, s in zip(widths, shared, strict=True) if s)
+    assert min(w for w, s in zip(widths, shared, strict=True) if not s) < floor
+
+
+def test_calibrated_conversion(gemma4):
+    """--calib on the multimodal release: the experts' and the dense MLP's inputs weigh the
+    quantizer (the language model's modules found under its prefix)."""
+    calib = gemma4["root"] / "calib.txt"
+    calib.write_text(tiny.TOKENIZER_TEXT * 40)
+    out = gemma4["root"] / "calib-pack"
+    convert(gemma4["multi"], out, ConvertOptions(calib=calib, calib_tokens=512, max_bits=4))
+    pack = Pack(out)
+    assert pack.manifest.weighting == "calib-ex2"
+    dense = [b.importance_tokens for b in pack.blocks if b.shared]
+    assert dense and all(t == pack.manifest.calib["tokens"] for t in dense)
+    assert all(b.importance_tokens is not None for b in pack.blocks)

@@ -177,6 +177,13 @@ def plan_blocks(
                     lambda n=name: ckpt.tensor(n),
                 )
                 consumed.add(name)
+        if recipe.dense:  # the dense MLP: in the shared expert's slot (its width per layer)
+            rows = ckpt.info(recipe.dense["gate"].format(layer=layer)).shape[0]
+            for p in PROJECTIONS:
+                name = recipe.dense[p].format(layer=layer)
+                dt = _check(ckpt, name, shape(p, rows))
+                add(layer, n_exp, True, p, *shape(p, rows), dt, lambda n=name: ckpt.tensor(n))
+                consumed.add(name)
     if not layers:
         raise PwctlError(
             f"{ckpt.path}: no expert tensors found where the {recipe.model_type} "

@@ -8,7 +8,9 @@ Optional parts, for architectures whose MoE is not one module (Gemma-4): `router
 router of its own that reads the residual stream (`[routing] norm`, `per_expert_scale`), beside
 the experts at `moe_module`; `[text]`, the language model of a multimodal checkpoint (its config
 key, its tensors' prefix, the towers left out); `aliases`, other model types the recipe serves;
-`[config] enabled`, the config flag without which the model has no MoE.
+`[config] enabled`, the config flag without which the model has no MoE; `[dense]`, a dense MLP
+every token runs beside the experts (its module and tensors): its blocks take the shared
+expert's slot (expert = num_experts, `shared`), so its bytes count with the planes.
 """
 
 from __future__ import annotations
@@ -37,11 +39,15 @@ class Recipe:
     shared: dict[str, str] = field(default_factory=dict)
     rename: dict[str, str] = field(default_factory=dict)
     router_module: str | None = None  # a router module of its own (reads the residual stream)
+    dense: dict[str, str] = field(default_factory=dict)  # module, gate, up, down
     text: dict[str, Any] = field(default_factory=dict)  # a multimodal checkpoint's language model
     aliases: tuple[str, ...] = ()
 
     def moe_path(self, layer: int) -> str:
         return self.moe_module.format(layer=layer)
+
+    def dense_path(self, layer: int) -> str | None:
+        return self.dense["module"].format(layer=layer) if self.dense else None
 
     def router_path(self, layer: int) -> str | None:
         return None if self.router_module is None else self.router_module.format(layer=layer)
@@ -91,10 +97,17 @@ class MoESpec:
     expert_scale: bool = False
     norm_eps: float = 1e-6
     own_router: bool = False  # the router is a module of its own; MoEBlock gets its choice
+    # a dense MLP beside the experts (Gemma-4), as blocks in the shared expert's slot: the
+    # config's width (a layer's blocks have their own: Gemma-4's double-wide MLP layers differ)
+    dense_intermediate: int = 0
 
     @property
     def has_shared(self) -> bool:
         return self.shared_intermediate > 0
+
+    @property
+    def has_dense(self) -> bool:
+        return self.dense_intermediate > 0
 
 
 def supported() -> list[str]:
@@ -124,6 +137,8 @@ def load_recipe(model_type: str) -> Recipe:
         raise PwctlError(f"recipe {path}: routing.order must be one of {ROUTER_ORDERS}")
     if routing.get("norm", "none") not in ROUTER_NORMS:
         raise PwctlError(f"recipe {path}: routing.norm must be one of {ROUTER_NORMS}")
+    if data.get("dense") and data.get("shared"):
+        raise PwctlError(f"recipe {path}: [dense] takes the shared expert's slot: not both")
     if (routing.get("norm", "none") != "none" or routing.get("per_expert_scale")) and not data.get(
         "router_module"
     ):
@@ -138,6 +153,7 @@ def load_recipe(model_type: str) -> Recipe:
         shared=data.get("shared", {}),
         rename=data.get("rename", {}),
         router_module=data.get("router_module"),
+        dense=data.get("dense", {}),
         text=data.get("text", {}),
         aliases=tuple(data.get("aliases", ())),
     )
@@ -186,4 +202,5 @@ def resolve_spec(recipe: Recipe, config: dict[str, Any]) -> MoESpec:
         expert_scale=bool(recipe.routing.get("per_expert_scale", False)),
         norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
         own_router=recipe.router_module is not None,
+        dense_intermediate=int(value("dense_intermediate", 0)) if recipe.dense else 0,
     )

@@ -14,7 +14,7 @@ from pwctl.errors import PwctlError
 from pwctl.format.pack import Pack
 from pwctl.format.recipe import MoESpec, load_recipe
 from pwctl.runtime.memory.expert_store import ExpertStore
-from pwctl.runtime.moe.block import MoEBlock
+from pwctl.runtime.moe.block import DenseMLP, MoEBlock
 from pwctl.runtime.moe.router import ResidualRouter
 
 if TYPE_CHECKING:
@@ -35,7 +35,12 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config)
         for layer in m.moe_layers:
             parent, attr = recipe.moe_path(layer).rsplit(".", 1)
-            setattr(model.get_submodule(parent), attr, MoEBlock(spec, layer, store))
+            block = MoEBlock(spec, layer, store)
+            setattr(model.get_submodule(parent), attr, block)
+            dense = recipe.dense_path(layer)
+            if dense is not None and spec.has_dense:  # its blocks, on the block's backend
+                parent, attr = dense.rsplit(".", 1)
+                setattr(model.get_submodule(parent), attr, DenseMLP(block))
             router = recipe.router_path(layer)
             if router is not None:  # a router of its own (Gemma-4): the layer hands its choice on
                 parent, attr = router.rsplit(".", 1)

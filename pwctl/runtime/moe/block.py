@@ -98,6 +98,28 @@ class MoEBlock(nn.Module):
         return out
 
 
+class DenseMLP(nn.Module):
+    """A dense MLP every token runs beside the experts (spec.has_dense: Gemma-4's), computed from
+    its blocks in the shared expert's slot on the backend its layer's MoEBlock has."""
+
+    def __init__(self, block: MoEBlock):
+        super().__init__()
+        self._block = (block,)  # a tuple: not a submodule (the layer holds the block already)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        b = self._block[0]
+        x = hidden.reshape(-1, b.spec.hidden)
+        if b.observer is not None:
+            b.observer.dense_input(b.layer, x)
+        if b.paged is not None:
+            out = b.paged.fused.dense(b.layer, x)
+        elif b.dense is not None:
+            raise RuntimeError("the 16-bit experts have no dense MLP: use the store or planes")
+        else:
+            out = b.store.mlp(b.layer, b.spec.num_experts, x)
+        return out.to(x.dtype).view_as(hidden)
+
+
 class MoETap:
     """Context manager recording each MoE block's input and routing during a forward pass
     (profile's features and proxy, bench's MoE output error)."""
@@ -105,9 +127,13 @@ class MoETap:
     def __init__(self, model: nn.Module):
         self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
         self.seen: dict[int, tuple[torch.Tensor, ...]] = {}  # (x, index, weights)
+        self.dense_seen: dict[int, torch.Tensor] = {}  # a dense MLP's input (DenseMLP)
 
     def __call__(self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
         self.seen[layer] = (x.detach(), index, weights)
+
+    def dense_input(self, layer: int, x: torch.Tensor) -> None:
+        self.dense_seen[layer] = x.detach()
 
     def __enter__(self) -> MoETap:
         for m in self.blocks:
