@@ -313,3 +313,73 @@ def test_calibrated_conversion(gemma4):
     dense = [b.importance_tokens for b in pack.blocks if b.shared]
     assert dense and all(t == pack.manifest.calib["tokens"] for t in dense)
     assert all(b.importance_tokens is not None for b in pack.blocks)
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+def test_commands_end_to_end(gemma4, tmp_path):
+    """convert (the multimodal release), profile, fit-residual, generate, bench --ppl and
+    serve, through the CLI as a user runs them, on the CPU."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from typer.testing import CliRunner
+
+    from pwctl.cli import app
+
+    runner = CliRunner()
+    pack = tmp_path / "pack"
+
+    def ok(*args: str) -> dict:
+        out = tmp_path / f"{args[0]}.json"
+        r = runner.invoke(app, [*args, "--json", str(out)])
+        assert r.exit_code == 0, r.output
+        return json.loads(out.read_text())
+
+    report = ok("convert", str(gemma4["multi"]), str(pack), "--min-bits", "3", "--max-bits", "6")
+    assert report["blocks"] == 2 * (4 + 1) * 3  # 4 experts and the dense MLP, two layers
+    data = tmp_path / "calib.txt"
+    data.write_text(tiny.TOKENIZER_TEXT * 20)
+    ok("profile", str(pack), "--data", str(data), "--samples", "10", "--seq-len", "32")
+    assert "r2_test" in ok("fit-residual", str(pack))
+    said = ok("generate", str(pack), "--prompt", "The earth", "--max-tokens", "5",
+              "--policy", "uniform:4")  # fmt: skip
+    assert said["policy"] == "uniform:4"
+    bench = ok("bench", str(pack), "--ppl", "--data", str(data), "--seq-len", "64",
+               "--policy", "fp16", "--policy", "uniform:3", "--policy", "uniform:6")  # fmt: skip
+    kl = {x["policy"]: x["kl"] for x in bench["results"]}
+    assert kl["fp16"] == 0 and kl["uniform:3"] > kl["uniform:6"] > 0
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pwctl.cli", "serve", str(pack), "--port", str(port),
+         "--device", "cpu", "--max-model-len", "128", "--policy", "uniform:4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+        while True:
+            assert server.poll() is None, server.communicate()[0]
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        body = {"model": "x", "prompt": "The earth", "max_tokens": 5, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        engine = Engine(Pack(pack))
+        engine.set_policy(parse_policy("uniform:4"))
+        want = engine.generate(body["prompt"], 5)
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        server.terminate()
+        server.wait(30)

@@ -51,13 +51,14 @@ class MoEBlock(nn.Module):
         top_k_index: torch.Tensor | None = None,
         top_k_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The experts' sum for `hidden` [..., H]; routed here, or by the router module of its
-        own (spec.own_router), whose choice comes in as `top_k_index` / `top_k_weights` [T, k]."""
+        """The experts' sum for `hidden` [..., H]: routed here, or as `top_k_index` /
+        `top_k_weights` [T, k] say (the router module of its own, spec.own_router, passes its
+        pick; bench replays a recorded one)."""
         x = hidden.reshape(-1, self.spec.hidden)
-        if self.gate is None:
-            if top_k_index is None or top_k_weights is None:
-                raise RuntimeError("this MoE block's router is a module of its own: pass its pick")
+        if top_k_index is not None and top_k_weights is not None:
             return self._chosen(hidden, x, top_k_weights.float(), top_k_index)
+        if self.gate is None:
+            raise RuntimeError("this MoE block's router is a module of its own: pass its pick")
         fused = self.paged.fused if self.paged is not None else None
         if fused is not None and can_route(self.spec, x, self.gate.weight):
             sg = self.shared_expert_gate  # router, grouping and layout in one launch
