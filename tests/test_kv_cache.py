@@ -10,6 +10,16 @@ from pwctl.runtime.memory.kv_cache import BlockPool, KVCache, KVLayout
 LAYOUT = KVLayout(n_layers=2, kv_heads=2, head_dim=4)
 
 
+def test_per_layer_layout_counts_each_layers_bytes():
+    mixed = KVLayout(2, 2, 16, torch.float16, shapes=((3, 4), (2, 16)), sources=(0, 1, 0, 1))
+    assert mixed.bytes_per_token() == 2 * 2 * (3 * 4 + 2 * 16)  # not 2 x 4 layers x the widest
+    assert [mixed.source(a) for a in range(4)] == [0, 1, 0, 1]
+    assert [mixed.owns(a) for a in range(4)] == [True, True, False, False]
+    assert LAYOUT.source(1) == 1 and LAYOUT.owns(1) and LAYOUT.shape(1) == (2, 4)
+    # 8-byte units (the 24-byte rows'), 16-token blocks: 2 x 16 x (3 + 8) units of 32 a slab
+    assert KVCache.slabs_of(mixed, 16, 256) == -(-(2 * 16 * (3 + 8)) // 32)
+
+
 def test_layout_bytes_and_budget_sizing():
     assert LAYOUT.bytes_per_token() == 2 * 2 * 2 * 4 * 4
     kv = KVCache.from_budget(LAYOUT, 10 * 4 * LAYOUT.bytes_per_token() + 5, block_size=4)
@@ -74,6 +84,9 @@ class Slabs:
         LAYOUT,  # rows of 32 bytes: 8 per slab
         KVLayout(n_layers=3, kv_heads=2, head_dim=64),  # 512-byte rows over two slabs
         KVLayout(n_layers=2, kv_heads=3, head_dim=4, dtype=torch.float16),  # 24-byte rows
+        # layers of their own shapes (Gemma-4: full layers' wider heads), 3 attention layers
+        # over 2 cache layers (the last shares the first's keys and values)
+        KVLayout(2, 2, 16, torch.float16, shapes=((3, 4), (2, 16)), sources=(0, 1, 0)),
     ],
 )
 def test_arena_blocks_hold_what_own_tensors_hold(layout):
@@ -90,7 +103,7 @@ def test_arena_blocks_hold_what_own_tensors_hold(layout):
     assert held.size == len(np.unique(held)) == 3 * k and slabs.pool.top == k
     for layer in range(layout.n_layers):
         for seq, n in lengths.items():
-            shape = (n, layout.kv_heads, layout.head_dim)
+            shape = (n, *layout.shape(layer))
             key = torch.randn(shape, generator=g).to(layout.dtype)
             value = torch.randn(shape, generator=g).to(layout.dtype)
             for kv in (own, arena):

@@ -69,9 +69,11 @@ def run_ppl(
         engine.set_policy(fp16)
         with MoETap(engine.model) as tap:
             ref = torch.log_softmax(engine.logits(ids)[0, :-1], -1)
-        blocks = [(b, tap.seen[b.layer][0]) for b in tap.blocks]
+        # each block's input and routing (replayed: a router of its own, Gemma-4's, is not
+        # the block's)
+        blocks = [(b, tap.seen[b.layer]) for b in tap.blocks]
         with torch.no_grad():
-            ref_out = [b.moe(x) for b, x in blocks]
+            ref_out = [b.moe(x, index, w) for b, (x, index, w) in blocks]
         norm += sum(float(y.pow(2).sum()) for y in ref_out)
         for p, name in zip(policies, names, strict=True):
             engine.set_policy(p, headroom=float(headroom[i]))
@@ -83,8 +85,8 @@ def run_ppl(
             kl[name][i] = (ref.exp() * (ref - lp)).sum().item()
             with torch.no_grad():
                 err[name] += sum(
-                    float((b.moe(x) - y).pow(2).sum())
-                    for (b, x), y in zip(blocks, ref_out, strict=True)
+                    float((b.moe(x, index, w) - y).pow(2).sum())
+                    for (b, (x, index, w)), y in zip(blocks, ref_out, strict=True)
                 )
     per_window = np.full(len(windows), windows.shape[1] - 1, dtype=np.float64)
     count = int(per_window.sum())

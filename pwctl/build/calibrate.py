@@ -114,8 +114,8 @@ def collect(
         return glu(gate, up)
 
     for layer in moe_layers:
-        moe: Any = model.get_submodule(recipe.moe_path(layer))  # transformers' own classes
-        experts = moe.experts
+        moe: Any = _module(model, recipe, recipe.moe_path(layer))
+        experts = getattr(moe, "experts", moe)  # the MoE block, or the experts themselves
 
         def routed(mod, args, kwargs, layer=layer):
             x = args[0] if args else kwargs["hidden_states"]
@@ -142,6 +142,19 @@ def collect(
 
             hooks.append(shared.register_forward_pre_hook(shared_in))
             hooks.append(shared.down_proj.register_forward_pre_hook(shared_mid))
+        dense_path = recipe.dense_path(layer)
+        if dense_path is not None and spec.has_dense:  # the dense MLP (the shared slot)
+            dense: Any = _module(model, recipe, dense_path)
+            did, wide = spec.num_experts, dense.down_proj.in_features
+
+            def dense_in(m, a, layer=layer, did=did):
+                acc((layer, did, "in"), stats, a[0].flatten(0, -2), spec.hidden)
+
+            def dense_mid(m, a, layer=layer, did=did, wide=wide):
+                acc((layer, did, "mid"), stats, a[0].flatten(0, -2), wide)
+
+            hooks.append(dense.register_forward_pre_hook(dense_in))
+            hooks.append(dense.down_proj.register_forward_pre_hook(dense_mid))
     ids = token_windows(tok, calib, seq_len, max_tokens)
     with torch.no_grad():
         for row in ids:
@@ -150,3 +163,15 @@ def collect(
         h.remove()
     del model
     return Importance(stats, {k: v for k, v in pooled.items() if v is not None}, ids.numel())
+
+
+def _module(model: Any, recipe: Recipe, path: str) -> Any:
+    """transformers' module at `path` (a multimodal model's language model: under `[text]
+    prefix`)."""
+    prefix = recipe.text.get("prefix")
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        if not prefix:
+            raise
+    return model.get_submodule(prefix + path.removeprefix("model."))

@@ -188,6 +188,13 @@ def plan_blocks(
                     lambda n=name: ckpt.tensor(n),
                 )
                 consumed.add(name)
+        if recipe.dense:  # the dense MLP: in the shared expert's slot (its width per layer)
+            rows = ckpt.info(recipe.dense["gate"].format(layer=layer)).shape[0]
+            for p in PROJECTIONS:
+                name = recipe.dense[p].format(layer=layer)
+                dt = _check(ckpt, name, shape(p, rows))
+                add(layer, n_exp, True, p, *shape(p, rows), dt, lambda n=name: ckpt.tensor(n))
+                consumed.add(name)
     if not layers:
         raise PwctlError(
             f"{ckpt.path}: no expert tensors found where the {recipe.model_type} "
@@ -326,6 +333,7 @@ def convert(
     path = resolve_source(src)
     ckpt = Checkpoint(path)
     recipe = load_recipe(ckpt.model_type)
+    multimodal = _language_model(ckpt, recipe)
     spec = resolve_spec(recipe, ckpt.config)
     layers, blocks, consumed, layouts = plan_blocks(ckpt, recipe, spec)
     check_replaceable(out, opts.force)  # before any work: --force replaces only a pack
@@ -379,6 +387,7 @@ def convert(
         config = ckpt.config
         if "mxfp4" in layouts.values():  # the pack's experts are planes, the rest 16-bit
             config = {k: v for k, v in config.items() if k != "quantization_config"}
+        if multimodal or config is not ckpt.config:  # multimodal: the language model's alone
             (writer.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         manifest = Manifest(
             model_type=ckpt.model_type,
@@ -409,6 +418,19 @@ def convert(
         pack_bytes,
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
+
+
+def _language_model(ckpt: Checkpoint, recipe: Recipe) -> bool:
+    """A multimodal checkpoint (the recipe's `[text]`) seen as its language model alone: the
+    text config, tensors under text names, the towers left out. Whether it was one."""
+    text = recipe.text_config(ckpt.config)
+    if text is ckpt.config:
+        return False
+    ckpt.config = text
+    ckpt.tensors = {
+        new: info for name, info in ckpt.tensors.items() if (new := recipe.text_name(name))
+    }
+    return True
 
 
 def _write_nonexpert(writer: PackWriter, ckpt: Checkpoint, recipe: Recipe, consumed: set[str]):

@@ -110,6 +110,7 @@ def _proxy(
         if block.proj != "gate":
             continue  # one pass per expert handles its three blocks
         x, index, weights = tap.seen[block.layer]
+        x = tap.dense_seen.get(block.layer, x) if block.shared else x  # a dense MLP's own input
         if block.shared:
             tokens = torch.arange(x.shape[0], device=x.device)
             w = torch.ones(x.shape[0], device=x.device)

@@ -11,11 +11,23 @@ import torch
 
 VOCAB = 320
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+ROUTER_SCALE = 30.0  # Gemma-4's router weights, times this (`make_checkpoint`)
+GEMMA4 = "gemma4"  # not in ARCHS: transformers < 5.25 has no gemma4 (`has_gemma4`)
+
 TOKENIZER_TEXT = (
     "In the beginning God created the heavens and the earth. The earth was formless and empty. "
     "It is a truth universally acknowledged that a single man in possession of a good fortune "
     "must be in want of a wife. The quick brown fox jumps over the lazy dog. 0123456789 "
 )
+
+
+def has_gemma4() -> bool:
+    """Whether the installed transformers has Gemma-4 (`transformers.models.gemma4`)."""
+    try:
+        from transformers import Gemma4TextConfig  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def tiny_config(arch: str, hidden: int = 128, layers: int = 2, experts: int = 4):
@@ -86,7 +98,53 @@ def tiny_config(arch: str, hidden: int = 128, layers: int = 2, experts: int = 4)
                 "original_max_position_embeddings": 64,
             },
         )
+    if arch == GEMMA4:
+        return gemma4_config(hidden, layers, experts)
     raise ValueError(f"no tiny config for {arch}")
+
+
+def gemma4_config(
+    hidden: int = 128, layers: int = 2, experts: int = 4, multimodal: bool = False, **extra: Any
+):
+    """A tiny Gemma-4 MoE text config with what sets it apart (26B-A4B's shape, scaled down):
+    sliding and full layers alternating (window 8), full layers with twice the head dim and one
+    key/value head (attention_k_eq_v: values from the key projection), final-logit softcapping,
+    the dense MLP beside the experts. `extra` overrides (num_kv_shared_layers, per-layer inputs).
+    `multimodal`: wrapped in Gemma4Config (no towers), saved as ForConditionalGeneration is."""
+    from transformers import Gemma4Config, Gemma4TextConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        global_head_dim=hidden // 2,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+        + ["full_attention"] * (layers % 2),
+        final_logit_softcapping=30.0,
+        enable_moe_block=True,
+        num_experts=experts,
+        top_k_experts=2,
+        moe_intermediate_size=hidden // 2,
+        hidden_size_per_layer_input=0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    text = Gemma4TextConfig(**(fields | extra))
+    if not multimodal:
+        return text
+    return Gemma4Config(
+        text_config=text.to_dict(), vision_config=None, audio_config=None, tie_word_embeddings=False
+    )
 
 
 def make_tokenizer(path: Path) -> None:
@@ -119,17 +177,30 @@ def make_checkpoint(
     seed: int = 0,
     logit_scale: float = 20.0,
     mxfp4: bool = False,
+    multimodal: bool = False,
     **sizes: int,
 ) -> Path:
     """Save a random tiny `arch` model (and tokenizer) to `path`; returns `path`. GPT-OSS is
     saved in bf16 (as released), its experts on the MXFP4 grid (the bf16 releases are
-    dequantized MXFP4 too) and, with `mxfp4`, as MXFP4 blocks and scales: the same weights."""
+    dequantized MXFP4 too) and, with `mxfp4`, as MXFP4 blocks and scales: the same weights.
+    `multimodal` (Gemma-4 only): saved as the ForConditionalGeneration release is, `sizes` also
+    take Gemma-4's extra fields (`gemma4_config`)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **sizes)).eval()
+    if arch == GEMMA4:
+        config = gemma4_config(multimodal=multimodal, **sizes)
+    else:
+        config = tiny_config(arch, **sizes)
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
+        if arch == GEMMA4:  # norms and scales start at one: move them, so each one counts
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("norm.weight", "router.scale", "expert_scale", "layer_scalar")):
+                    t.mul_(torch.empty_like(t).uniform_(0.5, 1.5))
+                if name.endswith("router.proj.weight"):  # its input is unit-RMS times hidden^-0.5:
+                    t.mul_(ROUTER_SCALE)  # router logits away from ties, as trained ones are
     packed = _gpt_oss_weights(model) if arch == "gpt_oss" else {}
     model.save_pretrained(path, save_original_format=not fused)
     if mxfp4:

@@ -194,9 +194,11 @@ def paged_attention(
     softmax with no value (`_with_sinks`)."""
     if pwctl_batch is None:
         raise RuntimeError(f"{ATTN_NAME} attention runs only inside Engine.step")
-    batch, layer = pwctl_batch, cast(int, module.layer_idx)  # transformers' attention modules
-    kv = batch.kv
-    kv.write(layer, batch.new, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    batch, kv = pwctl_batch, pwctl_batch.kv
+    attn_layer = cast(int, module.layer_idx)  # transformers' attention modules
+    layer = kv.layout.source(attn_layer)  # its cache layer (shared-KV layers: an earlier one's)
+    if kv.layout.owns(attn_layer):  # a shared-KV layer's keys and values are already there
+        kv.write(layer, batch.new, key[0].transpose(0, 1), value[0].transpose(0, 1))
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
     groups = query.shape[1] // key.shape[1]
     out = torch.empty_like(query[0].transpose(0, 1))  # [T, q_heads, D]

@@ -121,6 +121,11 @@ class Engine:
 
     def _install_dense(self) -> DenseExperts:
         """The 16-bit experts on the device, handed to every MoE block (fp16 policy only)."""
+        if self.pack.manifest.spec.get("dense_intermediate"):
+            raise PwctlError(
+                f"{self.pack.path}: the 16-bit experts have no dense MLP (Gemma-4); use "
+                "Engine(..., experts='store')"
+            )
         dense = DenseExperts(self.pack, self.device, self.dtype)
         for m in self.model.modules():
             if isinstance(m, MoEBlock):

@@ -14,7 +14,8 @@ from pwctl.errors import PwctlError
 from pwctl.format.pack import Pack
 from pwctl.format.recipe import MoESpec, load_recipe
 from pwctl.runtime.memory.expert_store import ExpertStore
-from pwctl.runtime.moe.block import MoEBlock
+from pwctl.runtime.moe.block import DenseMLP, MoEBlock
+from pwctl.runtime.moe.router import ResidualRouter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -36,6 +37,14 @@ def load_model(
             parent, attr = recipe.moe_path(layer).rsplit(".", 1)
             block = MoEBlock(spec, layer, store, recipe.moe_returns == "tuple")
             setattr(model.get_submodule(parent), attr, block)
+            dense = recipe.dense_path(layer)
+            if dense is not None and spec.has_dense:  # its blocks, on the block's backend
+                parent, attr = dense.rsplit(".", 1)
+                setattr(model.get_submodule(parent), attr, DenseMLP(block))
+            router = recipe.router_path(layer)
+            if router is not None:  # a router of its own (Gemma-4): the layer hands its choice on
+                parent, attr = router.rsplit(".", 1)
+                setattr(model.get_submodule(parent), attr, ResidualRouter(spec))
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in pack.nonexpert().items()}
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
@@ -55,6 +64,9 @@ def _rebuild_meta_buffers(model: nn.Module) -> None:
     """Non-persistent buffers (rotary inv_freq) were computed on meta: rebuild their modules."""
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
+            if hasattr(module, "scalar_embed_scale"):  # Gemma's scaled embeddings: one scalar
+                module.embed_scale = torch.tensor(float(module.scalar_embed_scale))
+                continue
             if not hasattr(module, "config"):
                 raise PwctlError(f"cannot rebuild buffers of {name} ({type(module).__name__})")
             parent, _, attr = name.rpartition(".")

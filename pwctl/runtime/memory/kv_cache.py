@@ -12,11 +12,16 @@ Two storages:
   head_dim], allocated once;
 - slabs of the paged backend's arena (`slabs`: the PagedExperts), shared with the expert planes:
   a block is `block_slabs` whole slabs taken from the pager's pool when a sequence grows into it
-  and given back when it is freed. Inside a block, row `r = (2 * layer + kv) * block_size + s`
-  (kv 0: keys, 1: values; s: the token's place in the block) starts at byte
-  `r * row_bytes` of the block's bytes; byte `o` of them is in slab `block_slabs[block, o //
-  slab]` at offset `o % slab`. Rows are moved in units of the largest power of two dividing
-  `row_bytes` (at most a slab), so a unit never crosses a slab edge.
+  and given back when it is freed. Inside a block, the rows of (layer, kv) (kv 0: keys, 1:
+  values) follow those of every (layer, kv) before them, `block_size` rows each (row s: the
+  token's place in the block), a row `row_bytes_of(layer)` long; byte `o` of the block's bytes
+  is in slab `block_slabs[block, o // slab]` at offset `o % slab`. Rows are moved in units of
+  the largest power of two dividing every layer's row bytes (at most a slab), so a unit never
+  crosses a slab edge.
+
+Layers may differ (Gemma-4): each cache layer its own key/value heads and head dim
+(`KVLayout.shapes`), and attention layers that share an earlier layer's keys and values read
+that layer's rows and store none of their own (`KVLayout.sources`).
 """
 
 from __future__ import annotations
@@ -32,31 +37,72 @@ from pwctl.errors import PwctlError
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What one token costs in the cache: K and V of every attention layer."""
+    """What one token costs in the cache: K and V of every cache layer. `n_layers` cache layers
+    of `kv_heads` x `head_dim` each, or of `shapes[l]` = (kv_heads, head_dim) where given (then
+    `kv_heads`, `head_dim` are the widest layer's); `sources[a]`: the cache layer attention
+    layer `a` reads (empty: layer a reads cache layer a)."""
 
     n_layers: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32
+    shapes: tuple[tuple[int, int], ...] = ()
+    sources: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: Any, dtype: torch.dtype = torch.float32) -> KVLayout:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype)
+        """Per layer where the config says so (transformers' `per_layer_config`: Gemma-4's
+        full layers; `kv_sharing_modes`: layers reusing an earlier layer's keys and values)."""
+        n, heads = config.num_hidden_layers, config.num_attention_heads
+        per = getattr(config, "per_layer_config", None)
+        shapes = []
+        for i in range(n):
+            c = config if per is None else per[i]
+            dim = getattr(c, "head_dim", None) or config.hidden_size // heads
+            shapes.append((getattr(c, "num_key_value_heads", None) or heads, dim))
+        sources = tuple(range(n))
+        if getattr(config, "num_kv_shared_layers", 0):  # "reuse" reads its type's "store" layer
+            modes, types = config.kv_sharing_modes, config.layer_types
+            store = {types[i]: i for i in range(n) if modes[i] == "store"}
+            own = [i for i in range(n) if modes[i] != "reuse"]
+            sources = tuple(
+                own.index(store[types[i]] if modes[i] == "reuse" else i) for i in range(n)
+            )
+            shapes = [shapes[i] for i in own]
+        widest = max(shapes, key=lambda hd: hd[0] * hd[1])
+        if len(set(shapes)) == 1 and sources == tuple(range(n)):
+            return cls(n, *widest, dtype)
+        return cls(len(shapes), *widest, dtype, tuple(shapes), sources)
+
+    def shape(self, layer: int) -> tuple[int, int]:
+        """(kv_heads, head_dim) of cache layer `layer`."""
+        return self.shapes[layer] if self.shapes else (self.kv_heads, self.head_dim)
+
+    def source(self, layer: int) -> int:
+        """The cache layer attention layer `layer` reads (and writes, if it `owns` it)."""
+        return self.sources[layer] if self.sources else layer
+
+    def owns(self, layer: int) -> bool:
+        """Whether attention layer `layer` writes its cache layer (a shared-KV layer reads an
+        earlier layer's keys and values, written there)."""
+        return not self.sources or self.sources.index(self.sources[layer]) == layer
 
     @property
     def elem_bytes(self) -> int:
         return torch.empty(0, dtype=self.dtype).element_size()
 
+    def row_bytes_of(self, layer: int) -> int:
+        """Keys (or values) of one token in cache layer `layer`."""
+        heads, dim = self.shape(layer)
+        return heads * dim * self.elem_bytes
+
     @property
     def row_bytes(self) -> int:
-        """Keys (or values) of one token in one layer."""
+        """Keys (or values) of one token in the widest layer."""
         return self.kv_heads * self.head_dim * self.elem_bytes
 
     def bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.row_bytes
+        return 2 * sum(self.row_bytes_of(layer) for layer in range(self.n_layers))
 
 
 class BlockPool:
@@ -115,12 +161,13 @@ class KVRows:
     and values, on every read and write were a quarter of an eager decode step's GPU ops."""
 
     slots: torch.Tensor
-    units: torch.Tensor | None = None
+    units: torch.Tensor | list[torch.Tensor] | None = None  # a list where layers' rows differ
 
 
-def _unit_bytes(row_bytes: int, slab_bytes: int) -> int:
-    """The largest power of two dividing `row_bytes`, at most a slab."""
-    return min(row_bytes & -row_bytes, slab_bytes)
+def _unit_bytes(layout: KVLayout, slab_bytes: int) -> int:
+    """The largest power of two dividing every layer's row bytes, at most a slab."""
+    rows = [layout.row_bytes_of(layer) for layer in range(layout.n_layers)]
+    return min([r & -r for r in rows] + [slab_bytes])
 
 
 class KVCache:
@@ -142,21 +189,31 @@ class KVCache:
         if slabs is not None:
             self._init_slabs(slabs, capacity)
             return
-        shape = (capacity * block_size, layout.kv_heads, layout.head_dim)
+        shapes = [(capacity * block_size, *layout.shape(i)) for i in range(layout.n_layers)]
         self.k, self.v = (
-            [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.n_layers)]
+            [torch.zeros(shape, dtype=layout.dtype, device=device) for shape in shapes]
             for _ in range(2)
         )
 
     def _init_slabs(self, slabs: SlabSource, capacity: int) -> None:
-        lay, S = self.layout, slabs.slab_bytes
-        unit = _unit_bytes(lay.row_bytes, S)
-        self._upr = lay.row_bytes // unit  # units per row
+        lay, S, bs = self.layout, slabs.slab_bytes, self.block_size
+        unit = _unit_bytes(lay, S)
+        # units per row of each (layer, kv), and where its rows start in a block (units)
+        self._upr = [lay.row_bytes_of(r // 2) // unit for r in range(2 * lay.n_layers)]
+        first = np.concatenate([[0], np.cumsum(self._upr)[:-1] * bs]).tolist()
         self._ups = S // unit  # units per slab
         self._unit_elems = unit // lay.elem_bytes
-        self.slabs_per_block = self.slabs_of(lay, self.block_size, S)
+        self.slabs_per_block = self.slabs_of(lay, bs, S)
         arena = slabs.arena
-        self._j = torch.arange(self._upr, device=arena.device)
+        # the (layer, kv) rows of one unit count are located together (a uniform layout: all)
+        self._groups: dict[int, list[int]] = {}
+        for r, upr in enumerate(self._upr):
+            self._groups.setdefault(upr, []).append(r)
+        self._first = {
+            upr: torch.tensor([first[r] for r in rows], device=arena.device)
+            for upr, rows in self._groups.items()
+        }
+        self._j = {upr: torch.arange(upr, device=arena.device) for upr in self._groups}
         self._host_slabs = np.full((capacity, self.slabs_per_block), -1, dtype=np.int64)
         self.block_slabs = torch.full(
             (capacity, self.slabs_per_block), -1, dtype=torch.long, device=arena.device
@@ -187,9 +244,9 @@ class KVCache:
     @staticmethod
     def slabs_of(layout: KVLayout, block_size: int, slab_bytes: int) -> int:
         """Slabs one block takes in an arena of `slab_bytes` slabs."""
-        unit = _unit_bytes(layout.row_bytes, slab_bytes)
-        units = 2 * layout.n_layers * block_size * (layout.row_bytes // unit)
-        return -(-units // (slab_bytes // unit))
+        unit = _unit_bytes(layout, slab_bytes)
+        rows = sum(layout.row_bytes_of(i) // unit for i in range(layout.n_layers))
+        return -(-(2 * block_size * rows) // (slab_bytes // unit))
 
     @property
     def block_bytes(self) -> int:
@@ -274,11 +331,17 @@ class KVCache:
             return KVRows(slots.to(self.k[0].device))
         slots = slots.to(self.block_slabs.device)
         block, s = slots // self.block_size, slots % self.block_size
-        layers = torch.arange(2 * self.layout.n_layers, device=slots.device)
-        row = layers[:, None] * self.block_size + s[None, :]  # [2 * layers, T]
-        unit = row[..., None] * self._upr + self._j  # [2 * layers, T, units a row]
-        slab = self.block_slabs[block[None, :, None], unit // self._ups]
-        return KVRows(slots, slab * self._ups + unit % self._ups)
+        units: list[torch.Tensor] = [slots] * len(self._upr)
+        for upr, rows in self._groups.items():
+            row = self._first[upr][:, None] + s[None, :] * upr  # [group rows, T]
+            unit = row[..., None] + self._j[upr]  # [group rows, T, units a row]
+            slab = self.block_slabs[block[None, :, None], unit // self._ups]
+            located = slab * self._ups + unit % self._ups
+            if len(rows) == len(self._upr):  # uniform: one tensor, every layer's rows in order
+                return KVRows(slots, located)
+            for i, r in enumerate(rows):
+                units[r] = located[i]
+        return KVRows(slots, units)
 
     def write(
         self, layer: int, rows: KVRows | torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -291,7 +354,7 @@ class KVCache:
             return
         arena = self._units()
         for kv, x in ((0, key), (1, value)):
-            units = x.to(arena.dtype).reshape(-1, self._upr, self._unit_elems)
+            units = x.to(arena.dtype).reshape(-1, self._upr[2 * layer + kv], self._unit_elems)
             arena[rows.units[2 * layer + kv]] = units
 
     def read(self, layer: int, rows: KVRows | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,9 +362,9 @@ class KVCache:
         rows = rows if isinstance(rows, KVRows) else self.locate(rows)
         if rows.units is None:
             return self.k[layer][rows.slots], self.v[layer][rows.slots]
-        lay, arena = self.layout, self._units()
+        shape, arena = self.layout.shape(layer), self._units()
         return tuple(  # type: ignore[return-value]
-            arena[rows.units[2 * layer + kv]].view(-1, lay.kv_heads, lay.head_dim) for kv in (0, 1)
+            arena[rows.units[2 * layer + kv]].view(-1, *shape) for kv in (0, 1)
         )
 
     def _units(self) -> torch.Tensor:

@@ -48,7 +48,12 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.spec, self.layer, self.store = spec, layer, store
         self.returns_tuple = returns_tuple
-        self.gate = nn.Linear(spec.hidden, spec.num_experts, bias=spec.router_bias)
+        # no gate where the router is a module of its own (spec.own_router: it hands its choice in)
+        self.gate = (
+            None
+            if spec.own_router
+            else nn.Linear(spec.hidden, spec.num_experts, bias=spec.router_bias)
+        )
         self.shared_expert_gate = (
             nn.Linear(spec.hidden, 1, bias=False) if spec.shared_gate else None
         )
@@ -70,13 +75,29 @@ class MoEBlock(nn.Module):
         """The routed experts' biases (None: the recipe has none)."""
         return None if self.experts is None else self.experts.split()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
-        out = self.moe(hidden)
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, None]:
+        out = self.moe(hidden, top_k_index, top_k_weights)
         return (out, None) if self.returns_tuple else out
 
-    def moe(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The block's output for `hidden` [..., H] (what `forward` returns, or its first)."""
+    def moe(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The experts' sum for `hidden` [..., H] (what `forward` returns, or its first): routed
+        here, or as `top_k_index` / `top_k_weights` [T, k] say (the router module of its own,
+        spec.own_router, passes its pick; bench replays a recorded one)."""
         x = hidden.reshape(-1, self.spec.hidden)
+        if top_k_index is not None and top_k_weights is not None:
+            return self._chosen(hidden, x, top_k_weights.float(), top_k_index)
+        if self.gate is None:
+            raise RuntimeError("this MoE block's router is a module of its own: pass its pick")
         fused = self.paged.fused if self.paged is not None else None
         if fused is not None and can_route(self.spec, x, self.gate.weight):
             sg = self.shared_expert_gate  # router, grouping and layout in one launch
@@ -86,6 +107,12 @@ class MoEBlock(nn.Module):
                 self.observer(self.layer, x, routing.index.clone(), routing.weights.clone())
             return out.to(x.dtype).view_as(hidden)
         weights, index = route(self.gate(x), self.spec)
+        return self._chosen(hidden, x, weights, index)
+
+    def _chosen(
+        self, hidden: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts of the routing chosen, on whichever backend is installed."""
         if self.observer is not None:
             self.observer(self.layer, x, index, weights)
         if self.exchange is not None:  # routed experts on their owners, the shared one here
@@ -136,6 +163,28 @@ class MoEBlock(nn.Module):
         return out + (shared if scale is None else scale * shared)
 
 
+class DenseMLP(nn.Module):
+    """A dense MLP every token runs beside the experts (spec.has_dense: Gemma-4's), computed from
+    its blocks in the shared expert's slot on the backend its layer's MoEBlock has."""
+
+    def __init__(self, block: MoEBlock):
+        super().__init__()
+        self._block = (block,)  # a tuple: not a submodule (the layer holds the block already)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        b = self._block[0]
+        x = hidden.reshape(-1, b.spec.hidden)
+        if b.observer is not None:
+            b.observer.dense_input(b.layer, x)
+        if b.paged is not None:
+            out = b.paged.fused.dense(b.layer, x)
+        elif b.dense is not None:
+            raise RuntimeError("the 16-bit experts have no dense MLP: use the store or planes")
+        else:
+            out = b.store.mlp(b.layer, b.spec.num_experts, x)
+        return out.to(x.dtype).view_as(hidden)
+
+
 class MoETap:
     """Context manager recording each MoE block's input and routing during a forward pass
     (profile's features and proxy, bench's MoE output error)."""
@@ -143,9 +192,13 @@ class MoETap:
     def __init__(self, model: nn.Module):
         self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
         self.seen: dict[int, tuple[torch.Tensor, ...]] = {}  # (x, index, weights)
+        self.dense_seen: dict[int, torch.Tensor] = {}  # a dense MLP's input (DenseMLP)
 
     def __call__(self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
         self.seen[layer] = (x.detach(), index, weights)
+
+    def dense_input(self, layer: int, x: torch.Tensor) -> None:
+        self.dense_seen[layer] = x.detach()
 
     def __enter__(self) -> MoETap:
         for m in self.blocks:

@@ -82,7 +82,7 @@ class FusedMoE:
             )
         self.spec, self.dt = spec, dt
         self.glu = glu_of(spec)
-        experts = spec.num_experts + (1 if spec.has_shared else 0)
+        experts = spec.num_experts + (1 if spec.has_shared or spec.has_dense else 0)
         self.block_ids: dict[int, torch.Tensor] = {}
         self._layer_blocks: dict[int, np.ndarray] = {}  # host copy: the widths' page-table rows
         self._block_weights = np.array([b.rows * b.cols for b in dt.blocks], dtype=np.float64)
@@ -173,6 +173,15 @@ class FusedMoE:
         if self.spec.has_shared:
             shared = all_tokens(T, shared_scale, E, x.device)
             self._prefill(layer, True, x, shared, one_slot_tiles(T, x.device), out)
+        return out
+
+    def dense(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The dense MLP's blocks (spec.has_dense: the shared expert's slot) for every token of
+        x [T, H]: float32 [T, H]. The torch path only: the kernels' activation is SiLU, and the
+        one architecture with a dense MLP (Gemma-4) runs GELU-tanh, refused on CUDA above."""
+        T, E = x.shape[0], self.spec.num_experts
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        self._torch(layer, True, x, all_tokens(T, None, E, x.device), out)
         return out
 
     def routed(
