@@ -385,3 +385,10 @@ def test_commands_end_to_end(gemma4, tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_sixteen_bit_experts_refuse_a_dense_mlp(gemma4):
+    """The fp16 policy's grouped-GEMM experts (CUDA's) have no dense MLP: one line, at load."""
+    with pytest.raises(PwctlError, match="no dense MLP") as e:
+        Engine(Pack(gemma4["pack"]), experts="dense")
+    assert "\n" not in str(e.value)
