@@ -353,6 +353,8 @@ def test_commands_end_to_end(gemma4, tmp_path):
                "--policy", "fp16", "--policy", "uniform:3", "--policy", "uniform:6")  # fmt: skip
     kl = {x["policy"]: x["kl"] for x in bench["results"]}
     assert kl["fp16"] == 0 and kl["uniform:3"] > kl["uniform:6"] > 0
+    err = {x["policy"]: x["moe_err"] for x in bench["results"]}  # the dense MLP's blocks too
+    assert err["fp16"] == 0 and err["uniform:3"] > err["uniform:6"] > 0
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -383,3 +385,10 @@ def test_commands_end_to_end(gemma4, tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_sixteen_bit_experts_refuse_a_dense_mlp(gemma4):
+    """The fp16 policy's grouped-GEMM experts (CUDA's) have no dense MLP: one line, at load."""
+    with pytest.raises(PwctlError, match="no dense MLP") as e:
+        Engine(Pack(gemma4["pack"]), experts="dense")
+    assert "\n" not in str(e.value)

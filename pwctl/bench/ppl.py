@@ -10,7 +10,7 @@ import torch
 
 from pwctl.policy import Policy, parse_policy
 from pwctl.runtime.engine.engine import Engine
-from pwctl.runtime.moe.block import MoETap
+from pwctl.runtime.moe.block import DenseMLP, MoEBlock, MoETap
 
 
 @dataclass
@@ -20,7 +20,9 @@ class PplResult:
     bits_per_weight: float
     ppl: float
     kl: float  # mean KL(fp16 || policy) in nats per token
-    moe_err: float  # ||MoE_policy(x) - MoE_fp16(x)||^2 / ||MoE_fp16(x)||^2, same inputs x
+    # ||MoE_policy(x) - MoE_fp16(x)||^2 / ||MoE_fp16(x)||^2, same inputs x (a dense MLP made
+    # of blocks, Gemma-4's, counts as part of its layer's MoE)
+    moe_err: float
     tokens: int
     kl_ci: tuple[float, float] = (0.0, 0.0)  # bootstrap 95% interval over windows
 
@@ -64,6 +66,7 @@ def run_ppl(
     kl = {n: np.zeros(len(windows)) for n in names}
     err, nbytes, norm = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), 0.0
     headroom = kv_peak * (1 - pressure_trace(len(windows)))
+    dense = [m for m in engine.model.modules() if isinstance(m, DenseMLP)]
     for i, w in enumerate(windows):
         ids, target = w[None], w[1:]
         engine.set_policy(fp16)
@@ -71,7 +74,10 @@ def run_ppl(
             ref = torch.log_softmax(engine.logits(ids)[0, :-1], -1)
         # each block's input and routing (replayed: a router of its own, Gemma-4's, is not
         # the block's)
-        blocks = [(b, tap.seen[b.layer]) for b in tap.blocks]
+        blocks: list[tuple[MoEBlock | DenseMLP, tuple]] = [
+            (b, tap.seen[b.layer]) for b in tap.blocks
+        ]
+        blocks += [(d, (tap.dense_seen[d.layer], None, None)) for d in dense]
         with torch.no_grad():
             ref_out = [b.moe(x, index, w) for b, (x, index, w) in blocks]
         norm += sum(float(y.pow(2).sum()) for y in ref_out)

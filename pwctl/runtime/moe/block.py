@@ -170,8 +170,10 @@ class DenseMLP(nn.Module):
     def __init__(self, block: MoEBlock):
         super().__init__()
         self._block = (block,)  # a tuple: not a submodule (the layer holds the block already)
+        self.layer = block.layer
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, *unrouted: None) -> torch.Tensor:
+        """`unrouted`: the routing a MoEBlock takes (bench calls both alike), always None."""
         b = self._block[0]
         x = hidden.reshape(-1, b.spec.hidden)
         if b.observer is not None:
