@@ -172,8 +172,12 @@ class DenseMLP(nn.Module):
         self._block = (block,)  # a tuple: not a submodule (the layer holds the block already)
         self.layer = block.layer
 
-    def forward(self, hidden: torch.Tensor, *unrouted: None) -> torch.Tensor:
-        """`unrouted`: the routing a MoEBlock takes (bench calls both alike), always None."""
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.moe(hidden)
+
+    def moe(self, hidden: torch.Tensor, *unrouted: None) -> torch.Tensor:
+        """The MLP's output for `hidden` [..., H]; `unrouted`: the routing MoEBlock.moe takes
+        (bench calls both alike), always None."""
         b = self._block[0]
         x = hidden.reshape(-1, b.spec.hidden)
         if b.observer is not None:
