@@ -4,12 +4,11 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from shared import assert_matches_transformers, kl_per_token
 
 from pwctl.build import tiny
 from pwctl.build.convert import ConvertOptions, convert
 from pwctl.format.pack import Pack
-from pwctl.policy import parse_policy
 from pwctl.runtime.engine.engine import Engine
 
 CASES = [(a, layout) for a in tiny.ARCHS for layout in ("per_expert", "fused")]
@@ -22,39 +21,9 @@ def engine_for(packs, case) -> Engine:
     return _engines[case]
 
 
-def kl_per_token(engine: Engine, ids: torch.Tensor, policy: str) -> float:
-    engine.set_policy(parse_policy("fp16"))
-    ref = torch.log_softmax(engine.logits(ids), -1)
-    engine.set_policy(parse_policy(policy))
-    out = torch.log_softmax(engine.logits(ids), -1)
-    return float((ref.exp() * (ref - out)).sum(-1).mean())
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_fp16_matches_transformers_and_kl_falls_with_width(case, checkpoints, packs):
-    engine = engine_for(packs, case)
-    source = AutoModelForCausalLM.from_pretrained(checkpoints[case], dtype=torch.float32).eval()
-    ids = torch.randint(1, tiny.VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = source(ids).logits
-    assert ref.std() > 1.0, "test model's logits should be far from uniform"
-    engine.set_policy(parse_policy("fp16"))
-    torch.testing.assert_close(engine.logits(ids), ref, rtol=1e-4, atol=1e-4)
-
-    prompt = ids[0, :8].tolist()
-    with torch.no_grad():
-        theirs = source.generate(
-            ids[:1, :8],
-            attention_mask=torch.ones(1, 8, dtype=torch.long),
-            max_new_tokens=12,
-            do_sample=False,
-            pad_token_id=0,
-        )[0, 8:]
-    assert engine.generate_ids(prompt, 12) == theirs.tolist()
-
-    assert kl_per_token(engine, ids, "uniform:8") < 1e-3
-    kls = [kl_per_token(engine, ids, f"uniform:{b}") for b in range(2, 7)]
-    assert all(a > b for a, b in zip(kls, kls[1:], strict=False)), kls
+    assert_matches_transformers(engine_for(packs, case), checkpoints[case])
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

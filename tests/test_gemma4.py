@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import transformers
+from shared import assert_matches_transformers, served
 
 from pwctl.build import tiny
 from pwctl.build.convert import ConvertOptions, convert
@@ -37,14 +38,6 @@ def gemma4(tmp_path_factory) -> dict[str, object]:
     multi = tiny.make_checkpoint(tiny.GEMMA4, root / "multi", multimodal=True, logit_scale=10.0)
     convert(src, root / "pack", ConvertOptions())
     return {"src": src, "multi": multi, "pack": root / "pack", "root": root}
-
-
-def kl_per_token(engine: Engine, ids: torch.Tensor, policy: str) -> float:
-    engine.set_policy(parse_policy("fp16"))
-    ref = torch.log_softmax(engine.logits(ids), -1)
-    engine.set_policy(parse_policy(policy))
-    out = torch.log_softmax(engine.logits(ids), -1)
-    return float((ref.exp() * (ref - out)).sum(-1).mean())
 
 
 # --- the recipe ---------------------------------------------------------------------------------
@@ -129,31 +122,8 @@ def test_router_is_transformers_router():
 
 
 def test_logits_tokens_and_kl_match_transformers(gemma4):
-    from transformers import AutoModelForCausalLM
 
-    engine = Engine(Pack(gemma4["pack"]))
-    source = AutoModelForCausalLM.from_pretrained(gemma4["src"], dtype=torch.float32).eval()
-    ids = torch.randint(1, tiny.VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = source(ids).logits
-    assert ref.std() > 1.0, "test model's logits should be far from uniform"
-    engine.set_policy(parse_policy("fp16"))
-    torch.testing.assert_close(engine.logits(ids), ref, rtol=1e-4, atol=1e-4)
-
-    prompt = ids[0, :8].tolist()
-    with torch.no_grad():
-        theirs = source.generate(
-            ids[:1, :8],
-            attention_mask=torch.ones(1, 8, dtype=torch.long),
-            max_new_tokens=12,
-            do_sample=False,
-            pad_token_id=0,
-        )[0, 8:]
-    assert engine.generate_ids(prompt, 12) == theirs.tolist()
-
-    assert kl_per_token(engine, ids, "uniform:8") < 1e-3
-    kls = [kl_per_token(engine, ids, f"uniform:{b}") for b in range(2, 7)]
-    assert all(a > b for a, b in zip(kls, kls[1:], strict=False)), kls
+    assert_matches_transformers(Engine(Pack(gemma4["pack"])), gemma4["src"])
 
 
 def test_multimodal_checkpoint_converts_to_its_language_model(gemma4):
@@ -321,10 +291,6 @@ def test_calibrated_conversion(gemma4):
 def test_commands_end_to_end(gemma4, tmp_path):
     """convert (the multimodal release), profile, fit-residual, generate, bench --ppl and
     serve, through the CLI as a user runs them, on the CPU."""
-    import socket
-    import subprocess
-    import sys
-    import time
 
     import httpx
     from typer.testing import CliRunner
@@ -356,25 +322,7 @@ def test_commands_end_to_end(gemma4, tmp_path):
     err = {x["policy"]: x["moe_err"] for x in bench["results"]}  # the dense MLP's blocks too
     assert err["fp16"] == 0 and err["uniform:3"] > err["uniform:6"] > 0
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pwctl.cli", "serve", str(pack), "--port", str(port),
-         "--device", "cpu", "--max-model-len", "128", "--policy", "uniform:4"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-        while True:
-            assert server.poll() is None, server.communicate()[0]
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+    with served(pack, "--max-model-len", "128", "--policy", "uniform:4") as url:
         body = {"model": "x", "prompt": "The earth", "max_tokens": 5, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
@@ -382,9 +330,6 @@ def test_commands_end_to_end(gemma4, tmp_path):
         engine.set_policy(parse_policy("uniform:4"))
         want = engine.generate(body["prompt"], 5)
         assert r.json()["choices"][0]["text"] == want
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 def test_sixteen_bit_experts_refuse_a_dense_mlp(gemma4):

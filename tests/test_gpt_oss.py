@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from shared import served
 from transformers import AutoModelForCausalLM
 
 from pwctl.build import mxfp4, tiny
@@ -367,12 +368,6 @@ def test_calibrated_conversion_of_either_input(gpt_oss, tmp_path):
 def test_end_to_end_convert_profile_generate_serve_bench(gpt_oss, tmp_path):
     """convert (bf16 and MXFP4 input), profile, generate, bench --ppl through the CLI, then
     `pwctl serve` in its own process: completions equal the reference path's greedy tokens."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
 
     import httpx
     from typer.testing import CliRunner
@@ -413,33 +408,13 @@ def test_end_to_end_convert_profile_generate_serve_bench(gpt_oss, tmp_path):
     want = engine.tokenizer.decode(
         engine.generate_ids(engine.tokenizer(prompt).input_ids, 12), skip_special_tokens=True
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pwctl.cli", "serve", str(pack), "--port", str(port),
-           "--policy", "uniform:4", "--device", "cpu", "--max-model-len", "256"]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stdout.read().decode() if server.stdout else ""
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+    with served(pack, "--policy", "uniform:4", "--max-model-len", "256", seconds=120) as url:
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         chat = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 4}
         r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
-    finally:
-        os.kill(server.pid, signal.SIGTERM)
-        server.wait(30)
 
 
 def test_the_cuda_kernels_refuse_gpt_oss_until_they_have_its_variant(gpt_oss):

@@ -99,6 +99,19 @@ def collect(
             table[key] = ChannelStats(torch.zeros(width))
         table[key].add(x)
 
+    def mlp_hooks(mlp: Any, slot: tuple[int, int], inner: int) -> list:
+        """Hooks pooling what an MLP every token runs (a shared expert, a dense MLP) reads: its
+        input and its down's."""
+
+        def mlp_in(m, a):
+            acc((*slot, "in"), stats, a[0].flatten(0, -2), spec.hidden)
+
+        def mlp_mid(m, a):
+            acc((*slot, "mid"), stats, a[0].flatten(0, -2), inner)
+
+        return [mlp.register_forward_pre_hook(mlp_in),
+                mlp.down_proj.register_forward_pre_hook(mlp_mid)]  # fmt: skip
+
     glu = glu_of(spec)
     transposed = recipe.experts.get("transposed", False)  # GPT-OSS: [E, H, 2I], interleaved
 
@@ -132,29 +145,11 @@ def collect(
         if spec.has_shared:
             shared_path = ".".join(recipe.shared["down"].format(layer=layer).split(".")[:-2])
             shared: Any = model.get_submodule(shared_path)
-            sid, inner = spec.num_experts, spec.shared_intermediate
-
-            def shared_in(m, a, layer=layer, sid=sid):
-                acc((layer, sid, "in"), stats, a[0].flatten(0, -2), spec.hidden)
-
-            def shared_mid(m, a, layer=layer, sid=sid, inner=inner):
-                acc((layer, sid, "mid"), stats, a[0].flatten(0, -2), inner)
-
-            hooks.append(shared.register_forward_pre_hook(shared_in))
-            hooks.append(shared.down_proj.register_forward_pre_hook(shared_mid))
+            hooks += mlp_hooks(shared, (layer, spec.num_experts), spec.shared_intermediate)
         dense_path = recipe.dense_path(layer)
         if dense_path is not None and spec.has_dense:  # the dense MLP (the shared slot)
             dense: Any = _module(model, recipe, dense_path)
-            did, wide = spec.num_experts, dense.down_proj.in_features
-
-            def dense_in(m, a, layer=layer, did=did):
-                acc((layer, did, "in"), stats, a[0].flatten(0, -2), spec.hidden)
-
-            def dense_mid(m, a, layer=layer, did=did, wide=wide):
-                acc((layer, did, "mid"), stats, a[0].flatten(0, -2), wide)
-
-            hooks.append(dense.register_forward_pre_hook(dense_in))
-            hooks.append(dense.down_proj.register_forward_pre_hook(dense_mid))
+            hooks += mlp_hooks(dense, (layer, spec.num_experts), dense.down_proj.in_features)
     ids = token_windows(tok, calib, seq_len, max_tokens)
     with torch.no_grad():
         for row in ids:
