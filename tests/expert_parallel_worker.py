@@ -2,8 +2,8 @@
 python tests/expert_parallel_worker.py RANK WORLD PORT OUT_DIR MODE [PACK]. MODE "ok": route this
 rank's tokens, run the exchange over two MoE layers, save inputs and outputs (safetensors);
 "die": rank 1 leaves right after joining, and the others' exchange must fail with a clear error;
-"engine": this rank's prompts (`rank_prompts`) through the engine of PACK with its experts
-exchanged, greedy; saves the tokens and the first step's logits."""
+"store" / "paged": this rank's prompts (`rank_prompts`) through the engine of PACK on that expert
+backend, its experts exchanged, greedy; saves the tokens and the first step's logits."""
 
 from __future__ import annotations
 
@@ -53,16 +53,18 @@ def rank_prompts(rank: int, world: int) -> list[str]:
     return PROMPTS[rank::world] if rank < world - 1 else PROMPTS[rank : rank + 1]
 
 
-def serve(pack: str, prompts: list[str], rank_engine=None) -> dict[str, torch.Tensor]:
-    """Greedy tokens (12 a prompt) and the first step's logits on one engine of `pack`; with
-    `rank_engine(engine)` its experts are exchanged with the other ranks."""
+def serve(
+    pack: str, prompts: list[str], rank_engine=None, experts: str = "store"
+) -> dict[str, torch.Tensor]:
+    """Greedy tokens (12 a prompt) and the first step's logits on one engine of `pack` (its
+    `experts` backend); with `rank_engine(engine)` its experts are exchanged with the others."""
     from pwctl.format.pack import Pack
     from pwctl.policy import parse_policy
     from pwctl.runtime.engine.batcher import BatchConfig
     from pwctl.runtime.engine.engine import Engine
     from pwctl.runtime.engine.scheduler import SamplingParams
 
-    engine = Engine(Pack(Path(pack)))
+    engine = Engine(Pack(Path(pack)), experts=experts)
     batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=2))
     first: list[torch.Tensor] = []
     forward = batcher.runner.forward
@@ -79,10 +81,10 @@ def main() -> None:
     rank, world = int(rank), int(world)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     join(rank, world, timeout_s=10)
-    if mode == "engine":
+    if mode in ("store", "paged"):  # the engines, on that expert backend
         from pwctl.runtime.parallel.ranks import RankEngine
 
-        got = serve(sys.argv[6], rank_prompts(rank, world), RankEngine)  # the profile's placement
+        got = serve(sys.argv[6], rank_prompts(rank, world), RankEngine, mode)  # profile placement
         save_file(got, str(Path(out) / f"rank{rank}.st"))
         return
     if mode == "die" and rank == 1:
@@ -94,9 +96,13 @@ def main() -> None:
     outs = {}
     for layer in range(LAYERS):
 
-        def run(e: int, rows: torch.Tensor, layer: int = layer) -> torch.Tensor:
-            assert placement.owner[layer, e] == rank, "an expert ran on a rank that does not own it"
-            return mlp(w[layer][e], rows)
+        def run(rows: torch.Tensor, experts: torch.Tensor, layer: int = layer) -> torch.Tensor:
+            out = torch.zeros_like(rows)
+            for e in experts.unique().tolist():
+                assert placement.owner[layer, e] == rank, "an expert ran on a rank not its owner"
+                mine = experts == e
+                out[mine] = mlp(w[layer][e], rows[mine])
+            return out
 
         try:
             outs[f"out{layer}"] = exchange(layer, x, weights, index, run)

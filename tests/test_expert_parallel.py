@@ -97,15 +97,17 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path):
     assert runs[0].returncode == 3 and "expert exchange failed" in runs[0].stdout, runs[0].stdout
 
 
-def test_engines_on_two_ranks_serve_what_one_engine_serves(bundled_pack, tmp_path):
+@pytest.mark.parametrize("experts", ["store", "paged"])
+def test_engines_on_two_ranks_serve_what_one_engine_serves(experts, bundled_pack, tmp_path):
     """Each rank serves its own prompts (uneven: one rank runs out of work first and keeps
     joining the exchanges with no tokens); greedy tokens equal one engine's, and the first
-    step's logits agree in float32 within 1e-4."""
-    runs = _ranks(2, tmp_path, "engine", str(bundled_pack))
+    step's logits agree in float32 within 1e-4; owners run what they receive on the store, or
+    on the paged experts' fused MoE in one call (its torch path on the CPU)."""
+    runs = _ranks(2, tmp_path, experts, str(bundled_pack))
     assert all(r.returncode == 0 for r in runs), [r.stdout[-2000:] for r in runs]
     for rank in range(2):
         got = load_file(str(tmp_path / f"rank{rank}.st"))
-        want = worker.serve(str(bundled_pack), worker.rank_prompts(rank, 2))
+        want = worker.serve(str(bundled_pack), worker.rank_prompts(rank, 2), experts=experts)
         assert torch.equal(got["tokens"], want["tokens"])
         torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=1e-4)
 

@@ -98,7 +98,8 @@ class MoEBlock(nn.Module):
             return self._chosen(hidden, x, top_k_weights.float(), top_k_index)
         if self.gate is None:
             raise RuntimeError("this MoE block's router is a module of its own: pass its pick")
-        fused = self.paged.fused if self.paged is not None else None
+        # the fused router-in-the-kernel call runs every expert here: not with an exchange
+        fused = self.paged.fused if self.paged is not None and self.exchange is None else None
         if fused is not None and can_route(self.spec, x, self.gate.weight):
             sg = self.shared_expert_gate  # router, grouping and layout in one launch
             sgw = None if sg is None else sg.weight
@@ -131,14 +132,26 @@ class MoEBlock(nn.Module):
     def exchanged(
         self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
     ) -> torch.Tensor:
-        """Routed experts through the exchange (float32 [T, H]): this rank runs, from the
-        store, what the others (and it) send to the experts it owns. A rank with no tokens
-        calls it with T = 0: it still serves the others."""
+        """Routed experts through the exchange (float32 [T, H]): this rank runs what the others
+        (and it) send to the experts it owns, on its backend (the paged one's fused MoE takes
+        them in one call; else the store, an expert at a time). A rank with no tokens calls it
+        with T = 0: it still serves the others."""
         assert self.exchange is not None
         bias = self.bias()
+        paged = self.paged
 
-        def run(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return self.store.mlp(self.layer, e, rows, None if bias is None else bias.of(e))
+        def run(rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+            if paged is not None:
+                ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+                return paged.fused(
+                    self.layer, rows, ones, experts[:, None], bias=bias, routed_only=True
+                )
+            out = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+            for e in experts.unique().tolist():
+                mine = torch.nonzero(experts == e)[:, 0]
+                b = None if bias is None else bias.of(e)
+                out[mine] = self.store.mlp(self.layer, e, rows[mine], b).float()
+            return out
 
         return self.exchange(self.layer, x, weights, index, run)
 

@@ -143,11 +143,14 @@ class FusedMoE:
         reference: bool = False,
         path: str | None = None,
         bias: ExpertBias | None = None,
+        routed_only: bool = False,
     ) -> torch.Tensor:
         """Sum over routed experts (and the shared one) for tokens x [T, H]: float32 [T, H].
         `path` forces "decode" or "prefill" on CUDA (benchmarks); default: by token count.
-        `bias`: the routed experts' biases (the torch path only)."""
+        `bias`: the routed experts' biases (the torch path only). `routed_only`: without the
+        shared expert (an expert-parallel owner's rows: their senders add it)."""
         T, E = x.shape[0], self.spec.num_experts
+        with_shared = self.spec.has_shared and not routed_only
         if reference or not x.is_cuda or bias is not None:
             path = "torch"
         elif path is None:
@@ -158,19 +161,19 @@ class FusedMoE:
             buffers = self._buffers(T, index.shape[1], wpad, x.device)
             px = self._x_pieces(layer, T, x.device)
             pairs, xf = prepare_decode(x, index, weights, E, wpad, out, buffers, px)
-            shared = all_tokens(T, shared_scale, E, x.device) if self.spec.has_shared else None
+            shared = all_tokens(T, shared_scale, E, x.device) if with_shared else None
             self._decode(layer, xf, pairs, out, shared, px)
             return out
         if path == "torch":
             out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
             self._torch(layer, False, x, group(index, weights, E), out, bias)
-            if self.spec.has_shared:
+            if with_shared:
                 self._torch(layer, True, x, all_tokens(T, shared_scale, E, x.device), out)
             return out
         out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
         pairs, tiles = prepare_prefill(index, weights, E, out)
         self._prefill(layer, False, x, pairs, tiles, out)
-        if self.spec.has_shared:
+        if with_shared:
             shared = all_tokens(T, shared_scale, E, x.device)
             self._prefill(layer, True, x, shared, one_slot_tiles(T, x.device), out)
         return out

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from pwctl.errors import PwctlError
 from pwctl.runtime.parallel.placement import ExpertPlacement
 
-# (expert id, its tokens' hidden rows [n, H]) -> the expert's output rows [n, H]
-RunExpert = Callable[[int, torch.Tensor], torch.Tensor]
+# (hidden rows [n, H], the expert of each row [n]) -> each row's expert output [n, H]: every
+# row this rank received, its experts all this rank's, in one call (a fused MoE call groups them)
+RunExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def join(rank: int, world: int, backend: str = "gloo", timeout_s: float = 60.0) -> None:
@@ -66,10 +67,11 @@ class ExpertExchange:
         x: torch.Tensor,
         weights: torch.Tensor,
         index: torch.Tensor,
-        run: RunExpert,
+        run: RunExperts,
     ) -> torch.Tensor:
         """Sum over each token's routed experts, run where they live: float32 [T, H] for x
-        [T, H], weights and index [T, k]. `run(e, rows)` runs an expert this rank owns."""
+        [T, H], weights and index [T, k]. `run(rows, experts)` runs what this rank received
+        (not called when it received nothing)."""
         T, k = index.shape
         R, H = self.placement.ranks, x.shape[1]
         flat = index.reshape(-1).long()
@@ -81,10 +83,7 @@ class ExpertExchange:
         send_splits, recv_splits = send.tolist(), recv.tolist()
         rows = self._swap(x[tokens], sum(recv_splits), recv_splits, send_splits)
         experts = self._swap(flat[order], sum(recv_splits), recv_splits, send_splits)
-        out_rows = torch.zeros_like(rows)
-        for e in experts.unique().tolist():
-            mine = torch.nonzero(experts == e)[:, 0]
-            out_rows[mine] = run(int(e), rows[mine]).to(rows.dtype)
+        out_rows = run(rows, experts).to(rows.dtype) if rows.shape[0] else torch.zeros_like(rows)
         back = self._swap(out_rows, T * k, send_splits, recv_splits)
         out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
         w = weights.reshape(-1)[order].float()

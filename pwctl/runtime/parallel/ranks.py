@@ -2,8 +2,9 @@
 attention, its own KV cache), and every MoE layer's exchange needs every rank. So the ranks
 step together: each step they agree whether any has work, and a rank whose step ran no forward
 (nothing scheduled, or no work left while others have some) joins each layer's exchange with no
-tokens. The CPU store path only, for now: the paged and 16-bit backends run experts in fused
-kernels that do not take an exchange yet."""
+tokens. Owners run what they receive on the store or the paged experts (one fused MoE call, the
+shared expert left to the senders); the 16-bit experts take no exchange. Steps with an exchange
+run eagerly: decode graphs would need the exchange padded to fixed sizes."""
 
 from __future__ import annotations
 
@@ -28,12 +29,14 @@ class RankEngine:
         placement: ExpertPlacement | None = None,
     ):
         """`placement` (None: the pack's profile balanced over the group's ranks)."""
-        if engine.paged is not None or engine.dense is not None:
-            raise PwctlError("--expert-parallel runs the CPU store path only for now")
+        if engine.dense is not None:
+            raise PwctlError("--expert-parallel serves planes (the store or the paged experts)")
         self.engine, self.group = engine, group
         ranks = dist.get_world_size(group)
         self.placement = placement or ExpertPlacement.for_pack(engine.pack, ranks)
         self.exchange = ExpertExchange(self.placement, group)
+        if engine.batcher is not None:  # a step with an exchange runs eagerly (host splits)
+            engine.batcher.runner.graphs = None
         self.blocks = [m for m in engine.model.modules() if isinstance(m, MoEBlock)]
         for block in self.blocks:
             block.exchange = self.exchange
