@@ -132,3 +132,6 @@ def test_generate_with_two_ranks_prints_what_one_rank_prints(bundled_pack, tmp_p
         assert r.returncode == 0, r.stderr[-2000:]
         out[n] = json.loads(json_path.read_text())
     assert out[2]["completion"] == out[1]["completion"] and out[2]["tokens"] == 8
+    ep = out[2]["expert_parallel"]  # rank 0's side: every layer of every step exchanged
+    assert out[1]["expert_parallel"] is None and ep["ranks"] == 2
+    assert ep["exchanges"] >= 3 * 8 and ep["sent_bytes"] > 0 and ep["seconds"] > 0

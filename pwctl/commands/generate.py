@@ -87,12 +87,17 @@ def run(
         owner = [str(pack), str(pol), bits, "-" if memory_budget is None else memory_budget]
         with ranks(expert_parallel, owner) as rank:
             prompts = [ids] if rank == 0 else []  # under torchrun other ranks only serve
-            seqs = RankEngine(engine).generate_batch(prompts, params)
+            ep = RankEngine(engine)
+            seqs = ep.generate_batch(prompts, params)
         if rank != 0:
             return
         (seq,) = seqs
+        stats = ep.exchange.stats  # this rank's side of the all-to-alls
+        exchange = {"ranks": expert_parallel, "exchanges": stats.calls,
+                    "sent_bytes": stats.sent_bytes, "seconds": round(stats.seconds, 6)}  # fmt: skip
     else:
         (seq,) = engine.generate_batch([ids], params)
+        exchange = None
     console.print(seq.text, highlight=False, markup=False)
     write_json(
         json,
@@ -104,5 +109,6 @@ def run(
             "tokens": len(seq.output_ids),
             "finish_reason": seq.finish_reason,
             "expert_bytes": engine.store.expert_bytes(),
+            "expert_parallel": exchange,
         },
     )
