@@ -29,12 +29,21 @@ def _run(*cmd, cwd: Path) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory, worker_id) -> Path:
+    """Built once for all xdist workers, under a file lock: `build` makes its sdist in a folder
+    of the checkout (pwctl-VERSION/), and two workers building at once removed each other's
+    files there."""
+    from filelock import FileLock
+
     if importlib.util.find_spec("build") is None:
         pytest.skip("no `build` module: the dev extra installs it")
-    out = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "build", "--no-isolation", "-o", str(out), ".", cwd=ROOT)
+    root = tmp_path_factory.getbasetemp()
+    out = (root if worker_id == "master" else root.parent) / "wheel-dist"
+    with FileLock(str(out) + ".lock"):
+        if not list(out.glob("pwctl-*.whl")):
+            out.mkdir(exist_ok=True)
+            _run(sys.executable, "-m", "build", "--no-isolation", "-o", str(out), ".", cwd=ROOT)
     (whl,) = out.glob("pwctl-*.whl")
     return whl
 
