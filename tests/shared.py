@@ -57,13 +57,18 @@ def assert_matches_transformers(engine: Engine, checkpoint: Path) -> None:
     assert all(a > b for a, b in zip(kls, kls[1:], strict=False)), kls
 
 
+def free_port() -> int:
+    """A local TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextmanager
 def served(pack: Path, *options: str, seconds: float = 180) -> Iterator[str]:
     """`pwctl serve PACK --device cpu OPTIONS` on a free port, until /health answers; yields
     its URL and stops it after."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "pwctl.cli", "serve", str(pack), "--port", str(port),
            "--device", "cpu", *options]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

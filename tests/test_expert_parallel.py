@@ -6,7 +6,6 @@ dies makes the others fail with a clear error within the group's timeout, not ha
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pwctl.runtime.parallel.placement import ExpertPlacement
 WORKER = Path(__file__).with_name("expert_parallel_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import expert_parallel_worker as worker  # noqa: E402  # the reference shares its weights
+from shared import free_port  # noqa: E402
 
 
 def test_placement_balances_load_with_equal_counts():
@@ -43,14 +43,8 @@ def test_placement_balances_load_with_equal_counts():
         ExpertPlacement.balanced(load, 61)
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _ranks(world: int, out: Path, mode: str, *extra: str) -> list[subprocess.CompletedProcess]:
-    port = _free_port()
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(r), str(world), port, str(out), mode, *extra],

@@ -8,7 +8,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import openai
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from shared import free_port
 
 from pwctl.format.pack import Pack
 from pwctl.policy import parse_policy
@@ -45,9 +45,7 @@ class Server:
     """uvicorn + the engine thread, in the background, on a free local port."""
 
     def __init__(self, engine: Engine, api_key: str | None = None, **options):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.worker = EngineWorker(engine)
         app = create_app(self.worker, "tiny-mixtral", api_key, **options)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")

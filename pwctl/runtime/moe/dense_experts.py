@@ -94,7 +94,7 @@ class DenseExperts:
         order, _, ends = sort_by_expert(index, self.spec.num_experts)
         tok, offs = order // k, ends.to(torch.int32)
         gu = torch._grouped_mm(xd[tok], d.gate_up.transpose(1, 2), offs=offs)
-        expert = index.reshape(-1)[order]
+        expert = None if bias is None else index.reshape(-1)[order]  # no gather without biases
         if bias is not None:
             gu = gu + torch.cat([bias.gate, bias.up], dim=-1)[expert].to(gu.dtype)
         h = self.glu(gu[:, : d.inter], gu[:, d.inter :])
