@@ -169,12 +169,16 @@ g)
   ;;
 p)
   # issue 58: at 32 concurrent, is any step host-bound? GPU busy share of a decode step's wall
-  # time, 32 sequences of 2048 tokens decoding (torch.profiler's kernel time over wall time)
+  # time, 32 sequences of 2048 tokens decoding (torch.profiler's kernel time over wall time),
+  # overlapped steps (the default) and steps that read every token first (--no-overlap)
   for P in fp16 uniform:4; do
-    timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 \
-      --prompt-len 2048 >"$OUT/step32_${P%%:*}.log" 2>&1
-    echo "[p $P] rc $?"
-    grep -E "decode graphs|decode step wall|profiled" "$OUT/step32_${P%%:*}.log"
+    for O in "" --no-overlap; do
+      log="$OUT/step32_${P%%:*}${O:+_serial}.log"
+      timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 \
+        --prompt-len 2048 $O >"$log" 2>&1
+      echo "[p $P $O] rc $?"
+      grep -E "decode graphs|decode step wall|profiled" "$log"
+    done
   done
   ;;
 pager)

@@ -7,7 +7,7 @@ torch's choice (cuDNN on the H200, whose plan per new shape is most of a capture
 see `decode_graph_capture_s` in the printed stats). Usage (GPU machine; any pack, e.g. `pwctl
 convert tiny-mixtral PACK`):
   python3 recipes/profile_engine_step.py PACK POLICY [STEPS] [--seqs N] [--max-bits B] [--device D]
-      [--eager]
+      [--eager] [--no-overlap]
       [--graph-sdpa cudnn|efficient|math]
 """
 
@@ -53,14 +53,16 @@ def synced(device: str) -> float:
 
 def decoding_engine(
     pack: str, policy_text: str, device: str, max_bits: int | None, prompt_len: int, tokens: int,
-    cuda_graphs: bool = True, seqs: int = 1,
+    cuda_graphs: bool = True, seqs: int = 1, overlap: bool = True,
 ) -> Engine:  # fmt: skip
     """The serving engine of `pack` at `policy_text` with `seqs` sequences queued: each a
     `prompt_len`-token window of the bundled eval text that will decode `tokens` tokens."""
     policy = parse_policy(policy_text)
     experts = experts_for(policy, device)
     engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
-    engine.start_batching(policy, None, BatchConfig(max_seqs=seqs, cuda_graphs=cuda_graphs))
+    engine.start_batching(
+        policy, None, BatchConfig(max_seqs=seqs, cuda_graphs=cuda_graphs, overlap=overlap)
+    )
     for ids in prompt_windows(engine.tokenizer, EVAL_SAMPLE, seqs, prompt_len):
         engine.add_request(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
     return engine
@@ -93,28 +95,41 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--seqs", type=int, default=1, help="sequences decoding in each step")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--no-overlap", action="store_true", help="read each step's tokens first")
     ap.add_argument("--graph-sdpa", choices=sorted(GRAPH_SDPA))
     a = ap.parse_args()
     if a.graph_sdpa:
         capture_with(GRAPH_SDPA[a.graph_sdpa])
     engine = decoding_engine(
-        a.pack, a.policy, a.device, a.max_bits, a.prompt_len, 4 * a.steps + 8, not a.eager, a.seqs
+        a.pack,
+        a.policy,
+        a.device,
+        a.max_bits,
+        a.prompt_len,
+        6 * a.steps + 8,
+        not a.eager,
+        a.seqs,
+        not a.no_overlap,
     )
     decoding: set[int] = set()
     while len(decoding) < a.seqs:  # every prompt prefilled (chunks of max_batch_tokens)
         decoding |= {s.seq_id for s in engine.step()}
     for _ in range(a.steps):  # warm decode steps (graph captures)
         engine.step()
+    # steps back to back, the GPU synced only around them: overlapped steps (batcher.py) keep
+    # one step queued while the host prepares the next, so a synced step would hide that
     t = []
-    for _ in range(a.steps):
+    for _ in range(3):
         t0 = synced(a.device)
-        engine.step()
-        t.append(synced(a.device) - t0)
+        for _ in range(a.steps):
+            engine.step()
+        t.append((synced(a.device) - t0) / a.steps)
     t.sort()
     graphs = engine.batcher.runner.graphs
     print("decode graphs:", "off (eager)" if graphs is None else graphs.stats())
-    print(f"{a.policy} max-bits {a.max_bits}: decode step wall ms median {t[len(t) // 2] * 1e3:.2f}"
-          f" min {t[0] * 1e3:.2f} max {t[-1] * 1e3:.2f} over {a.steps}")  # fmt: skip
+    print(f"{a.policy} max-bits {a.max_bits}: decode step wall ms median {t[1] * 1e3:.2f}"
+          f" min {t[0] * 1e3:.2f} max {t[-1] * 1e3:.2f} (3 runs of {a.steps} steps, mean a step;"
+          f" overlap {'on' if engine.batcher.overlap else 'off'})")  # fmt: skip
     if a.device.startswith("cuda"):
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         captured = graphs.captures if graphs is not None else 0
@@ -124,7 +139,7 @@ def main() -> None:
                 engine.step()
             wall = synced(a.device) - t0
         busy, kernels = gpu_busy_us(prof)
-        busy, median = busy / a.steps / 1e3, t[len(t) // 2] * 1e3  # ms a step
+        busy, median = busy / a.steps / 1e3, t[1] * 1e3  # ms a step
         print(f"profiled ({a.seqs} sequences): wall {wall / a.steps * 1e3:.2f} ms a step, GPU "
               f"busy {busy:.2f} ms a step ({busy / median:.0%} of the unprofiled median step), "
               f"{kernels / a.steps:.0f} GPU ops a step")  # fmt: skip

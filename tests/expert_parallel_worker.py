@@ -68,7 +68,7 @@ def serve(
     batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=2))
     first: list[torch.Tensor] = []
     forward = batcher.runner.forward
-    batcher.runner.forward = lambda batch: first.append(forward(batch)) or first[-1]
+    batcher.runner.forward = lambda batch, fed=None: first.append(forward(batch, fed)) or first[-1]
     ids = [engine.tokenizer(p).input_ids for p in prompts]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runner = rank_engine(engine) if rank_engine else engine

@@ -48,7 +48,7 @@ def checked_run(engine: Engine, policy: str, graphs_factory, tol: float, agree: 
     runner.graphs = None  # the packed rows below run eagerly
     packed, shapes = runner.forward, []
 
-    def both(batch):
+    def both(batch, fed=None):  # the batcher feeds nothing: runner.graphs is None
         if not graphs.fits(batch):
             return packed(batch)
         got = graphs.forward(batch).clone()
@@ -186,7 +186,7 @@ def test_graph_recaptured_when_builds_change(bundled_pack):
     packed, shapes = batcher.runner.forward, []
     batcher.runner.graphs = None
 
-    def both(batch):  # the signature flips before every decode step
+    def both(batch, fed=None):  # the signature flips before every decode step
         if not graphs.fits(batch):
             return packed(batch)
         builds[0] = "b" if builds[0] == "a" else "a"

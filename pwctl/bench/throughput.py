@@ -601,24 +601,29 @@ class QualitySamples:
             del self.batcher.runner.forward
             self._forward = None
 
-    def _wrapped(self, batch: Any) -> torch.Tensor:
+    def _wrapped(self, batch: Any, fed: Any = None) -> torch.Tensor:
         assert self._forward is not None  # set by __enter__
-        logits = self._forward(batch)
-        sampled = [s for s, on in zip(batch.seqs, batch.sampling, strict=True) if on]
-        decoding = [i for i, s in enumerate(sampled) if s.output_ids]
+        logits = self._forward(batch, fed)
+        # each sampling row's position: its logits predict the token after it
+        rows = [(s, s.num_computed + n - 1)
+                for s, n, on in zip(batch.seqs, batch.n_tokens, batch.sampling, strict=True)
+                if on]  # fmt: skip
+        decoding = [i for i, (s, pos) in enumerate(rows) if pos >= len(s.prompt_ids)]
         if decoding:
-            self._offer(logits, sampled, decoding)
+            self._offer(logits, rows, decoding)
         return logits
 
-    def _offer(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    def _offer(
+        self, logits: torch.Tensor, seqs: list[tuple[Sequence, int]], rows: list[int]
+    ) -> None:
         self.decode_steps += 1
         slot = len(self.kept) if len(self.kept) < self.n else self.rng.integers(self.decode_steps)
         if slot >= self.n:
             return
         row = rows[int(self.rng.integers(len(rows)))]
-        seq = seqs[row]
+        seq, pos = seqs[row]
         lp = torch.log_softmax(logits[row].float(), -1).cpu()
-        sample = (seq, seq.num_tokens - 1, lp)  # the logits at the last token predict the next
+        sample = (seq, pos, lp)
         if slot == len(self.kept):
             self.kept.append(sample)
         else:

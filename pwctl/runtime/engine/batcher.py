@@ -1,7 +1,16 @@
 """The continuous-batching loop of the engine: schedule, launch the packed batch, and while the
 GPU runs it feed the policy the last step's signals and rebalance planes against KV blocks; then
 sample and check stops. `Engine.start_batching` builds one; `Batcher.step` is one step (the
-server's engine thread calls it in a loop)."""
+server's engine thread calls it in a loop).
+
+Overlapped steps (`BatchConfig.overlap`, where decode graphs run): a step's tokens are sampled
+on the device and left there; the next decode step is scheduled and launched reading them there,
+and only then does the host wait for them, so the GPU runs one step while the host prepares the
+next (the host's part of a 32-sequence step was ~1 ms of a 4.2 ms step on an H100:
+docs/decisions/045-overlapped-decode-steps.md). `step` then returns the sequences of the step
+before. What a token decides waits a step: a sequence that stops on it ran one row more, thrown
+away. A sequence that reaches its length on it sits the next step out (`Scheduler.schedule`'s
+hold), so no row goes past max_tokens or the context."""
 
 from __future__ import annotations
 
@@ -14,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pwctl.errors import PwctlError
+from pwctl.runtime.engine.decode_graphs import DeviceTokens
 from pwctl.runtime.engine.detokenizer import advance, first_stop
 from pwctl.runtime.engine.runner import ModelRunner
-from pwctl.runtime.engine.sampler import sample
-from pwctl.runtime.engine.scheduler import SamplingParams, Scheduler, Sequence
+from pwctl.runtime.engine.sampler import SampledTokens, sample_tokens
+from pwctl.runtime.engine.scheduler import SamplingParams, ScheduledBatch, Scheduler, Sequence
 from pwctl.runtime.memory.budget import MemoryBudget
 from pwctl.runtime.moe.block import MoETap
 from pwctl.runtime.widths.allocator import StepSignals, WidthAllocator
@@ -34,6 +44,19 @@ class BatchConfig:
     block_size: int = 16  # tokens per KV block
     max_model_len: int | None = None  # prompt + output; None: the model's context
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (paged experts on CUDA)
+    overlap: bool = True  # a decode step launches before the host reads the last one's tokens
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step on its way: its batch, the sequences that sample, their tokens."""
+
+    batch: ScheduledBatch
+    sampled: list[Sequence]
+    tokens: SampledTokens
+
+    def fed(self) -> DeviceTokens:
+        return DeviceTokens(self.tokens.device, {s.seq_id: i for i, s in enumerate(self.sampled)})
 
 
 @dataclass
@@ -57,12 +80,16 @@ class Batcher:
         max_model_len: int,
         allocator: WidthAllocator | None = None,
         boundary: Callable[[], int] | None = None,
+        overlap: bool = True,
     ):
         """`boundary`: called at every step boundary, after the schedule's demotions and the
         last step's promotions were requested and before the step launches anything (the
         paged backend's commit: the only time the widths kernels read change); returns the
-        bytes it started copying."""
+        bytes it started copying. `overlap`: keep a decode step's tokens on the device until the
+        next step has launched (only where the runner has decode graphs)."""
         self.runner, self.scheduler, self.memory = runner, scheduler, memory
+        self.overlap = overlap
+        self._launched: Launched | None = None  # the last step, its tokens not yet read
         self.boundary = boundary
         self.kv = scheduler.kv
         self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, eos_ids, max_model_len
@@ -80,7 +107,7 @@ class Batcher:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._launched is not None
 
     def check(self, n_prompt: int, params: SamplingParams) -> None:
         """Raise PwctlError if a request of `n_prompt` tokens and `params` can never run."""
@@ -120,26 +147,38 @@ class Batcher:
         return seq
 
     def step(self) -> list[Sequence]:
-        """One step; returns the sequences that got a token (finished ones included)."""
-        batch = self.scheduler.schedule()
+        """One step; returns the sequences that got a token (finished ones included): this
+        step's, or with overlap the step before's."""
+        last, self._launched = self._launched, None
+        batch = self.scheduler.schedule(self._ending(last))
+        done: list[Sequence] = []
+        if last is not None and not self.runner.takes_device_tokens(batch):
+            done, last = self._land(last), None  # packed rows: every token on the host first
+            batch = batch.without_finished()
         if not batch.seqs:
-            return self._unschedulable()
+            return done + self._land(last) if last is not None else done or self._unschedulable()
         self._boundary()
         with self.tap if self.tap is not None else nullcontext():
-            logits = self.runner.forward(batch)
+            logits = self.runner.forward(batch, last.fed() if last is not None else None)
         signals = self.allocator.signals(self.tap) if self.allocator is not None else None  # type: ignore[arg-type]  # a tap exists with an allocator
-        # while the GPU runs this step: the last step's text, its signals to the planner, spare
-        # KV bytes to the planes (the widths change at the next boundary either way)
+        sampled = [s for s, on in zip(batch.seqs, batch.sampling, strict=True) if on]
+        now = Launched(batch, sampled, SampledTokens.queue(sample_tokens(logits, sampled)))
+        for seq in sampled:
+            seq.pending += 1
+        self.scheduler.update(batch)
+        # while the GPU runs this step: the tokens of the one before (overlapped), the last
+        # step's text, its signals to the planner, spare KV bytes to the planes (the widths
+        # change at the next boundary either way)
+        if last is not None:
+            done = self._land(last)
         self.catch_up_text()
         self._feed()
         self.memory.rebalance(self._kv_wanted())
-        self.scheduler.update(batch)
-        sampled = [s for s, on in zip(batch.seqs, batch.sampling, strict=True) if on]
-        for seq, token in zip(sampled, sample(logits, sampled), strict=True):
-            self._append(seq, token)
         self._signals = signals
-        self._count(batch.total - len(sampled), len(sampled))
-        return sampled
+        if self.overlap and self.runner.graphs is not None:
+            self._launched = now
+            return done
+        return done + self._land(now)
 
     def idle(self) -> None:
         """No work: the last step's text and signals catch up, the planner's step clock advances
@@ -175,6 +214,29 @@ class Batcher:
         for seq in self._untexted:
             self._detokenize(seq, seq.output_ids)
         self._untexted.clear()
+
+    def _land(self, step: Launched) -> list[Sequence]:
+        """Read a launched step's tokens (waits for that step alone) and append them; the
+        sequences that got one (not those that finished since the step was scheduled)."""
+        got = []
+        for seq, token in zip(step.sampled, step.tokens.host(), strict=True):
+            seq.pending -= 1
+            if not seq.finished:
+                self._append(seq, token)
+                got.append(seq)
+        self._count(step.batch.total - len(step.sampled), len(step.sampled))
+        return got
+
+    def _ending(self, last: Launched | None) -> frozenset[int]:
+        """Sequences whose token still on the device reaches their max_tokens or the context:
+        they end on it, so they sit the next step out."""
+        if last is None:
+            return frozenset()
+        n = self.max_model_len
+        return frozenset(
+            s.seq_id for s in last.sampled
+            if len(s.output_ids) + 1 >= s.params.max_tokens or s.num_tokens + 1 >= n
+        )  # fmt: skip
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)

@@ -53,42 +53,74 @@ def bucket(n: int, top: int | None = None) -> int:
     return p if top is None else min(p, top)
 
 
+@dataclass(frozen=True)
+class DeviceTokens:
+    """The last step's sampled tokens, still on the device: `tokens` [n] and the row of each
+    sequence id in it (an overlapped step reads its sequences' newest tokens there)."""
+
+    tokens: torch.Tensor
+    rows: dict[int, int]
+
+
 @dataclass
 class DecodeInputs:
     """A fixed-shape step's inputs for S rows over L cache rows (nb = L / block_size blocks),
-    views of one int64 device buffer that one copy from its host twin fills. A row's token sits
-    at its position, so the row's length is position + 1."""
+    views of one int64 device buffer that one copy from a host twin fills. A row's token sits
+    at its position, so the row's length is position + 1. A row whose token is still on the
+    device has its row in the last step's tokens under `src` (else -1), and takes it there.
+    Two host twins take turns: a step fills one while the copy of the step before, queued from
+    the other, may not have run yet (overlapped steps sync only on the step before that)."""
 
-    host: torch.Tensor
+    hosts: tuple[torch.Tensor, torch.Tensor]
     device: torch.Tensor
     S: int
     nb: int
+    turn: int = 0
 
     @classmethod
     def new(cls, S: int, nb: int, device: torch.device) -> DecodeInputs:
-        n, pin = S * (2 + nb), device.type == "cuda"
-        host = torch.zeros(n, dtype=torch.long, pin_memory=pin)
-        return cls(host, torch.zeros(n, dtype=torch.long, device=device), S, nb)
+        n, pin = S * (3 + nb), device.type == "cuda"
+        hosts = tuple(torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2))
+        return cls(hosts, torch.zeros(n, dtype=torch.long, device=device), S, nb)  # type: ignore[arg-type]  # two
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host twin the next fill writes."""
+        return self.hosts[self.turn]
 
     def views(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """ids [1, S], positions [1, S], blocks [S, nb]."""
+        """ids [1, S], positions [1, S], src [S], blocks [S, nb]."""
         S = self.S
-        return t[:S].view(1, S), t[S : 2 * S].view(1, S), t[2 * S :].view(S, self.nb)
+        return (t[:S].view(1, S), t[S : 2 * S].view(1, S), t[2 * S : 3 * S],
+                t[3 * S :].view(S, self.nb))  # fmt: skip
 
-    def fill(self, kv: KVCache, batch: ScheduledBatch) -> None:
+    def fill(self, kv: KVCache, batch: ScheduledBatch, fed: DeviceTokens | None = None) -> None:
         """This step's values, padding rows repeating the last real one; one copy to the device
-        (non-blocking: the host buffer is next written after the step's sampling has synced)."""
-        ids, pos, blocks = (v.numpy() for v in self.views(self.host))
+        (non-blocking), then the tokens still on the device gathered from `fed`."""
+        host = self.host
+        self.turn ^= 1
+        ids, pos, src, blocks = (v.numpy() for v in self.views(host))
         for i, seq in enumerate(batch.seqs):
             past = seq.num_computed
             table = kv.tables[seq.seq_id][: self.nb]
-            ids[0, i], pos[0, i] = seq.all_ids[past], past
+            token = seq.token_at(past)
+            if token is None:
+                if fed is None:
+                    raise ValueError(f"sequence {seq.seq_id}: its newest token is on the device")
+                ids[0, i], src[i] = 0, fed.rows[seq.seq_id]
+            else:
+                ids[0, i], src[i] = token, -1
+            pos[0, i] = past
             blocks[i, : len(table)] = table
             blocks[i, len(table) :] = table[0]
         n = len(batch.seqs)
-        for v in (ids[0], pos[0], blocks):
+        for v in (ids[0], pos[0], src, blocks):
             v[n:] = v[n - 1]
-        self.device.copy_(self.host, non_blocking=self.device.is_cuda)
+        self.device.copy_(host, non_blocking=self.device.is_cuda)
+        if fed is not None and (src[:n] >= 0).any():
+            d_ids, _, d_src, _ = self.views(self.device)
+            picked = fed.tokens[d_src.clamp(min=0)]
+            d_ids[0].copy_(torch.where(d_src >= 0, picked, d_ids[0]))
 
 
 def cache_rows(
@@ -144,8 +176,9 @@ class DecodeGraphs:
             and all(batch.sampling)
         )
 
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [S, vocab] (fp32) of the batch's sequences, in batch order."""
+    def forward(self, batch: ScheduledBatch, fed: DeviceTokens | None = None) -> torch.Tensor:
+        """Logits [S, vocab] (fp32) of the batch's sequences, in batch order; `fed`: the last
+        step's tokens, where the host has not read them yet."""
         S, kv = len(batch.seqs), self.kv
         longest = max(s.num_computed + 1 for s in batch.seqs)
         Sb = bucket(S, self.max_seqs)
@@ -153,7 +186,7 @@ class DecodeGraphs:
         if (Sb, nb) not in self._inputs:
             self._inputs[(Sb, nb)] = DecodeInputs.new(Sb, nb, self.device)
         inputs = self._inputs[(Sb, nb)]
-        inputs.fill(kv, batch)
+        inputs.fill(kv, batch, fed)
         tap = self._tap()
         if self.capture and self._replay(inputs, tap):
             logits, seen = self._logits, self._seen
@@ -170,7 +203,8 @@ class DecodeGraphs:
         `table` (the engine's start-up; every row writes the same cache row)."""
         nb = max(MIN_BLOCKS, bucket(self.kv.blocks_for(length)))
         inputs = DecodeInputs.new(self.max_seqs, nb, self.device)
-        ids, pos, blocks = inputs.views(inputs.host)
+        ids, pos, src, blocks = inputs.views(inputs.host)
+        src.fill_(-1)
         vocab = self.model.config.vocab_size
         ids.copy_(torch.randint(vocab, ids.shape))
         pos.fill_(length - 1)
@@ -188,7 +222,7 @@ class DecodeGraphs:
 
     def _run(self, inputs: DecodeInputs) -> torch.Tensor:
         """The model forward of a fixed-shape decode step (what a graph captures)."""
-        ids, pos, blocks = inputs.views(inputs.device)
+        ids, pos, _, blocks = inputs.views(inputs.device)
         lengths = pos[0] + 1
         table, slots = cache_rows(self.kv, blocks, lengths)
         keep = torch.arange(inputs.S, device=ids.device)

@@ -286,7 +286,7 @@ class Engine:
         self.batcher = Batcher(
             runner, sched, memory, self.tokenizer, self.eos_ids(), max_len,
             self.allocator if dynamic else None,
-            self.paged.commit if self.paged is not None else None,
+            self.paged.commit if self.paged is not None else None, cfg.overlap,
         )  # fmt: skip
         self.batcher.info = {"policy": str(policy), "device": self.device, "experts": self.experts}
         return self.batcher

@@ -16,7 +16,7 @@ from pwctl.runtime.engine.attention import (
     SeqSpan,
     attention_implementation,
 )
-from pwctl.runtime.engine.decode_graphs import DecodeGraphs
+from pwctl.runtime.engine.decode_graphs import DecodeGraphs, DeviceTokens
 from pwctl.runtime.engine.scheduler import ScheduledBatch
 from pwctl.runtime.memory.kv_cache import KVCache
 
@@ -38,10 +38,13 @@ class ModelRunner:
         self.model, self.kv, self.device, self.graphs = model, kv, torch.device(device), graphs
 
     def inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
-        """Packed input ids and positions [1, T], and the attention metadata."""
+        """Packed input ids and positions [1, T], and the attention metadata (every token on
+        the host)."""
         ids, pos, slots, spans, start = [], list[int](), [], [], 0
         for seq, n in zip(batch.seqs, batch.n_tokens, strict=True):
             past = seq.num_computed
+            if seq.pending:
+                raise ValueError(f"sequence {seq.seq_id}: its newest token is on the device")
             ids.extend(seq.all_ids[past : past + n])
             pos.extend(range(past, past + n))
             kv_slots = self.kv.slots(seq.seq_id, 0, past + n)  # host: located once a step
@@ -52,11 +55,18 @@ class ModelRunner:
         paged = PagedBatch(self.kv, torch.cat(slots).to(dev), spans)
         return torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), paged
 
+    def takes_device_tokens(self, batch: ScheduledBatch) -> bool:
+        """Whether `forward` can read the batch's newest tokens on the device (a decode step
+        the graphs run); the packed rows need every token on the host."""
+        return self.graphs is not None and self.graphs.fits(batch)
+
     @torch.no_grad()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [n, vocab] (fp32) for the sequences that sample, in batch order."""
-        if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.forward(batch)
+    def forward(self, batch: ScheduledBatch, fed: DeviceTokens | None = None) -> torch.Tensor:
+        """Logits [n, vocab] (fp32) for the sequences that sample, in batch order. `fed`: the
+        last step's tokens the host has not read (only where `takes_device_tokens`)."""
+        if self.takes_device_tokens(batch):
+            assert self.graphs is not None  # takes_device_tokens
+            return self.graphs.forward(batch, fed)
         ids, pos, paged = self.inputs(batch)
         keep = [s.q_stop - 1 for s, on in zip(paged.spans, batch.sampling, strict=True) if on]
         logits = self._packed(ids, pos, paged, keep)

@@ -6,35 +6,71 @@ docs/decisions/040-sampler-rows-at-once.md).
 A sampled row draws by an exponential race: with E_j ~ Exp(1) independent, argmax_j p_j / E_j is
 token j with probability p_j / sum(p), so one argmax replaces a multinomial. The noise is indexed
 by token id and a row with a seed draws its own from its sequence's generator, so a seeded row's
-tokens do not depend on the other rows of its step."""
+tokens do not depend on the other rows of its step.
+
+Nothing here waits for the GPU: the tokens stay on the device (an overlapped next step reads
+them there) and `SampledTokens` queues their copy to the host (batcher.py reads it a step
+later)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from pwctl.runtime.engine.scheduler import Sequence
+from pwctl.runtime.transfer import to_device, to_host
 
 NUCLEUS_K = 1024  # top-p ranks this many tokens first; all of them if the nucleus is wider
 
 
+@dataclass(frozen=True)
+class SampledTokens:
+    """One step's tokens: `device` [n] where the next step's inputs can read them, and a copy
+    on its way to the host (`host` waits for it alone, not for later steps)."""
+
+    device: torch.Tensor
+    _host: torch.Tensor
+    _copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def queue(cls, tokens: torch.Tensor) -> SampledTokens:
+        if not tokens.is_cuda:
+            return cls(tokens, tokens)
+        host = to_host(tokens)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(tokens, host, copied)
+
+    def host(self) -> list[int]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.tolist()
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of `logits` [n, vocab] (fp32), row i under seqs[i]'s parameters."""
+    return sample_tokens(logits, seqs).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """`sample`'s tokens [n] (int64) on the logits' device, queued (nothing waits for them)."""
     tokens = logits.argmax(-1)
     drawn = [i for i, seq in enumerate(seqs) if seq.params.temperature > 0]
     if drawn:
-        rows = torch.tensor(drawn, device=logits.device)
+        rows = to_device(drawn, torch.long, logits.device)
         tokens[rows] = draw(logits[rows], [seqs[i] for i in drawn])
-    return tokens.tolist()
+    return tokens
 
 
 def draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Tokens [n] drawn from rows of `logits` [n, vocab] at each sequence's temperature (> 0)
     and top-p."""
     device = logits.device
-    temperature = torch.tensor([s.params.temperature for s in seqs], device=device)
+    temperature = to_device([s.params.temperature for s in seqs], logits.dtype, device)
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
     if any(s.params.top_p < 1 for s in seqs):
+        top_p = to_device([s.params.top_p for s in seqs], probs.dtype, device)
         probs = probs * nucleus(probs, top_p)
     # a floor under the noise: a 0 (U = 1, which torch.rand should never give) would make
     # 0 / 0 of a masked token, a NaN that argmax takes

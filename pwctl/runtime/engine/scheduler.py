@@ -75,6 +75,7 @@ class Sequence:
     text: str = ""  # the detokenized output so far (the engine keeps it)
     offsets: TextOffsets = field(default_factory=TextOffsets)  # where `text` stands in output_ids
     preemptions: int = 0
+    pending: int = 0  # tokens sampled on the device, not yet read by the host (batcher.py)
     arrival: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None  # a seeded sequence's, made by its first draw
 
@@ -88,12 +89,21 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the host knows: the prompt and the outputs read so far."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def remaining(self) -> int:
-        """Tokens not yet in the cache (the prompt, or the last sampled token)."""
-        return self.num_tokens - self.num_computed
+        """Tokens not yet in the cache (the prompt, or the last sampled token, which may still
+        be on the device)."""
+        return self.num_tokens + self.pending - self.num_computed
+
+    def token_at(self, i: int) -> int | None:
+        """Token i (prompt, then outputs); None for one still on the device."""
+        n = len(self.prompt_ids)
+        if i < n:
+            return self.prompt_ids[i]
+        return self.output_ids[i - n] if i - n < len(self.output_ids) else None
 
     @property
     def finished(self) -> bool:
@@ -110,11 +120,22 @@ class ScheduledBatch:
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.n_tokens.append(n)
-        self.sampling.append(seq.num_computed + n == seq.num_tokens)
+        self.sampling.append(seq.num_computed + n == seq.num_tokens + seq.pending)
 
     @property
     def total(self) -> int:
         return sum(self.n_tokens)
+
+    def without_finished(self) -> ScheduledBatch:
+        """This batch less the sequences that finished since it was scheduled (their blocks
+        went back when they did)."""
+        out = ScheduledBatch(preempted=self.preempted)
+        for seq, n, on in zip(self.seqs, self.n_tokens, self.sampling, strict=True):
+            if not seq.finished:
+                out.seqs.append(seq)
+                out.n_tokens.append(n)
+                out.sampling.append(on)
+        return out
 
 
 class Scheduler:
@@ -163,9 +184,11 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, hold: frozenset[int] = frozenset()) -> ScheduledBatch:
+        """The next step's batch; running sequences whose ids are in `hold` sit it out (their
+        last token, still on the device, ends them: batcher.py)."""
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.max_batch_tokens)
+        budget = self._schedule_running(batch, self.max_batch_tokens, hold)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
         return batch
@@ -177,10 +200,13 @@ class Scheduler:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, hold: frozenset[int]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.seq_id in hold:
+                i += 1
+                continue
             n = min(seq.remaining, budget)
             if not self._reserve(seq, n, batch):
                 break  # seq itself was preempted: everything after it already was

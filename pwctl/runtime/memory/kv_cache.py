@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
+from pwctl.runtime.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -301,9 +302,8 @@ class KVCache:
             return False
         rows = got.astype(np.int64).reshape(len(ids), self.slabs_per_block)
         self._host_slabs[ids] = rows
-        dev = self.block_slabs.device
-        index = torch.tensor(ids, dtype=torch.long, device=dev)
-        self.block_slabs[index] = torch.from_numpy(rows).to(dev)
+        dev = self.block_slabs.device  # queued copies: a step may still be running
+        self.block_slabs[to_device(ids, torch.long, dev)] = to_device(rows, torch.long, dev)
         return True
 
     def free(self, seq_id: int) -> int:

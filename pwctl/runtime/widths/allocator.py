@@ -18,6 +18,7 @@ from pwctl.format.profile import Profile
 from pwctl.format.residual import RESIDUAL_JSON, ResidualModel
 from pwctl.policy import Kind, Policy
 from pwctl.runtime.moe.block import MoETap
+from pwctl.runtime.transfer import to_host
 from pwctl.runtime.widths.planner import Plan, Planner, PlannerConfig
 from pwctl.text import norm_features
 
@@ -208,7 +209,7 @@ class StepSignals:
         tensors = [t for t in (index, feats) if t is not None]
         if not any(t.is_cuda for t in tensors):
             return cls(index, feats)
-        index, feats = (None if t is None else _pinned_copy(t) for t in (index, feats))
+        index, feats = (None if t is None else to_host(t) for t in (index, feats))
         copied = torch.cuda.Event()
         copied.record()
         return cls(index, feats, copied)
@@ -225,12 +226,6 @@ def router_counts(index: np.ndarray, n_experts: int) -> np.ndarray:
     layers = index.shape[0]
     flat = (index + n_experts * np.arange(layers)[:, None]).ravel()
     return np.bincount(flat, minlength=layers * n_experts).reshape(layers, -1).astype(float)
-
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of device tensor `t`, queued on the current stream."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)
 
 
 def _norm_estimator(profile: Profile, block_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
