@@ -21,7 +21,7 @@
 #   (o) batch-1 decode step profile (recipes/profile_engine_step.py) per policy, SDPA backends
 #   merge: every JSON written so far into $OUT/serving.json (the device tool returns at most 8
 #       files; the call groups end with it)
-#   call1 (= all): prep, a, c, p; call2: b, n; call3: e, pager: three device calls of <= 570 s
+#   call1 (= all): prep, p, a, c; call2: b, e; call3: n, pager: three device calls of <= 570 s
 #       each (H100, 2026-12-06, kernels from a carried CuPy cache: prep 140 s, a 101, c 143, p 69,
 #       n 135, e 211; b ~280), the second and third made right after the one before, while the
 #       machine is warm. With .carry/cupy_cache.tgz carried (recipes/cupy_cache.sh) no kernel
@@ -104,9 +104,9 @@ all | call1 | call2 | call3)
   # one device call each (<= 570 s, merged after every stage so a cut call keeps its rows);
   # call2 and call3 right after the one before (a warm machine keeps /tmp: prep is a no-op)
   case "$1" in
-  all | call1) STAGES="prep a c p" ;;  # 140 + 101 + 143 + 69 s
-  call2) STAGES="prep b n" ;;  # ~280 + 135 s
-  call3) STAGES="prep e pager" ;;  # 211 + 10 s
+  all | call1) STAGES="prep p a c" ;;  # 140 + ~130 (p both ways) + 101 + 143 s
+  call2) STAGES="prep b e" ;;  # ~280 + 211 s
+  call3) STAGES="prep n pager" ;;  # 135 + 10 s
   esac
   timeout "${CALL_S:-570}" bash -c "for S in $STAGES; do start=\$(date +%s); bash '$0' \$S;
     echo \"== stage \$S: \$((\$(date +%s) - start)) s\"; bash '$0' merge >/dev/null; done"
