@@ -150,8 +150,8 @@ def test_sampler_frequencies_follow_temperature_and_top_p():
 
 
 def test_nucleus_equals_a_sort_of_every_row():
-    # the nucleus found among the top NUCLEUS_K tokens, or past them by a full sort, is the
-    # one a sort of the whole row gives, row by row
+    # the nucleus found among the top NUCLEUS_K tokens, or past them by a full sort or a
+    # bisected threshold, is the one a sort of the whole row gives, row by row
     import torch
 
     from pwctl.runtime.engine.sampler import NUCLEUS_K, nucleus
@@ -165,7 +165,9 @@ def test_nucleus_equals_a_sort_of_every_row():
             sorted_p, order = row.sort(descending=True)
             keep = (sorted_p.cumsum(-1) - sorted_p < top_p[i]) | (top_p[i] >= 1)
             want[i, order[keep]] = True
-        assert torch.equal(nucleus(probs, top_p), want), (vocab, spread)
+        assert torch.equal(nucleus(probs, top_p, sync_free=False), want), (vocab, spread)
+        # the device's way (no host sync): the same set where no probability ties the threshold
+        assert torch.equal(nucleus(probs, top_p, sync_free=True), want), (vocab, spread)
 
 
 def test_a_seeded_row_draws_the_same_in_any_batch():

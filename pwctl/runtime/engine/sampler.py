@@ -22,6 +22,7 @@ from pwctl.runtime.engine.scheduler import Sequence
 from pwctl.runtime.transfer import to_device, to_host
 
 NUCLEUS_K = 1024  # top-p ranks this many tokens first; all of them if the nucleus is wider
+BISECTION_STEPS = 30  # a nucleus wider than NUCLEUS_K on the device: its threshold to 2**-30
 
 
 @dataclass(frozen=True)
@@ -78,16 +79,38 @@ def draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
-def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def nucleus(
+    probs: torch.Tensor, top_p: torch.Tensor, sync_free: bool | None = None
+) -> torch.Tensor:
     """Mask [n, vocab] of each row's nucleus: its most likely tokens, fewest first, until they
-    reach top_p (all tokens where top_p is 1)."""
+    reach top_p (all tokens where top_p is 1). A row whose top NUCLEUS_K tokens fall short of
+    its top_p needs the tokens past them: a full sort, which the host must ask the device for
+    (it waits for every step queued), or, `sync_free` (the default on CUDA), a threshold found
+    by bisection on the device for every row at once (ties at it all kept)."""
     k = min(probs.shape[-1], NUCLEUS_K)
     top, order = probs.topk(k, dim=-1)
-    if k < probs.shape[-1] and bool(((top.sum(-1) < top_p) & (top_p < 1)).any()):
-        top, order = probs.sort(dim=-1, descending=True)  # a nucleus past the k-th token
     keep = top.cumsum(-1) - top < top_p[:, None]  # the smallest set reaching top_p
     mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
+    short = (top.sum(-1) < top_p) & (top_p < 1)  # rows whose nucleus goes past the k-th token
+    if k < probs.shape[-1]:
+        if probs.is_cuda if sync_free is None else sync_free:
+            mask = torch.where(short[:, None], probs >= threshold(probs, top_p, top[:, -1]), mask)
+        elif bool(short.any()):
+            top, order = probs.sort(dim=-1, descending=True)
+            keep = top.cumsum(-1) - top < top_p[:, None]
+            mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
     return mask | (top_p[:, None] >= 1)
+
+
+def threshold(probs: torch.Tensor, top_p: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Per row [n, 1], the largest probability t (to float precision, at most `high`) whose
+    tokens p >= t hold at least top_p: BISECTION_STEPS halvings of [0, high], on the device."""
+    lo, hi = torch.zeros_like(high)[:, None], high[:, None].clone()
+    for _ in range(BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        enough = (probs * (probs >= mid)).sum(-1, keepdim=True) >= top_p[:, None]
+        lo, hi = torch.where(enough, mid, lo), torch.where(enough, hi, mid)
+    return lo
 
 
 def exponential(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
