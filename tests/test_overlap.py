@@ -132,3 +132,24 @@ def test_a_sequence_at_its_context_sits_the_next_step_out(engine):
                                  (ids, SamplingParams(max_tokens=5, ignore_eos=True))])  # fmt: skip
     assert seq.finish_reason == other.finish_reason == "length" and len(seq.output_ids) == 5
     assert rows.rows[seq.seq_id] == limit - 1 and rows.fed_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["uniform:4", "pagedweight:0.3"])
+def test_overlapped_graph_steps_on_cuda_equal_serial_ones(bundled_pack, policy):
+    """On the GPU, replayed graphs reading their tokens on the device while the host lands the
+    step before (a budgeted policy commits widths beside a running step too) give what steps
+    that read every token first give."""
+    import torch
+
+    engine = Engine(Pack(bundled_pack), "cuda", torch.float16)
+    reqs = requests(engine)
+    got = {}
+    for overlap in (False, True):
+        cfg = BatchConfig(max_seqs=4, max_batch_tokens=64, block_size=4, overlap=overlap)
+        batcher = engine.start_batching(parse_policy(policy), None, cfg)
+        assert batcher.runner.graphs is not None
+        rows = Rows(batcher)
+        got[overlap] = outcome(serve(batcher, reqs, late=2))
+        assert (rows.fed_steps > 5) == overlap and batcher.kv.used == 0
+    assert got[True] == got[False]
