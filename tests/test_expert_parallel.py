@@ -131,6 +131,15 @@ def test_generate_with_two_ranks_prints_what_one_rank_prints(bundled_pack, tmp_p
     ep = out[2]["expert_parallel"]  # rank 0's side: every layer of every step exchanged
     assert out[1]["expert_parallel"] is None and ep["ranks"] == 2
     assert ep["exchanges"] >= 3 * 8 and ep["sent_bytes"] > 0 and ep["seconds"] > 0
+    # every rank's metrics, gathered on rank 0: the owner ran the same exchanges, with no KV
+    # cache in use (no requests of its own) and, at uniform:4, every layer at 4 bits
+    (first, owner) = ep["per_rank"]
+    assert (first["rank"], owner["rank"]) == (0, 1)
+    assert first["exchange"]["calls"] == owner["exchange"]["calls"] == ep["exchanges"]
+    assert first["exchange"]["sent_bytes"] == ep["sent_bytes"] and owner["exchange"]["sent_bytes"]
+    for r in (first, owner):
+        assert r["plane_bytes"] > 0 and r["kv_bytes"] == r["kv_blocks_used"] == 0  # all done
+        assert set(r["widths_per_layer"].values()) == {4.0} and r["width_moves"] == 0
 
 
 def test_throughput_on_two_ranks_serves_what_one_rank_serves(bundled_pack, tmp_path):
@@ -177,6 +186,9 @@ def test_bench_throughput_with_two_ranks_reports_each_rank(bundled_pack, tmp_pat
     for rank in row["ranks"]:
         assert 0 < rank["peak_memory_bytes"] <= rank["memory_budget_bytes"]
         assert rank["exchange"]["calls"] > 0 and rank["exchange"]["seconds"] > 0
+        assert rank["peak_kv_bytes"] > rank["kv_bytes"] == 0  # the cache held blocks, then none
+        assert rank["plane_bytes"] == rank["peak_plane_bytes"] > 0  # uniform:4: planes fixed
+        assert set(rank["widths_per_layer"].values()) == {4.0} and rank["width_moves"] == 0
     assert row["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in row["ranks"])
 
 

@@ -5,12 +5,13 @@ share of the load in flight, stepping in lockstep with the others (a rank out of
 every exchange with no tokens). After each run rank 0 gathers every rank's row and reports them
 combined: tokens and requests summed over the ranks, over the longest rank's seconds (the ranks
 start together and the run ends when the last one is done), latencies over every request, and
-the largest rank's peak memory against its own budget; each rank's row stays beside it with
-its exchange calls, bytes and seconds."""
+the largest rank's peak memory against its own budget; each rank's row stays beside it with its
+state at the run's end (plane and KV bytes, widths, width moves: rank_metrics) and the run's
+exchange calls, bytes and seconds."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -28,9 +29,10 @@ from pwctl.errors import PwctlError
 from pwctl.runtime.engine.batcher import Batcher
 from pwctl.runtime.parallel.exchange import ExchangeStats
 from pwctl.runtime.parallel.gather import gather_to_first
+from pwctl.runtime.parallel.rank_metrics import rank_metrics
 from pwctl.runtime.parallel.ranks import RankEngine
 
-# a rank's row: these fields of its own ThroughputResult, then its exchange and metrics
+# a rank's row: these fields of its own ThroughputResult, then its rank_metrics
 ROW_FIELDS = ("requests", "prompt_tokens", "output_tokens", "seconds", "output_tok_s",
               "peak_memory_bytes", "peak_accounted_bytes", "peak_plane_bytes", "peak_kv_bytes",
               "memory_budget_bytes", "over_budget", "requested_tokens", "cut_short", "aborted",
@@ -87,8 +89,10 @@ class RankShare:
     ) -> ThroughputResult:
         """Rank 0: every rank's row combined (`result` is rank 0's own); other ranks: their
         own `result`. A collective: every rank calls it after each run."""
+        run = self.engine.exchange.stats.since(self._before)  # the measured run's exchanges
+        # its own result's fields, then its state at the run's end and the run's exchanges
         row = {"rank": self.rank, **{k: getattr(result, k) for k in ROW_FIELDS},
-               "exchange": asdict(self.engine.exchange.stats.since(self._before))}  # fmt: skip
+               **rank_metrics(batcher, run)}  # fmt: skip
         got = gather_to_first((row, ttft.tolist(), tpot.tolist()))
         if got is None:
             return result
