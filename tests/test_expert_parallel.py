@@ -8,6 +8,7 @@ combined with a row a rank."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from pwctl.errors import PwctlError
+from pwctl.policy import parse_policy
 from pwctl.runtime.parallel.placement import ExpertPlacement
 
 WORKER = Path(__file__).with_name("expert_parallel_worker.py")
@@ -214,3 +216,78 @@ def test_bench_expert_parallel_bad_input_exits_2_before_any_rank_starts(
     r = CliRunner().invoke(app, ["bench", str(bundled_pack), "--throughput", "--input-len", "8",
                                  "--output-len", "2", "--device", "cpu", *args])  # fmt: skip
     assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_serve_with_two_ranks_answers_over_http_and_fails_cleanly_when_a_rank_dies(bundled_pack):
+    """`pwctl serve --expert-parallel 2`: rank 0's front end gives two concurrent requests to
+    the two ranks (the least loaded each); both get one rank's greedy completion, /metrics has
+    each rank's figures, and once rank 1 is killed the server says down and refuses with 503
+    instead of hanging."""
+    import concurrent.futures
+    import signal
+
+    import httpx
+    from shared import served
+
+    from pwctl.format.pack import Pack
+    from pwctl.runtime.engine.engine import Engine
+
+    engine = Engine(Pack(bundled_pack))
+    engine.set_policy(parse_policy("uniform:4"))
+    # a long request and a short one: the second to arrive finds the first still running
+    asks = list(zip(worker.PROMPTS[:2], (48, 8), strict=True))
+    want = [engine.tokenizer.decode(engine.generate_ids(engine.tokenizer(p).input_ids, n),
+                                    skip_special_tokens=True) for p, n in asks]  # fmt: skip
+    with served(bundled_pack, "--policy", "uniform:4", "--expert-parallel", "2") as url:
+
+        def complete(prompt: str, n: int = 8) -> httpx.Response:
+            body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0}
+            return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(complete, *zip(*asks, strict=True)))
+        assert [r.json()["choices"][0]["text"] for r in got] == want
+        metrics = httpx.get(url + "/metrics").text
+        calls = [_metric(metrics, "pwctl_rank_exchange_calls_total", r) for r in (0, 1)]
+        assert calls[0] == calls[1] > 0  # in step: every rank joined every exchange
+        tokens = [_metric(metrics, "pwctl_rank_generated_tokens_total", r) for r in (0, 1)]
+        assert sorted(tokens) == [8, 48]  # a request each: the second went to the idle rank
+        assert _metric(metrics, "pwctl_rank_plane_bytes", 1) > 0
+        assert 'pwctl_rank_layer_width_bits{layer="0",rank="1"} 4.0' in metrics
+        os.kill(_started_rank(url.rsplit(":", 1)[1]), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").json()["status"] != "down":
+            assert time.monotonic() < deadline, "the front end did not notice the dead rank"
+            time.sleep(0.2)
+        r = complete(asks[0][0])
+        assert r.status_code == 503 and "expert-parallel serving stopped" in r.text
+
+
+def _started_rank(port: str) -> int:
+    """The pid of the rank that the server on `port` started (its child running serve_rank)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent_cmd = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if b"pwctl.commands.serve_rank" in cmd and port.encode() in parent_cmd:
+            found.append(int(pid))
+    (pid,) = found
+    return pid
+
+
+def _metric(text: str, name: str, rank: int) -> float:
+    (line,) = [x for x in text.splitlines() if x.startswith(f'{name}{{rank="{rank}"}}')]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_serve_expert_parallel_bad_input_exits_2_before_the_model_loads(bundled_pack):
+    from typer.testing import CliRunner
+
+    from pwctl.cli import app
+
+    r = CliRunner().invoke(app, ["serve", str(bundled_pack), "--expert-parallel", "0"])
+    assert r.exit_code == 2 and "--expert-parallel 0: must be at least 1" in r.output, r.output

@@ -58,8 +58,8 @@ def ranks(n: int, args: list[str], module: str = OWNER) -> Iterator[int]:
         if dist.is_initialized():
             dist.destroy_process_group()
         failed = [c.args for c in children if c.wait(timeout=TIMEOUT_S) != 0]
-        if failed:
-            raise PwctlError(f"{len(failed)} expert-parallel rank(s) failed: see their output")
+    if failed:  # after the body ran through (raised here, it would hide the body's error)
+        raise PwctlError(f"{len(failed)} expert-parallel rank(s) failed: see their output")
 
 
 def _free_port() -> str:

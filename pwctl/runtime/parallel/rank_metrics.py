@@ -27,6 +27,7 @@ def rank_metrics(batcher: Batcher, exchange: ExchangeStats) -> dict[str, Any]:
         "width_demotions": m["width_demotions"],
         "width_promotions": m["width_promotions"],
         "width_moves": m["width_demotions"] + m["width_promotions"],
+        "generated_tokens": m["generated_tokens"],  # by this rank's own requests
         "exchange": asdict(exchange),  # calls, sent_bytes, seconds
     }
 
