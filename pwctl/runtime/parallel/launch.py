@@ -2,8 +2,9 @@
 MASTER_PORT in the environment) each process is already a rank; otherwise the command's own
 process is rank 0 and starts ranks 1..N-1 itself, each `python -m MODULE ARGS`: for generate
 `pwctl.runtime.parallel.owner` on the same pack and policy (those serve only as their experts'
-owners: the request, and the output, are rank 0's); for bench --throughput a rank that serves
-its share of the requests. Gloo on the CPU (the only path for now)."""
+owners: the request, and the output, are rank 0's); for bench --throughput and serve the
+command's own code with rank 0's options, serving its share of the requests (serve: those rank 0's
+front end gives it). Gloo on the CPU (the only path for now)."""
 
 from __future__ import annotations
 
