@@ -3,13 +3,17 @@ python tests/expert_parallel_worker.py RANK WORLD PORT OUT_DIR MODE [PACK]. MODE
 rank's tokens, run the exchange over two MoE layers, save inputs and outputs (safetensors);
 "die": rank 1 leaves right after joining, and the others' exchange must fail with a clear error;
 "store" / "paged": this rank's prompts (`rank_prompts`) through the engine of PACK on that expert
-backend, its experts exchanged, greedy; saves the tokens and the first step's logits."""
+backend, its experts exchanged, greedy; saves the tokens and the first step's logits. "bench":
+`run_throughput` on PACK with this rank's share of each load (`BENCH_LOADS`), saves the rows and
+the tokens of each request it served (JSON)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import save_file
@@ -76,11 +80,55 @@ def serve(
     return {"tokens": torch.tensor([s.output_ids for s in seqs]), "logits": first[0]}
 
 
+BENCH_LOADS = ({"batches": (3,)}, {"concurrency": (2,), "requests": 3})  # one run each
+BENCH_IN, BENCH_OUT = 24, 6  # tokens a request: prompt (not the warm-up's 16), output
+
+
+def bench(pack: str, share=None) -> list[tuple[list[dict], dict[str, list[int]]]]:
+    """Each of BENCH_LOADS through `run_throughput` on one store engine of `pack`, uniform:4:
+    (its rows, each request's output tokens by its prompt ids); with `share(engine)` (a
+    RankShare) this rank's share of each, in step with the others."""
+    from pwctl.bench.throughput import ThroughputSpec, run_throughput
+    from pwctl.build.checkpoint import EVAL_SAMPLE
+    from pwctl.format.pack import Pack
+    from pwctl.policy import parse_policy
+    from pwctl.runtime.engine.batcher import Batcher
+    from pwctl.runtime.engine.engine import Engine
+
+    engine = Engine(Pack(Path(pack)))
+    ranks = share(engine) if share else None
+    out = []
+    for load in BENCH_LOADS:
+        served = []
+        add = Batcher.add
+
+        def recording(self, prompt_ids, params, add=add, served=served):
+            seq = add(self, prompt_ids, params)
+            served.append(seq)
+            return seq
+
+        spec = ThroughputSpec(BENCH_IN, BENCH_OUT, **load)
+        with mock.patch.object(Batcher, "add", recording):
+            rows = run_throughput(engine, [parse_policy("uniform:4")], spec, EVAL_SAMPLE, None,
+                                  ranks)  # fmt: skip
+        tokens = {" ".join(map(str, s.prompt_ids)): s.output_ids for s in served
+                  if len(s.prompt_ids) == BENCH_IN}  # fmt: skip
+        out.append(([r.as_dict() for r in rows], tokens))
+    return out
+
+
 def main() -> None:
     rank, world, port, out, mode = sys.argv[1:6]
     rank, world = int(rank), int(world)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     join(rank, world, timeout_s=10)
+    if mode == "bench":
+        from pwctl.bench.throughput_ranks import RankShare
+        from pwctl.runtime.parallel.ranks import RankEngine
+
+        got = bench(sys.argv[6], lambda engine: RankShare(RankEngine(engine)))
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(got))
+        return
     if mode in ("store", "paged"):  # the engines, on that expert backend
         from pwctl.runtime.parallel.ranks import RankEngine
 

@@ -1,11 +1,14 @@
 """Expert parallelism on CPU with gloo (issue 67): the placement balances router load with equal
 expert counts; the exchange, in separate processes as torchrun would start them, gives every
 rank the same MoE output as all experts on one rank, a rank with no tokens included; a rank that
-dies makes the others fail with a clear error within the group's timeout, not hang."""
+dies makes the others fail with a clear error within the group's timeout, not hang. bench
+--throughput on 2 ranks serves what one rank serves, request by request, and reports it
+combined with a row a rank."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from pwctl.errors import PwctlError
+from pwctl.policy import parse_policy
 from pwctl.runtime.parallel.placement import ExpertPlacement
 
 WORKER = Path(__file__).with_name("expert_parallel_worker.py")
@@ -129,3 +133,161 @@ def test_generate_with_two_ranks_prints_what_one_rank_prints(bundled_pack, tmp_p
     ep = out[2]["expert_parallel"]  # rank 0's side: every layer of every step exchanged
     assert out[1]["expert_parallel"] is None and ep["ranks"] == 2
     assert ep["exchanges"] >= 3 * 8 and ep["sent_bytes"] > 0 and ep["seconds"] > 0
+    # every rank's metrics, gathered on rank 0: the owner ran the same exchanges, with no KV
+    # cache in use (no requests of its own) and, at uniform:4, every layer at 4 bits
+    (first, owner) = ep["per_rank"]
+    assert (first["rank"], owner["rank"]) == (0, 1)
+    assert first["exchange"]["calls"] == owner["exchange"]["calls"] == ep["exchanges"]
+    assert first["exchange"]["sent_bytes"] == ep["sent_bytes"] and owner["exchange"]["sent_bytes"]
+    for r in (first, owner):
+        assert r["plane_bytes"] > 0 and r["kv_bytes"] == r["kv_blocks_used"] == 0  # all done
+        assert set(r["widths_per_layer"].values()) == {4.0} and r["width_moves"] == 0
+
+
+def test_throughput_on_two_ranks_serves_what_one_rank_serves(bundled_pack, tmp_path):
+    """Each rank serves every other request of a batch and of a closed loop (its share in
+    flight); the combined rows count the tokens one rank's rows count, and every request's
+    greedy tokens are the same."""
+    runs = _ranks(2, tmp_path, "bench", str(bundled_pack))
+    assert all(r.returncode == 0 for r in runs), [r.stdout[-2000:] for r in runs]
+    ranked = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    single = worker.bench(str(bundled_pack))
+    for load, (want_rows, want_tokens) in enumerate(single):
+        (want,), (got,) = want_rows, ranked[0][load][0]
+        for key in ("requests", "output_tokens", "prompt_tokens", "requested_tokens"):
+            assert got[key] == want[key], key
+        assert got["output_tokens"] == want["requests"] * worker.BENCH_OUT and got["cut_short"] == 0
+        rows = got["ranks"]
+        assert [r["rank"] for r in rows] == [0, 1] and [r["requests"] for r in rows] == [2, 1]
+        assert sum(r["output_tokens"] for r in rows) == got["output_tokens"]
+        assert got["output_tok_s"] == pytest.approx(got["output_tokens"] / got["seconds"])
+        calls = [r["exchange"]["calls"] for r in rows]  # the measured run's (3 MoE layers)
+        assert calls[0] == calls[1] and calls[0] % 3 == 0  # in step: every rank, every layer
+        assert calls[0] >= 3 * max(r["steps"] for r in rows) > 0
+        assert all(r["exchange"]["sent_bytes"] > 0 for r in rows)
+        assert ranked[1][load][0][0]["ranks"] is None  # rank 1 reports nothing combined
+        served = {**ranked[0][load][1], **ranked[1][load][1]}
+        assert set(ranked[0][load][1]).isdisjoint(ranked[1][load][1])  # each request once
+        assert served == want_tokens and len(served) == want["requests"]
+
+
+def test_bench_throughput_with_two_ranks_reports_each_rank(bundled_pack, tmp_path):
+    """`pwctl bench --throughput --expert-parallel 2` starts its second rank itself; rank 0
+    prints the combined row and a row a rank, and writes them to --json."""
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, "-m", "pwctl.cli", "bench", str(bundled_pack), "--throughput",
+           "--input-len", "24", "--output-len", "4", "--batch", "2", "--policy", "uniform:4",
+           "--device", "cpu", "--expert-parallel", "2", "--json", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "uniform:4 x2 ranks" in r.stdout and "expert-parallel ranks" in r.stdout
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["requests"], row["output_tokens"], row["cut_short"]) == (2, 8, 0)
+    assert [(r["rank"], r["requests"], r["output_tokens"]) for r in row["ranks"]] == [
+        (0, 1, 4), (1, 1, 4)]  # fmt: skip
+    for rank in row["ranks"]:
+        assert 0 < rank["peak_memory_bytes"] <= rank["memory_budget_bytes"]
+        assert rank["exchange"]["calls"] > 0 and rank["exchange"]["seconds"] > 0
+        assert rank["peak_kv_bytes"] > rank["kv_bytes"] == 0  # the cache held blocks, then none
+        assert rank["plane_bytes"] == rank["peak_plane_bytes"] > 0  # uniform:4: planes fixed
+        assert set(rank["widths_per_layer"].values()) == {4.0} and rank["width_moves"] == 0
+    assert row["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in row["ranks"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch", "2", "--expert-parallel", "0"], "--expert-parallel 0: must be at least 1"),
+        (["--load", "bursty", "--expert-parallel", "2"], "--batch and --concurrency loads only"),
+        (["--concurrency", "1", "--expert-parallel", "2"], "the concurrency needs at least 2"),
+        (
+            ["--batch", "2", "--quality-sample", "2", "--expert-parallel", "2"],
+            "--quality-sample does not run with --expert-parallel",
+        ),  # fmt: skip
+    ],
+)
+def test_bench_expert_parallel_bad_input_exits_2_before_any_rank_starts(
+    bundled_pack, args, message
+):
+    from typer.testing import CliRunner
+
+    from pwctl.cli import app
+
+    r = CliRunner().invoke(app, ["bench", str(bundled_pack), "--throughput", "--input-len", "8",
+                                 "--output-len", "2", "--device", "cpu", *args])  # fmt: skip
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_serve_with_two_ranks_answers_over_http_and_fails_cleanly_when_a_rank_dies(bundled_pack):
+    """`pwctl serve --expert-parallel 2`: rank 0's front end gives two concurrent requests to
+    the two ranks (the least loaded each); both get one rank's greedy completion, /metrics has
+    each rank's figures, and once rank 1 is killed the server says down and refuses with 503
+    instead of hanging."""
+    import concurrent.futures
+    import signal
+
+    import httpx
+    from shared import served
+
+    from pwctl.format.pack import Pack
+    from pwctl.runtime.engine.engine import Engine
+
+    engine = Engine(Pack(bundled_pack))
+    engine.set_policy(parse_policy("uniform:4"))
+    # a long request and a short one: the second to arrive finds the first still running
+    asks = list(zip(worker.PROMPTS[:2], (48, 8), strict=True))
+    want = [engine.tokenizer.decode(engine.generate_ids(engine.tokenizer(p).input_ids, n),
+                                    skip_special_tokens=True) for p, n in asks]  # fmt: skip
+    with served(bundled_pack, "--policy", "uniform:4", "--expert-parallel", "2") as url:
+
+        def complete(prompt: str, n: int = 8) -> httpx.Response:
+            body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0}
+            return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(complete, *zip(*asks, strict=True)))
+        assert [r.json()["choices"][0]["text"] for r in got] == want
+        metrics = httpx.get(url + "/metrics").text
+        calls = [_metric(metrics, "pwctl_rank_exchange_calls_total", r) for r in (0, 1)]
+        assert calls[0] == calls[1] > 0  # in step: every rank joined every exchange
+        tokens = [_metric(metrics, "pwctl_rank_generated_tokens_total", r) for r in (0, 1)]
+        assert sorted(tokens) == [8, 48]  # a request each: the second went to the idle rank
+        assert _metric(metrics, "pwctl_rank_plane_bytes", 1) > 0
+        assert 'pwctl_rank_layer_width_bits{layer="0",rank="1"} 4.0' in metrics
+        os.kill(_started_rank(url.rsplit(":", 1)[1]), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").json()["status"] != "down":
+            assert time.monotonic() < deadline, "the front end did not notice the dead rank"
+            time.sleep(0.2)
+        r = complete(asks[0][0])
+        assert r.status_code == 503 and "expert-parallel serving stopped" in r.text
+
+
+def _started_rank(port: str) -> int:
+    """The pid of the rank that the server on `port` started (its child running serve_rank)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent_cmd = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if b"pwctl.commands.serve_rank" in cmd and port.encode() in parent_cmd:
+            found.append(int(pid))
+    (pid,) = found
+    return pid
+
+
+def _metric(text: str, name: str, rank: int) -> float:
+    (line,) = [x for x in text.splitlines() if x.startswith(f'{name}{{rank="{rank}"}}')]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_serve_expert_parallel_bad_input_exits_2_before_the_model_loads(bundled_pack):
+    from typer.testing import CliRunner
+
+    from pwctl.cli import app
+
+    r = CliRunner().invoke(app, ["serve", str(bundled_pack), "--expert-parallel", "0"])
+    assert r.exit_code == 2 and "--expert-parallel 0: must be at least 1" in r.output, r.output

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +58,40 @@ TIMELINE_POINTS = 400  # the JSON keeps at most this many timeline samples a run
 TRACE_KEYS = {"at", "input_len", "output_len"}
 IDLE_S = 0.005  # a trace gap: the batcher idles, then sleeps at most this long
 SERIES = ("t_s", "bits", "kv_bytes", "output_tokens")  # a run's timeline, one sample a step
+# ThroughputResult's latency fields, in its order (`latency_fields` gives them)
+LATENCY = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "tpot_mean_s", "tpot_p90_s", "decode_tok_s")
+
+
+class Steps(Protocol):
+    """What the closed loop drives: a Batcher, or under --expert-parallel a RankEngine (its
+    `has_work` asks every rank, its `step` joins the others' exchanges when it has no work)."""
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence: ...
+
+    def step(self) -> list[Sequence]: ...
+
+
+class RankPart(Protocol):
+    """This rank's part of every run under --expert-parallel (throughput_ranks.RankShare): its
+    requests, the engine that steps it with the other ranks, and the gathering of the rows."""
+
+    @property
+    def engine(self) -> Steps: ...
+
+    def check(self, spec: ThroughputSpec) -> None: ...
+
+    def share(self, prompts: list[list[int]]) -> list[list[int]]: ...
+
+    def share_of(self, load: int) -> int: ...
+
+    def start(self) -> None: ...
+
+    def combine(
+        self, result: ThroughputResult, ttft: np.ndarray, tpot: np.ndarray, batcher: Batcher
+    ) -> ThroughputResult: ...
 
 
 @dataclass(frozen=True)
@@ -261,6 +295,8 @@ class ThroughputResult:
     # the engine's fixed part by part (accounting.FixedPart: weights, workspace parts, and on
     # CUDA the largest step as measured at start-up)
     fixed_parts: dict[str, int | None] | None = None
+    # --expert-parallel: each rank's row (this row combines them: throughput_ranks.combined)
+    ranks: list[dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -385,11 +421,16 @@ def prompt_windows(tokenizer: Any, path: Path, n: int, length: int) -> list[list
 def run_throughput(
     engine: Engine, policies: list[Policy], spec: ThroughputSpec, data: Path,
     samples: list[tuple[ThroughputResult, QualitySamples]] | None = None,
+    ranks: RankPart | None = None,
 ) -> list[ThroughputResult]:  # fmt: skip
     """Every policy at every load of `spec`, each on a fresh batcher and fresh policy state.
     With `spec.quality_sample`, each row's sampled served log-probabilities are appended to
-    `samples` (score them with `score_quality` once every run is done)."""
+    `samples` (score them with `score_quality` once every run is done). With `ranks` (every
+    rank calls this alike) this rank serves its share of each run's requests, in step with the
+    others, and rank 0's rows combine every rank's."""
     spec.validate()
+    if ranks is not None:
+        ranks.check(spec)
     context = engine.model.config.max_position_embeddings
     if spec.max_len() > context:
         longest = "a request of the load" if spec.max_len() > spec.input_len + spec.output_len \
@@ -406,7 +447,7 @@ def run_throughput(
             else:
                 arrivals = spec.arrivals(mode)
                 prompts = arrival_prompts(engine.tokenizer, data, arrivals)
-            result, got = _run_one(engine, policy, spec, mode, load, prompts, arrivals)
+            result, got = _run_one(engine, policy, spec, mode, load, prompts, arrivals, ranks)
             results.append(result)
             if samples is not None and spec.quality_sample:
                 samples.append((result, got))
@@ -424,18 +465,23 @@ def arrival_prompts(tokenizer: Any, data: Path, arrivals: list[Arrival]) -> list
 
 def _run_one(
     engine: Engine, policy: Policy, spec: ThroughputSpec, mode: str, load: int,
-    prompts: list[list[int]], arrivals: list[Arrival],
+    prompts: list[list[int]], arrivals: list[Arrival], ranks: RankPart | None = None,
 ) -> tuple[ThroughputResult, QualitySamples]:  # fmt: skip
-    cfg = spec.batch_config(load, len(prompts))
+    # this rank's requests (round-robin by index) and how many of them it keeps in flight
+    mine, in_flight = (ranks.share(prompts), ranks.share_of(load)) if ranks else (prompts, load)
+    cfg = spec.batch_config(max(1, in_flight), max(1, len(mine)))
     batcher = fresh_batcher(engine, policy, spec.memory_budget, cfg)
-    if spec.warmup:
-        _warm_up(batcher, prompts[0])
+    steps: Steps = batcher if ranks is None else ranks.engine
+    if spec.warmup:  # every rank warms up on the same prompt, in step
+        _warm_up(steps, prompts[0])
     before = batcher.metrics()
+    if ranks is not None:
+        ranks.start()
     timeline = _Timeline(batcher, engine.device)
     with QualitySamples(batcher, spec.quality_sample) as got:
         if mode in ("batch", "concurrency"):
             params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True)
-            seqs = _closed_loop(batcher, timeline, prompts, params, load)
+            seqs = _closed_loop(steps, timeline, mine, params, in_flight)
         else:
             seqs = _arrival_loop(batcher, timeline, prompts, arrivals)
     top = engine.store.max_bits  # a cap below the pack's widest width names the row
@@ -446,6 +492,8 @@ def _run_one(
     result = _result(label, mode, load, spec, seqs, timeline, before, batcher.metrics())
     fixed = engine.fixed_part(cfg)
     result.fixed_parts = {"weights": fixed.weights, **fixed.parts, "measured_step": fixed.measured}
+    if ranks is not None:  # rank 0: every rank's row, combined
+        result = ranks.combine(result, *latencies(seqs, timeline), batcher)
     return result, got
 
 
@@ -459,28 +507,30 @@ def fresh_batcher(engine: Engine, policy: Policy, budget: str | None, cfg: Batch
     return engine.start_batching(policy, budget, cfg)
 
 
-def _warm_up(batcher: Batcher, prompt: list[int]) -> None:
+def _warm_up(steps: Steps, prompt: list[int]) -> None:
     """One short request first: lazy set-up (weight caches, kernel compilation, graph capture)
     is start-up cost, not serving speed."""
-    batcher.run([prompt[:WARMUP_PROMPT]], SamplingParams(max_tokens=WARMUP_OUTPUT))
+    steps.add(prompt[:WARMUP_PROMPT], SamplingParams(max_tokens=WARMUP_OUTPUT))
+    while steps.has_work:
+        steps.step()
 
 
 def _closed_loop(
-    batcher: Batcher, timeline: _Timeline, prompts: list[list[int]], params: SamplingParams,
+    steps: Steps, timeline: _Timeline, prompts: list[list[int]], params: SamplingParams,
     in_flight: int,
 ) -> list[Sequence]:  # fmt: skip
     """Keep `in_flight` requests submitted until every prompt has run (a batch: all at once)."""
     seqs: list[Sequence] = []
 
     def submit(at: float) -> None:
-        seq = batcher.add(prompts[len(seqs)], params)
+        seq = steps.add(prompts[len(seqs)], params)
         timeline.submitted(seq, at)
         seqs.append(seq)
 
     for _ in range(min(in_flight, len(prompts))):
         submit(timeline.start)
-    while batcher.has_work:
-        got = batcher.step()
+    while steps.has_work:
+        got = steps.step()
         t = timeline.stepped(got)
         done = sum(s.finished for s in got)
         for _ in range(min(done, len(prompts) - len(seqs))):
@@ -530,19 +580,13 @@ def _result(
     seconds = max(tl.now() - tl.start, 1e-9)
     out_tokens = sum(len(s.output_ids) for s in seqs)
     prompt_tokens = sum(len(s.prompt_ids) for s in seqs)
-    ttft = np.array(
-        [tl.first[s.seq_id] - tl.submit[s.seq_id] for s in seqs if s.seq_id in tl.first]
-    )
-    tpot = np.array([(tl.last[s.seq_id] - tl.first[s.seq_id]) / (len(s.output_ids) - 1)
-                     for s in seqs if len(s.output_ids) > 1])  # fmt: skip
+    lat = latency_fields(*latencies(seqs, tl))
     peak, source, nvml = _peak_memory(tl)
     budget = after["memory_budget_bytes"]
     delta = {k: after[k] - before[k] for k in DELTAS}
     return ThroughputResult(  # type: ignore[call-arg]  # star-expanded: mypy cannot count them
         policy, mode, load, len(seqs), spec.input_len, spec.output_len, prompt_tokens, out_tokens,
-        seconds, out_tokens / seconds, (prompt_tokens + out_tokens) / seconds,
-        _stat(ttft, "mean"), _stat(ttft, 50), _stat(ttft, 90), _stat(tpot, "mean"),
-        _stat(tpot, 90), 1 / tpot.mean() if tpot.size and tpot.mean() > 0 else None,
+        seconds, out_tokens / seconds, (prompt_tokens + out_tokens) / seconds, *lat,
         peak, source, tl.peak, tl.peak_planes, tl.peak_kv, budget,
         delta["width_demotions"], delta["width_promotions"], delta["width_demoted_bytes"],
         delta["width_promoted_bytes"], delta["preemptions"], delta["steps"],
@@ -554,6 +598,26 @@ def _result(
         moves_per_1k(delta["width_demotions"] + delta["width_promotions"], out_tokens),
         *_bits_stats(tl.series["bits"]), _thin(tl.series),
     )  # fmt: skip
+
+
+def latencies(seqs: list[Sequence], tl: _Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's time to first token, and time per output token after it (requests of
+    more than one output token)."""
+    ttft = np.array(
+        [tl.first[s.seq_id] - tl.submit[s.seq_id] for s in seqs if s.seq_id in tl.first]
+    )
+    tpot = np.array([(tl.last[s.seq_id] - tl.first[s.seq_id]) / (len(s.output_ids) - 1)
+                     for s in seqs if len(s.output_ids) > 1])  # fmt: skip
+    return ttft, tpot
+
+
+def latency_fields(
+    ttft: np.ndarray, tpot: np.ndarray
+) -> tuple[float | None, float | None, float | None, float | None, float | None, float | None]:
+    """ThroughputResult's LATENCY fields, in its order, from `latencies`."""
+    decode = 1 / float(tpot.mean()) if tpot.size and tpot.mean() > 0 else None
+    return (_stat(ttft, "mean"), _stat(ttft, 50), _stat(ttft, 90), _stat(tpot, "mean"),
+            _stat(tpot, 90), decode)  # fmt: skip
 
 
 def moves_per_1k(moves: int, tokens: int) -> float:

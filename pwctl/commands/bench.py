@@ -142,6 +142,14 @@ def run(
         ),
     ] = 0,
     cuda_graphs: CudaGraphs = True,
+    expert_parallel: Annotated[
+        int,
+        _in(
+            "--throughput",
+            "ranks sharing the experts, each serving its share of the requests (started here, "
+            "or by torchrun; CPU only for now; --batch and --concurrency loads)",
+        ),
+    ] = 1,
     # --kernels
     shape: Annotated[list[str] | None, _in("--kernels", "layer shapes")] = None,
     width: Annotated[list[str] | None, _in("--kernels", "widths, or mixed")] = None,

@@ -81,6 +81,7 @@ def run(
         if device != "cpu":  # gloo only: the NCCL launch (a GPU a rank) is not built yet
             raise PwctlError("--expert-parallel runs on the CPU for now (--device cpu)")
         from pwctl.runtime.parallel.launch import ranks
+        from pwctl.runtime.parallel.rank_metrics import gather_rank_metrics
         from pwctl.runtime.parallel.ranks import RankEngine
 
         bits = "-" if max_bits is None else str(max_bits)
@@ -89,12 +90,14 @@ def run(
             prompts = [ids] if rank == 0 else []  # under torchrun other ranks only serve
             ep = RankEngine(engine)
             seqs = ep.generate_batch(prompts, params)
+            per_rank = gather_rank_metrics(batcher, ep.exchange.stats)  # owners gather too
         if rank != 0:
             return
         (seq,) = seqs
         stats = ep.exchange.stats  # this rank's side of the all-to-alls
         exchange = {"ranks": expert_parallel, "exchanges": stats.calls,
-                    "sent_bytes": stats.sent_bytes, "seconds": round(stats.seconds, 6)}  # fmt: skip
+                    "sent_bytes": stats.sent_bytes, "seconds": round(stats.seconds, 6),
+                    "per_rank": per_rank}  # fmt: skip
     else:
         (seq,) = engine.generate_batch([ids], params)
         exchange = None

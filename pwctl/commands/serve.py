@@ -1,7 +1,10 @@
-"""pwctl serve PACK: the OpenAI-compatible HTTP server on the continuous-batching engine."""
+"""pwctl serve PACK: the OpenAI-compatible HTTP server on the continuous-batching engine. With
+--expert-parallel N, rank 0 (this process, which starts the others with the same options, or
+rank 0 of torchrun's) runs the HTTP front end and spreads the requests over the ranks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -48,18 +51,30 @@ def run(
     cuda_graphs: CudaGraphs = True,
     verify: Verify = True,
     device: Device = "auto",
+    expert_parallel: Annotated[
+        int,
+        typer.Option(
+            help="ranks that share the experts, each serving its share of the requests with its "
+            "own KV cache and --memory-budget (started here, or by torchrun); the CPU only for now"
+        ),
+    ] = 1,
 ) -> None:
     """Serve PACK over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. The KV cache and the expert planes share --memory-budget."""
+    options = dict(locals())  # what a started rank runs this with (serve_rank)
     # every option is checked before the model loads (minutes on a large pack)
     pol = policy_or_auto(policy)
+    checks.at_least("--expert-parallel", expert_parallel, 1)
     BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
     for name, value in (("--max-queue", max_queue), ("--max-seqs", max_seqs),
                         ("--max-batch-tokens", max_batch_tokens),
                         ("--max-request-bytes", max_request_bytes)):  # fmt: skip
         checks.at_least(name, value, 1)
     device = parse_device(device)
-    checks.port_free(host, port)
+    if expert_parallel > 1 and device != "cpu":  # gloo only: the NCCL launch is not built yet
+        raise PwctlError("--expert-parallel runs on the CPU for now (--device cpu)")
+    if _front_end():
+        checks.port_free(host, port)
     from pwctl.runtime.engine.batcher import BatchConfig
     from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
     from pwctl.runtime.serve.server import run_server
@@ -96,7 +111,33 @@ def run(
         f"http://{host}:{port}/v1",
         highlight=False,
     )
-    run_server(
-        EngineWorker(engine), pack.name, host, port, api_key,
-        metrics_auth=metrics_auth, max_request_bytes=max_request_bytes,
-    )  # fmt: skip
+    serving = {"metrics_auth": metrics_auth, "max_request_bytes": max_request_bytes}
+    if expert_parallel == 1:
+        run_server(EngineWorker(engine), pack.name, host, port, api_key, **serving)
+        return
+    from pwctl.runtime.parallel.launch import ranks
+    from pwctl.runtime.parallel.ranks import RankEngine
+    from pwctl.runtime.serve.ranked_worker import RankedWorker, follow
+
+    with ranks(expert_parallel, [_rank_options(options)], RANK_MODULE) as rank:
+        if rank == 0:
+            run_server(RankedWorker(RankEngine(engine)), pack.name, host, port, api_key, **serving)
+        else:
+            follow(RankEngine(engine))
+
+
+RANK_MODULE = "pwctl.commands.serve_rank"
+
+
+def _front_end() -> bool:
+    """Whether this process runs the HTTP front end: not a rank other than 0."""
+    from pwctl.runtime.parallel.launch import torchrun_rank
+
+    launched = torchrun_rank()
+    return launched is None or launched[0] == 0
+
+
+def _rank_options(options: dict[str, object]) -> str:
+    """`run`'s options for a started rank, as one JSON argument (the pack as a string; no API
+    key: a rank has no front end, and a command line is visible to other users)."""
+    return json.dumps({**options, "pack": str(options["pack"]), "api_key": None})

@@ -1,10 +1,12 @@
 """bench --throughput: serving speed on the batched engine per policy (a batch at once, requests
 kept in flight, bursty phases or a trace), memory against the budget, and optionally the served
-quality against an fp16 reference pass."""
+quality against an fp16 reference pass. With --expert-parallel N every rank runs this same
+function (started here, or by torchrun) and serves its share of the requests; rank 0 reports."""
 
 from __future__ import annotations
 
 import gc
+import json as json_
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,8 +18,15 @@ from pwctl.device import parse_device
 from pwctl.errors import PwctlError
 from pwctl.policy import parse_policy
 
+# the module a started rank runs (with the options `encode` gives), and the options that are
+# paths (JSON has strings) or files only rank 0 writes
+RANK_MODULE = "pwctl.commands.bench_modes.throughput_rank"
+PATHS = ("pack", "data", "trace")
+RANK_0_ONLY = ("json", "plot")
+
 if TYPE_CHECKING:
     from pwctl.bench.throughput import ThroughputResult, ThroughputSpec
+    from pwctl.bench.throughput_ranks import RankShare
     from pwctl.runtime.engine.engine import Engine
 
 
@@ -45,7 +54,10 @@ def run(
     max_bits: int | None,
     device: str,
     json: Path | None,
+    expert_parallel: int = 1,
 ) -> None:
+    options = dict(locals())  # what a started rank runs this with (throughput_rank)
+    checks.at_least("--expert-parallel", expert_parallel, 1)
     device = parse_device(device)
     from pwctl.bench import throughput as tp
     from pwctl.bench.plotting import pyplot
@@ -70,9 +82,18 @@ def run(
             f"context of {context} tokens"
         )
     samples: list[Any] = []  # --quality-sample: each row's served log-probabilities
-    results = _runs(pack, policies, spec, max_bits, device, data or EVAL_SAMPLE, samples)
+    if expert_parallel > 1:
+        rank, results = _ranked_runs(options, pack, policies, spec, device, data or EVAL_SAMPLE)
+        if rank != 0:  # rank 0 reports for every rank
+            return
+    else:
+        results = _runs(pack, policies, spec, max_bits, device, data or EVAL_SAMPLE, samples)
     reference = _reference(pack, device, results, samples) if samples else None
     print_table(*tp.table(results))
+    if expert_parallel > 1:
+        from pwctl.bench.throughput_ranks import rank_table
+
+        print_table(*rank_table(results))
     if plot is not None:
         tp.plot(results, plot)
         console.print(f"wrote {plot}")
@@ -80,6 +101,30 @@ def run(
     failed = tp.failures(results)
     if failed:
         raise PwctlError("; ".join(failed))
+
+
+def _ranked_runs(
+    options: dict[str, Any],
+    pack: Path,
+    policies: list[Any],
+    spec: ThroughputSpec,
+    device: str,
+    data: Path,
+) -> tuple[int, list[ThroughputResult]]:
+    """--expert-parallel N: this process as a rank (rank 0 starts the others, each running this
+    mode with the same options), its share of every run; (rank, rows: combined on rank 0)."""
+    from pwctl.bench.throughput_ranks import check_loads
+    from pwctl.runtime.parallel.launch import ranks
+
+    n = options["expert_parallel"]
+    if device != "cpu":  # gloo only: the NCCL launch (a GPU a rank) is not built yet
+        raise PwctlError("--expert-parallel runs on the CPU for now (--device cpu)")
+    check_loads(spec, n)  # before any rank starts
+    with ranks(n, [encode(options)], RANK_MODULE) as rank:
+        if rank != 0:
+            console.quiet = True  # a rank's own process: rank 0 prints for all
+        results = _runs(pack, policies, spec, options["max_bits"], device, data, [], parallel=True)
+    return rank, results
 
 
 def _runs(
@@ -90,27 +135,38 @@ def _runs(
     device: str,
     data: Path,
     samples: list[Any],
+    parallel: bool = False,
 ) -> list[ThroughputResult]:
     """Each policy's rows, one engine at a time (each run's peak is its own): on CUDA paged
-    planes, or fp16 on the 16-bit experts."""
+    planes, or fp16 on the 16-bit experts. `parallel`: this process is one rank of the joined
+    group; its engine exchanges its experts with the others and serves its share."""
     from pwctl.bench import throughput as tp
     from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
 
     engine: Engine | None = None
+    share: RankShare | None = None
     results: list[ThroughputResult] = []
     for p in policies:
         kind = experts_for(p, device)
         if engine is None or engine.experts != kind:
-            engine = None  # one engine at a time: each run's peak is its own
+            engine = share = None  # one engine at a time: each run's peak is its own
             gc.collect()
             dtype = serving_dtype(device, kind)
             engine = Engine(open_pack(pack), device, dtype, kind, max_bits)
+            share = _share(engine) if parallel else None
         if p is None:  # auto: chosen for the largest load's memory budget
             mode, load, n = max(spec.loads(), key=lambda r: r[1])
             p = engine.auto_policy(spec.memory_budget, spec.batch_config(load, n))
             console.print(f"--policy auto: {p} on {device}", highlight=False)
-        results += tp.run_throughput(engine, [p], spec, data, samples)
+        results += tp.run_throughput(engine, [p], spec, data, samples, share)
     return results
+
+
+def _share(engine: Engine) -> RankShare:
+    from pwctl.bench.throughput_ranks import RankShare
+    from pwctl.runtime.parallel.ranks import RankEngine
+
+    return RankShare(RankEngine(engine))
 
 
 def _reference(
@@ -137,3 +193,17 @@ def _reference(
     )  # fmt: skip
     return {"path": f"store engine on {device}, fp16 policy, fp32", "load_s": load_s,
             "scored_s": scored}  # fmt: skip
+
+
+def encode(options: dict[str, Any]) -> str:
+    """`run`'s options for a started rank, as one JSON argument (rank 0's files left out)."""
+    kept = {k: v for k, v in options.items() if k not in RANK_0_ONLY}
+    return json_.dumps({k: str(v) if isinstance(v, Path) else v for k, v in kept.items()})
+
+
+def decode(text: str) -> dict[str, Any]:
+    """What `encode` wrote, as `run`'s options again (paths as paths, no files to write)."""
+    options = json_.loads(text)
+    for k in PATHS:
+        options[k] = None if options[k] is None else Path(options[k])
+    return {**options, **dict.fromkeys(RANK_0_ONLY)}

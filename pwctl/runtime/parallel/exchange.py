@@ -45,6 +45,14 @@ class ExchangeStats:
     sent_bytes: int = 0  # hidden rows and ids sent to other ranks, and outputs sent back
     seconds: float = 0.0  # wall time inside the collectives
 
+    def since(self, before: ExchangeStats) -> ExchangeStats:
+        """What happened after `before` was copied (a bench run's share, warm-up left out)."""
+        return ExchangeStats(
+            self.calls - before.calls,
+            self.sent_bytes - before.sent_bytes,
+            self.seconds - before.seconds,
+        )
+
 
 class ExpertExchange:
     """The exchange of one rank; `placement` says who owns what, `group` is the process group

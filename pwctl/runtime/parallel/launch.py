@@ -1,8 +1,10 @@
 """Starting the ranks of `--expert-parallel N`: under torchrun (RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT in the environment) each process is already a rank; otherwise the command's own
-process is rank 0 and starts ranks 1..N-1 itself, each `python -m pwctl.runtime.parallel.owner`
-on the same pack and policy. Those serve only as their experts' owners (the requests, and the
-output, are rank 0's). Gloo on the CPU (the only path for now)."""
+process is rank 0 and starts ranks 1..N-1 itself, each `python -m MODULE ARGS`: for generate
+`pwctl.runtime.parallel.owner` on the same pack and policy (those serve only as their experts'
+owners: the request, and the output, are rank 0's); for bench --throughput and serve the
+command's own code with rank 0's options, serving its share of the requests (serve: those rank 0's
+front end gives it). Gloo on the CPU (the only path for now)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pwctl.errors import PwctlError
 from pwctl.runtime.parallel.exchange import join
 
 TIMEOUT_S = 120.0  # a rank that dies fails the others' next exchange within this
+OWNER = "pwctl.runtime.parallel.owner"
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -29,9 +32,9 @@ def torchrun_rank() -> tuple[int, int] | None:
 
 
 @contextmanager
-def ranks(n: int, owner_args: list[str]) -> Iterator[int]:
+def ranks(n: int, args: list[str], module: str = OWNER) -> Iterator[int]:
     """This process as a rank of `n` (yields its rank): under a launcher as it says, else rank
-    0 with ranks 1..n-1 started as owners (`owner_args`: their command line after the module).
+    0 with ranks 1..n-1 started as `python -m module args` (default: owners).
     On exit the group is left and started ranks are waited for (one that failed: an error)."""
     launched = torchrun_rank()
     children: list[subprocess.Popen] = []
@@ -40,7 +43,7 @@ def ranks(n: int, owner_args: list[str]) -> Iterator[int]:
         os.environ.setdefault("MASTER_PORT", _free_port())
         for r in range(1, n):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n)}
-            cmd = [sys.executable, "-m", "pwctl.runtime.parallel.owner", *owner_args]
+            cmd = [sys.executable, "-m", module, *args]
             children.append(subprocess.Popen(cmd, env=env))
         launched = (0, n)
     rank, world = launched
@@ -56,8 +59,8 @@ def ranks(n: int, owner_args: list[str]) -> Iterator[int]:
         if dist.is_initialized():
             dist.destroy_process_group()
         failed = [c.args for c in children if c.wait(timeout=TIMEOUT_S) != 0]
-        if failed:
-            raise PwctlError(f"{len(failed)} expert-parallel rank(s) failed: see their output")
+    if failed:  # after the body ran through (raised here, it would hide the body's error)
+        raise PwctlError(f"{len(failed)} expert-parallel rank(s) failed: see their output")
 
 
 def _free_port() -> str:

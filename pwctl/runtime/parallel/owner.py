@@ -1,6 +1,7 @@
-"""A rank that only serves its experts to the others (started by `launch.ranks`):
+"""A rank that only serves its experts to the others (started by `launch.ranks` for generate):
 python -m pwctl.runtime.parallel.owner PACK POLICY MAX_BITS MEMORY_BUDGET ("-": none), with
-torchrun's environment."""
+torchrun's environment. Once no rank has work it hands rank 0 its metrics (rank 0 gathers every
+rank's at that point: `gather_rank_metrics`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def main(argv: list[str]) -> int:
     from pwctl.runtime.engine.scheduler import SamplingParams
     from pwctl.runtime.parallel.exchange import join
     from pwctl.runtime.parallel.launch import TIMEOUT_S, torchrun_rank
+    from pwctl.runtime.parallel.rank_metrics import gather_rank_metrics
     from pwctl.runtime.parallel.ranks import RankEngine
 
     pack, policy = Path(argv[0]), parse_policy(argv[1])
@@ -27,8 +29,10 @@ def main(argv: list[str]) -> int:
         raise PwctlError("an owner rank needs RANK and WORLD_SIZE (launch.ranks sets them)")
     join(*launched, timeout_s=TIMEOUT_S)
     engine = Engine(open_pack(pack), "cpu", max_bits=max_bits)
-    engine.start_batching(policy, budget, BatchConfig())
-    RankEngine(engine).generate_batch([], SamplingParams())  # serve until no rank has work
+    batcher = engine.start_batching(policy, budget, BatchConfig())
+    ranks = RankEngine(engine)
+    ranks.generate_batch([], SamplingParams())  # serve until no rank has work
+    gather_rank_metrics(batcher, ranks.exchange.stats)
     return 0
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pwctl.errors import PwctlError
+from pwctl.runtime.engine.batcher import Batcher
 from pwctl.runtime.engine.engine import Engine
 from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
 from pwctl.runtime.moe.block import MoEBlock
@@ -35,24 +36,44 @@ class RankEngine:
         ranks = dist.get_world_size(group)
         self.placement = placement or ExpertPlacement.for_pack(engine.pack, ranks)
         self.exchange = ExpertExchange(self.placement, group)
-        if engine.batcher is not None:  # a step with an exchange runs eagerly (host splits)
-            engine.batcher.runner.graphs = None
         self.blocks = [m for m in engine.model.modules() if isinstance(m, MoEBlock)]
         for block in self.blocks:
             block.exchange = self.exchange
 
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        """This rank's prompts to completion, stepping with every other rank."""
+    @property
+    def batcher(self) -> Batcher:
+        """The engine's batcher now (bench builds a fresh one a run), its decode graphs off: a
+        step with an exchange runs eagerly (its splits are read on the host)."""
         batcher = self.engine.batcher
         if batcher is None:
             raise PwctlError("start_batching first")
-        seqs = [batcher.add(p, params) for p in prompts]
-        while self._anyone_busy(batcher.has_work):
-            calls = self.exchange.stats.calls
-            if batcher.has_work:
-                batcher.step()
-            if self.exchange.stats.calls == calls:  # no forward ran here: join with nothing
-                self.empty_step()
+        batcher.runner.graphs = None
+        return batcher
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any rank has work: a collective, so every rank asks once a step (the loops
+        that drive a Batcher, `while has_work: step()`, drive this the same way)."""
+        return self._anyone_busy(self.batcher.has_work)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        return self.batcher.add(prompt_ids, params)
+
+    def step(self) -> list[Sequence]:
+        """This rank's step (the sequences that got a token), or, where no forward ran here,
+        every layer's exchange with no tokens: the others' steps need this rank's experts."""
+        batcher = self.batcher
+        calls = self.exchange.stats.calls
+        got = batcher.step() if batcher.has_work else []
+        if self.exchange.stats.calls == calls:
+            self.empty_step()
+        return got
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """This rank's prompts to completion, stepping with every other rank."""
+        seqs = [self.add(p, params) for p in prompts]
+        while self.has_work:
+            self.step()
         return seqs
 
     def empty_step(self) -> None:
@@ -68,5 +89,9 @@ class RankEngine:
 
     def _anyone_busy(self, busy: bool) -> bool:
         flag = torch.tensor([int(busy)])
-        dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
+        try:
+            dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as e:  # a peer died or timed out: one line, as the exchange says it
+            rank = dist.get_rank(self.group)
+            raise PwctlError(f"rank {rank}: the ranks could not agree on a step ({e})") from None
         return bool(flag.item())

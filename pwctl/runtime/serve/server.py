@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,6 +80,19 @@ def create_app(
     return app
 
 
+def _stops(worker: EngineWorker) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the engine thread stops when the app shuts down. uvicorn re-raises
+    a SIGTERM it caught once the app is down, so run_server's `finally` may never run (and
+    expert-parallel ranks must hear the stop before rank 0 goes)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        worker.stop()
+
+    return lifespan
+
+
 def run_server(
     worker: EngineWorker,
     model_name: str,
@@ -91,6 +105,7 @@ def run_server(
     import uvicorn
 
     app = create_app(worker, model_name, api_key, **options)
+    app.router.lifespan_context = _stops(worker)  # this app's engine thread, no other app's
     worker.start()
     try:
         uvicorn.run(app, host=host, port=port)
@@ -507,3 +522,38 @@ class _Snapshot(Collector):
         for layer, bits in m["widths_per_layer"].items():
             widths.add_metric([str(layer)], bits)
         yield widths
+        yield from _rank_families(m.get("ranks") or [])
+
+
+RANK_GAUGES = {
+    "plane_bytes": "a rank's expert plane bytes",
+    "kv_bytes": "a rank's KV bytes in use",
+}
+RANK_COUNTERS = {
+    "width_moves": "a rank's width demotions + promotions",
+    "generated_tokens": "tokens a rank generated for its requests",
+    "exchange_calls": "a rank's MoE all-to-all exchanges",
+    "exchange_sent_bytes": "bytes a rank sent in the all-to-alls",
+    "exchange_seconds": "seconds a rank spent in the all-to-alls",
+}
+
+
+def _rank_families(ranks: list[dict[str, Any]]) -> Iterator[Metric]:
+    """serve --expert-parallel: each rank's figures (rank_metrics), labelled by rank."""
+    if not ranks:
+        return
+    flat = [{**r, **{f"exchange_{k}": v for k, v in r["exchange"].items()}} for r in ranks]
+    for names, kind in ((RANK_GAUGES, GaugeMetricFamily), (RANK_COUNTERS, CounterMetricFamily)):
+        for name, doc in names.items():
+            family = kind(f"pwctl_rank_{name}", doc, labels=["rank"])
+            for r in flat:
+                family.add_metric([str(r["rank"])], r[name])
+            yield family
+    widths = GaugeMetricFamily(
+        "pwctl_rank_layer_width_bits", "a rank's mean expert width per MoE layer",
+        labels=["rank", "layer"],
+    )  # fmt: skip
+    for r in ranks:
+        for layer, bits in r["widths_per_layer"].items():
+            widths.add_metric([str(r["rank"]), str(layer)], bits)
+    yield widths
