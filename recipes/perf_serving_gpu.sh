@@ -170,9 +170,10 @@ g)
 p)
   # issue 58: at 32 concurrent, is any step host-bound? GPU busy share of a decode step's wall
   # time, 32 sequences of 2048 tokens decoding (torch.profiler's kernel time over wall time),
-  # overlapped steps (the default) and steps that read every token first (--no-overlap)
+  # overlapped steps (the default) and steps that read every token first (--no-overlap;
+  # P_SERIAL=0 leaves them out)
   for P in fp16 uniform:4; do
-    for O in "" --no-overlap; do
+    for O in "" $([ "${P_SERIAL:-1}" = 1 ] && echo --no-overlap); do
       log="$OUT/step32_${P%%:*}${O:+_serial}.log"
       timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 \
         --prompt-len 2048 $O >"$log" 2>&1
