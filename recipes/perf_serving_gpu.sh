@@ -18,6 +18,7 @@
 #   (d) the serving-time cap: batch 1 with memory to spare, with and without --max-bits 4
 #   (g) decode steps replayed from CUDA graphs against eager steps, batch 1 / 4 / 16
 #   (p) issue 58's host-bound check: GPU busy share of a 32-sequence decode step, fp16 / uniform:4
+#   (q) issue 59: a 32-sequence decode step at (e)'s budget, pagedweight against static
 #   (o) batch-1 decode step profile (recipes/profile_engine_step.py) per policy, SDPA backends
 #   merge: every JSON written so far into $OUT/serving.json (the device tool returns at most 8
 #       files; the call groups end with it)
@@ -180,6 +181,19 @@ p)
       echo "[p $P $O] rc $?"
       grep -E "decode graphs|decode step wall|profiled" "$log"
     done
+  done
+  ;;
+q)
+  # issue 59: why (e)'s pagedweight steps ran 1.5x uniform:4's at the same widths: a 32-sequence
+  # decode step at (e)'s budget, pagedweight (--max-bits 4) against static at the same bytes
+  PLANES3=$(budget --what planes --planes uniform:3)
+  MEM_E=$(budget --planes uniform:3 --seqs 32 --tokens 2304 --max-seqs 32 --measure)
+  for P in "static:$PLANES3" "pagedweight:$PLANES3"; do
+    log="$OUT/step32_e_${P%%:*}.log"
+    timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 --max-bits 4 \
+      --prompt-len 2048 --memory-budget "$MEM_E" >"$log" 2>&1
+    echo "[q $P] rc $?"
+    grep -E "decode graphs|decode step wall|profiled" "$log"
   done
   ;;
 pager)

@@ -7,7 +7,7 @@ torch's choice (cuDNN on the H200, whose plan per new shape is most of a capture
 see `decode_graph_capture_s` in the printed stats). Usage (GPU machine; any pack, e.g. `pwctl
 convert tiny-mixtral PACK`):
   python3 recipes/profile_engine_step.py PACK POLICY [STEPS] [--seqs N] [--max-bits B] [--device D]
-      [--eager] [--no-overlap]
+      [--eager] [--no-overlap] [--memory-budget SIZE]
       [--graph-sdpa cudnn|efficient|math]
 """
 
@@ -53,16 +53,18 @@ def synced(device: str) -> float:
 
 def decoding_engine(
     pack: str, policy_text: str, device: str, max_bits: int | None, prompt_len: int, tokens: int,
-    cuda_graphs: bool = True, seqs: int = 1, overlap: bool = True,
+    cuda_graphs: bool = True, seqs: int = 1, overlap: bool = True, budget: str | None = None,
 ) -> Engine:  # fmt: skip
     """The serving engine of `pack` at `policy_text` with `seqs` sequences queued: each a
     `prompt_len`-token window of the bundled eval text that will decode `tokens` tokens."""
     policy = parse_policy(policy_text)
     experts = experts_for(policy, device)
     engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
-    engine.start_batching(
-        policy, None, BatchConfig(max_seqs=seqs, cuda_graphs=cuda_graphs, overlap=overlap)
-    )
+    # with a budget, the context is what the run uses (as bench --throughput sets it)
+    longest = prompt_len + tokens if budget is not None else None
+    cfg = BatchConfig(max_seqs=seqs, cuda_graphs=cuda_graphs, overlap=overlap,
+                      max_model_len=longest)  # fmt: skip
+    engine.start_batching(policy, budget, cfg)
     for ids in prompt_windows(engine.tokenizer, EVAL_SAMPLE, seqs, prompt_len):
         engine.add_request(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
     return engine
@@ -96,6 +98,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=1, help="sequences decoding in each step")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--no-overlap", action="store_true", help="read each step's tokens first")
+    ap.add_argument("--memory-budget", help="as serve/bench take it (default: the engine's)")
     ap.add_argument("--graph-sdpa", choices=sorted(GRAPH_SDPA))
     a = ap.parse_args()
     if a.graph_sdpa:
@@ -110,6 +113,7 @@ def main() -> None:
         not a.eager,
         a.seqs,
         not a.no_overlap,
+        a.memory_budget,
     )
     decoding: set[int] = set()
     while len(decoding) < a.seqs:  # every prompt prefilled (chunks of max_batch_tokens)
