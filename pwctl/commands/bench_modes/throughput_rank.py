@@ -6,10 +6,9 @@ files."""
 
 from __future__ import annotations
 
-import sys
-
 from pwctl.commands.bench_modes import throughput
 from pwctl.errors import PwctlError
+from pwctl.runtime.parallel.launch import rank_entry
 
 
 def main(argv: list[str]) -> int:
@@ -21,8 +20,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except PwctlError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    rank_entry(main)

@@ -12,7 +12,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -22,6 +22,16 @@ from pwctl.runtime.parallel.exchange import join
 
 TIMEOUT_S = 120.0  # a rank that dies fails the others' next exchange within this
 OWNER = "pwctl.runtime.parallel.owner"
+
+
+def rank_entry(main: Callable[[list[str]], int]) -> None:
+    """A started rank's module entry: exit with `main(argv)`'s status, or print a PwctlError as
+    one line and exit 2 (the others then fail their next exchange within TIMEOUT_S)."""
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except PwctlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def torchrun_rank() -> tuple[int, int] | None:

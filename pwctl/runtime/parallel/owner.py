@@ -5,10 +5,10 @@ rank's at that point: `gather_rank_metrics`)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from pwctl.errors import PwctlError
+from pwctl.runtime.parallel.launch import rank_entry
 
 
 def main(argv: list[str]) -> int:
@@ -37,8 +37,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except PwctlError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    rank_entry(main)
