@@ -254,6 +254,14 @@ def test_serve_with_two_ranks_answers_over_http_and_fails_cleanly_when_a_rank_di
         assert sorted(tokens) == [8, 48]  # a request each: the second went to the idle rank
         assert _metric(metrics, "pwctl_rank_plane_bytes", 1) > 0
         assert 'pwctl_rank_layer_width_bits{layer="0",rank="1"} 4.0' in metrics
+        # streamed: the same text, piece by piece, from whichever rank took it
+        body = {"model": "m", "prompt": asks[1][0], "max_tokens": 8, "temperature": 0,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]" and len(events) > 2
+        pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+        assert "".join(pieces) == want[1]
         os.kill(_started_rank(url.rsplit(":", 1)[1]), signal.SIGKILL)
         deadline = time.monotonic() + 60
         while httpx.get(url + "/health").json()["status"] != "down":
