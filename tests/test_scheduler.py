@@ -205,3 +205,10 @@ def test_sampler_on_cuda_follows_the_cpus():
         a = sample(logits[:1], [alone])[0]
         b, g, _ = sample(logits, [batched, greedy, Sequence([1], SamplingParams(temperature=1))])
         assert a == b and g == int(logits[1].argmax())
+
+
+def test_a_sequences_ids_between_two_positions_are_all_ids_sliced():
+    seq = Sequence([5, 6, 7], output_ids=[8, 9])
+    for start in range(6):
+        for stop in range(start, 7):
+            assert seq.ids(start, stop) == seq.all_ids[start:stop], (start, stop)

@@ -45,7 +45,7 @@ class ModelRunner:
             past = seq.num_computed
             if seq.pending:
                 raise ValueError(f"sequence {seq.seq_id}: its newest token is on the device")
-            ids.extend(seq.all_ids[past : past + n])
+            ids.extend(seq.ids(past, past + n))
             pos.extend(range(past, past + n))
             kv_slots = self.kv.slots(seq.seq_id, 0, past + n)  # host: located once a step
             slots.append(kv_slots[past:])

@@ -98,6 +98,13 @@ class Sequence:
         be on the device)."""
         return self.num_tokens + self.pending - self.num_computed
 
+    def ids(self, start: int, stop: int) -> list[int]:
+        """Tokens start..stop-1 the host knows (`all_ids[start:stop]` without building all_ids:
+        a step reads a few tokens of sequences thousands long)."""
+        n = len(self.prompt_ids)
+        head = self.prompt_ids[start:stop] if start < n else []
+        return head + self.output_ids[max(start - n, 0) : max(stop - n, 0)]
+
     def token_at(self, i: int) -> int | None:
         """Token i (prompt, then outputs); None for one still on the device."""
         n = len(self.prompt_ids)
