@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from pwctl.errors import PwctlError
 from pwctl.runtime.parallel.exchange import ExpertExchange, join
+from pwctl.runtime.parallel.launch import leave
 from pwctl.runtime.parallel.placement import ExpertPlacement
 
 LAYERS, EXPERTS, TOP_K, HIDDEN, WIDTH = 2, 6, 2, 16, 8
@@ -122,6 +123,11 @@ def main() -> None:
     rank, world = int(rank), int(world)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     join(rank, world, timeout_s=10)
+    run(rank, world, out, mode)
+    leave()  # together (a clean clone's run once saw a rank abort at exit without it)
+
+
+def run(rank: int, world: int, out: str, mode: str) -> None:
     if mode == "bench":
         from pwctl.bench.throughput_ranks import RankShare
         from pwctl.runtime.parallel.ranks import RankEngine

@@ -119,7 +119,7 @@ def run(
     from pwctl.runtime.parallel.ranks import RankEngine
     from pwctl.runtime.serve.ranked_worker import RankedWorker, follow
 
-    with ranks(expert_parallel, [_rank_options(options)], RANK_MODULE) as rank:
+    with ranks(expert_parallel, [_rank_options(options)], RANK_MODULE, together=False) as rank:
         if rank == 0:
             run_server(RankedWorker(RankEngine(engine)), pack.name, host, port, api_key, **serving)
         else:

@@ -24,6 +24,16 @@ TIMEOUT_S = 120.0  # a rank that dies fails the others' next exchange within thi
 OWNER = "pwctl.runtime.parallel.owner"
 
 
+def leave() -> None:
+    """Leave the group with every other rank: a rank whose process exits while gloo's threads
+    still talk to a peer can abort ("terminate called without an active exception")."""
+    try:
+        dist.barrier()
+    except RuntimeError as e:
+        raise PwctlError(f"a rank left before the others ({e})") from None
+    dist.destroy_process_group()
+
+
 def rank_entry(main: Callable[[list[str]], int]) -> None:
     """A started rank's module entry: exit with `main(argv)`'s status, or print a PwctlError as
     one line and exit 2 (the others then fail their next exchange within TIMEOUT_S)."""
@@ -42,10 +52,12 @@ def torchrun_rank() -> tuple[int, int] | None:
 
 
 @contextmanager
-def ranks(n: int, args: list[str], module: str = OWNER) -> Iterator[int]:
+def ranks(n: int, args: list[str], module: str = OWNER, together: bool = True) -> Iterator[int]:
     """This process as a rank of `n` (yields its rank): under a launcher as it says, else rank
     0 with ranks 1..n-1 started as `python -m module args` (default: owners).
-    On exit the group is left and started ranks are waited for (one that failed: an error)."""
+    On exit the group is left (`together`: at a barrier, where every rank's work ends in step;
+    serve's rank 0 ends by a signal, once it has told the others to stop) and started ranks are
+    waited for (one that failed: an error)."""
     launched = torchrun_rank()
     children: list[subprocess.Popen] = []
     if launched is None:
@@ -62,6 +74,8 @@ def ranks(n: int, args: list[str], module: str = OWNER) -> Iterator[int]:
     try:
         join(rank, world, timeout_s=TIMEOUT_S)
         yield rank
+        if together:
+            leave()
     except PwctlError as e:  # e.g. a peer died: gloo's group then aborts the process when it
         print(f"error: {e}", file=sys.stderr, flush=True)  # is torn down, so leave at once
         os._exit(2)

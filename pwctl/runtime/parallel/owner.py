@@ -17,7 +17,7 @@ def main(argv: list[str]) -> int:
     from pwctl.runtime.engine.engine import Engine, open_pack
     from pwctl.runtime.engine.scheduler import SamplingParams
     from pwctl.runtime.parallel.exchange import join
-    from pwctl.runtime.parallel.launch import TIMEOUT_S, torchrun_rank
+    from pwctl.runtime.parallel.launch import TIMEOUT_S, leave, torchrun_rank
     from pwctl.runtime.parallel.rank_metrics import gather_rank_metrics
     from pwctl.runtime.parallel.ranks import RankEngine
 
@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     ranks = RankEngine(engine)
     ranks.generate_batch([], SamplingParams())  # serve until no rank has work
     gather_rank_metrics(batcher, ranks.exchange.stats)
+    leave()
     return 0
 
 
