@@ -6,6 +6,7 @@ torch's caching host allocator keeps a pinned buffer alive until its queued copy
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,3 +25,27 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     after an event recorded behind it has completed)."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return out.copy_(t, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """Device tensors' copies on their way to the host, queued behind the work launched so far;
+    `wait` returns them once they have landed (waiting for that point alone, not for work
+    queued after it). CPU tensors are their own copies; None stays None."""
+
+    tensors: tuple[torch.Tensor | None, ...]
+    copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def queue(cls, *tensors: torch.Tensor | None) -> HostCopies:
+        if not any(t is not None and t.is_cuda for t in tensors):
+            return cls(tensors)
+        copied = torch.cuda.Event()
+        host = tuple(None if t is None else to_host(t) for t in tensors)
+        copied.record()
+        return cls(host, copied)
+
+    def wait(self) -> tuple[torch.Tensor | None, ...]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.tensors

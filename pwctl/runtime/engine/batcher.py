@@ -232,11 +232,13 @@ class Batcher:
         they end on it, so they sit the next step out."""
         if last is None:
             return frozenset()
-        n = self.max_model_len
-        return frozenset(
-            s.seq_id for s in last.sampled
-            if len(s.output_ids) + 1 >= s.params.max_tokens or s.num_tokens + 1 >= n
-        )  # fmt: skip
+        return frozenset(s.seq_id for s in last.sampled if self._at_length(s, ahead=1))
+
+    def _at_length(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether `seq` has reached its max_tokens or the context, counting `ahead` tokens
+        still on the device."""
+        n = len(seq.output_ids) + ahead
+        return n >= seq.params.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
@@ -251,7 +253,7 @@ class Batcher:
             if cut >= 0:
                 seq.text = seq.text[:cut]
                 return self._finish(seq, "stop")
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._at_length(seq):
             self._detokenize(seq, seq.output_ids, final=True)
             return self._finish(seq, "length")
         if not p.stop:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pwctl.runtime.engine.scheduler import Sequence
-from pwctl.runtime.transfer import to_device, to_host
+from pwctl.runtime.transfer import HostCopies, to_device
 
 NUCLEUS_K = 1024  # top-p ranks this many tokens first; all of them if the nucleus is wider
 BISECTION_STEPS = 30  # a nucleus wider than NUCLEUS_K on the device: its threshold to 2**-30
@@ -27,26 +27,20 @@ BISECTION_STEPS = 30  # a nucleus wider than NUCLEUS_K on the device: its thresh
 
 @dataclass(frozen=True)
 class SampledTokens:
-    """One step's tokens: `device` [n] where the next step's inputs can read them, and a copy
-    on its way to the host (`host` waits for it alone, not for later steps)."""
+    """One step's tokens: `device` [n] where the next step's inputs can read them, and their
+    copy on its way to the host (`host` waits for it alone, not for later steps)."""
 
     device: torch.Tensor
-    _host: torch.Tensor
-    _copied: torch.cuda.Event | None = None
+    copies: HostCopies
 
     @classmethod
     def queue(cls, tokens: torch.Tensor) -> SampledTokens:
-        if not tokens.is_cuda:
-            return cls(tokens, tokens)
-        host = to_host(tokens)
-        copied = torch.cuda.Event()
-        copied.record()
-        return cls(tokens, host, copied)
+        return cls(tokens, HostCopies.queue(tokens))
 
     def host(self) -> list[int]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host.tolist()
+        (tokens,) = self.copies.wait()
+        assert tokens is not None  # queued from a tensor
+        return tokens.tolist()
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

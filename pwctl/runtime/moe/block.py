@@ -141,23 +141,25 @@ class MoEBlock(nn.Module):
         paged = self.paged
 
         def run(rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
             if paged is not None:
-                ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
                 return paged.fused(
                     self.layer, rows, ones, experts[:, None], bias=bias, routed_only=True
                 )
-            out = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
-            for e in experts.unique().tolist():
-                mine = torch.nonzero(experts == e)[:, 0]
-                b = None if bias is None else bias.of(e)
-                out[mine] = self.store.mlp(self.layer, e, rows[mine], b).float()
-            return out
+            return self._store_routed(rows, ones, experts[:, None]).float()
 
         return self.exchange(self.layer, x, weights, index, run)
 
     def _store_forward(
         self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
     ) -> torch.Tensor:
+        return self._add_shared(x, self._store_routed(x, weights, index))
+
+    def _store_routed(
+        self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum on the store, an expert at a time ([T, H], x's
+        dtype)."""
         out = torch.zeros_like(x)
         bias = self.bias()
         for e in index.unique().tolist():
@@ -165,7 +167,7 @@ class MoEBlock(nn.Module):
             b = None if bias is None else bias.of(e)
             y = self.store.mlp(self.layer, e, x[tokens], b) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        return self._add_shared(x, out)
+        return out
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` plus the shared expert's output (gated where the recipe gates it), if any."""

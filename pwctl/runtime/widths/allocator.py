@@ -18,7 +18,7 @@ from pwctl.format.profile import Profile
 from pwctl.format.residual import RESIDUAL_JSON, ResidualModel
 from pwctl.policy import Kind, Policy
 from pwctl.runtime.moe.block import MoETap
-from pwctl.runtime.transfer import to_host
+from pwctl.runtime.transfer import HostCopies
 from pwctl.runtime.widths.planner import Plan, Planner, PlannerConfig
 from pwctl.text import norm_features
 
@@ -200,24 +200,14 @@ class StepSignals:
     waits for them. The serving loop reads a step's signals during the next step, so the
     planner's host work runs while the GPU runs that step (runtime/engine/batcher.py)."""
 
-    index: torch.Tensor | None
-    feats: torch.Tensor | None
-    copied: torch.cuda.Event | None = None
+    copies: HostCopies  # (index, feats)
 
     @classmethod
     def queue(cls, index: torch.Tensor | None, feats: torch.Tensor | None) -> StepSignals:
-        tensors = [t for t in (index, feats) if t is not None]
-        if not any(t.is_cuda for t in tensors):
-            return cls(index, feats)
-        index, feats = (None if t is None else to_host(t) for t in (index, feats))
-        copied = torch.cuda.Event()
-        copied.record()
-        return cls(index, feats, copied)
+        return cls(HostCopies.queue(index, feats))
 
     def host(self) -> tuple[np.ndarray | None, np.ndarray | None]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        index, feats = (None if t is None else t.numpy() for t in (self.index, self.feats))
+        index, feats = (None if t is None else t.numpy() for t in self.copies.wait())
         return index, feats
 
 
