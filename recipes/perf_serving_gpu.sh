@@ -23,8 +23,8 @@
 #   merge: every JSON written so far into $OUT/serving.json (the device tool returns at most 8
 #       files; the call groups end with it)
 #   call1 (= all): prep, p, a, c; call2: b, e; call3: n, pager: three device calls of <= 570 s
-#       each (H100, 2026-12-06, kernels from a carried CuPy cache: prep 140 s, a 101, c 143, p 69,
-#       n 135, e 211; b ~280), the second and third made right after the one before, while the
+#       (H100, 2026-12-06, kernels from a carried CuPy cache: call1 464 s, call2 358 s; n ~270 in
+#       four processes, q ~90), the second and third made right after the one before, while the
 #       machine is warm. With .carry/cupy_cache.tgz carried (recipes/cupy_cache.sh) no kernel
 #       compiles; each call group leaves the cache in $OUT for the next session.
 # Every figure is `pwctl bench --throughput` on the serving engine, one process per policy, so
@@ -107,7 +107,7 @@ all | call1 | call2 | call3)
   case "$1" in
   all | call1) STAGES="prep p a c" ;;  # 140 + ~130 (p both ways) + 101 + 143 s
   call2) STAGES="prep b e" ;;  # ~280 + 211 s
-  call3) STAGES="prep n pager" ;;  # 135 + 10 s
+  call3) STAGES="prep n pager" ;;  # 270 (n: four processes) + 10 s
   esac
   timeout "${CALL_S:-570}" bash -c "for S in $STAGES; do start=\$(date +%s); bash '$0' \$S;
     echo \"== stage \$S: \$((\$(date +%s) - start)) s\"; bash '$0' merge >/dev/null; done"
@@ -207,10 +207,13 @@ n)
   MEM_N=$(budget --planes uniform:4 --seqs 32 --tokens 2304 --max-seqs 32 --measure)
   MEM_N=$((${MEM_N%b} * 115 / 100))b
   echo "(n) memory budget $MEM_N, BUDGET $PLANES4"
-  # pagedweight first: on 2026-12-06 (uniform:4 first) it ran 1.13-1.20x uniform:4 at the same
-  # widths; the other order says whether that was the order
-  for P in "pagedweight:$PLANES4" uniform:4; do
-    tp "n_$(row "$P")" --batch 1 --batch 4 --concurrency 32 --requests 64 --max-seqs 32 \
+  # Order A B B A, each policy's two processes averaged in PERF.md: on 2026-12-06 the stage's
+  # first process ran slower at batch 1 and 4 whichever policy it was (uniform:4 first: 0.83x
+  # pagedweight; pagedweight first: 0.69x uniform:4)
+  run=0
+  for P in uniform:4 "pagedweight:$PLANES4" "pagedweight:$PLANES4" uniform:4; do
+    run=$((run + 1))
+    tp "n${run}_$(row "$P")" --batch 1 --batch 4 --concurrency 32 --requests 64 --max-seqs 32 \
       --memory-budget "$MEM_N" --policy "$P" --max-bits 4
   done
   ;;

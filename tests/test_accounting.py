@@ -16,6 +16,7 @@ from pwctl.runtime.engine.batcher import BatchConfig
 from pwctl.runtime.engine.decode_graphs import DecodeGraphs
 from pwctl.runtime.engine.engine import Engine
 from pwctl.runtime.engine.scheduler import SamplingParams
+from pwctl.runtime.memory import accounting
 from pwctl.runtime.memory.accounting import (
     SLACK,
     ModelShape,
@@ -282,3 +283,35 @@ def test_a_budget_past_what_the_machine_has_is_refused(bundled_pack):
     engine = Engine(Pack(bundled_pack))
     with pytest.raises(PwctlError, match="more than the machine has"):
         engine.start_batching(parse_policy("uniform:4"), "99999999TB", BatchConfig(max_seqs=1))
+
+
+def test_reserved_where_groups_segments_by_stream_and_pool(monkeypatch):
+    """The peak timeline's breakdown sums each (stream, pool)'s segments; another device's
+    segments are left out."""
+    mib = 1 << 20
+    segments = [
+        {"device": 0, "stream": 0, "segment_pool_id": (0, 0), "total_size": 20 * mib,
+         "allocated_size": 12 * mib},
+        {"device": 0, "stream": 0, "segment_pool_id": (0, 0), "total_size": 2 * mib,
+         "allocated_size": 2 * mib},
+        {"device": 0, "stream": 0, "segment_pool_id": (1, 0), "total_size": 40 * mib,
+         "allocated_size": 0},
+        {"device": 1, "stream": 0, "segment_pool_id": (0, 0), "total_size": 99 * mib,
+         "allocated_size": 0},
+    ]  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    rows = accounting.reserved_where("cuda:0")
+    assert rows == [
+        {"stream": 0, "pool": "default", "reserved_mb": round(22 * mib / 1e6, 1),
+         "allocated_mb": round(14 * mib / 1e6, 1), "segments": 2},
+        {"stream": 0, "pool": "graph (1, 0)", "reserved_mb": round(40 * mib / 1e6, 1),
+         "allocated_mb": 0.0, "segments": 1},
+    ]  # fmt: skip
+
+
+def test_probe_ids_are_the_same_in_every_process():
+    """A measured step's token ids come from a fixed seed: two draws agree, and they cover
+    more than one id (they still spread over experts)."""
+    a, b = accounting.probe_ids(1000, (1, 64)), accounting.probe_ids(1000, (1, 64))
+    assert torch.equal(a, b)
+    assert a.unique().numel() > 32

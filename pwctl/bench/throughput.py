@@ -38,7 +38,7 @@ from pwctl.policy import Kind, Policy
 from pwctl.runtime.engine.batcher import BatchConfig, Batcher
 from pwctl.runtime.engine.engine import Engine
 from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
-from pwctl.runtime.memory.accounting import SLACK, DevicePeak, over_budget
+from pwctl.runtime.memory.accounting import SLACK, DevicePeak, over_budget, reserved_where
 from pwctl.text import read_texts
 
 DEFAULT_POLICIES = ["fp16", "uniform:4"]
@@ -314,7 +314,7 @@ class _Timeline:
         # CUDA: the steps at which the allocator's reserved high-water mark rose (where a peak
         # past the budget comes from): step, running, prefill tokens so far, captures, MB; the
         # first entry is the mark start-up and warm-up left
-        self.growth: list[dict[str, float]] = []
+        self.growth: list[dict[str, object]] = []
         self._high = 0  # the mark at the last entry: a creep of small rises adds up to one
         self._track_growth()
         store = batcher.memory.store
@@ -367,6 +367,7 @@ class _Timeline:
                 "reserved_mb": round(high / 1e6, 1),
                 "max_allocated_mb": round(torch.cuda.max_memory_allocated() / 1e6, 1),
                 "grew_mb": round((high - self._high) / 1e6, 1),
+                "where": reserved_where(self.device),
             })  # fmt: skip
             self._high = high
 

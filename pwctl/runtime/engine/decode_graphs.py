@@ -37,6 +37,7 @@ import torch
 
 from pwctl.runtime.engine.attention import ATTN_NAME, DecodeBatch, attention_implementation
 from pwctl.runtime.engine.scheduler import ScheduledBatch
+from pwctl.runtime.memory.accounting import probe_ids
 from pwctl.runtime.memory.kv_cache import KVCache
 from pwctl.runtime.moe.block import MoEBlock, MoETap
 
@@ -206,7 +207,7 @@ class DecodeGraphs:
         ids, pos, src, blocks = inputs.views(inputs.host)
         src.fill_(-1)
         vocab = self.model.config.vocab_size
-        ids.copy_(torch.randint(vocab, ids.shape))
+        ids.copy_(probe_ids(vocab, tuple(ids.shape)))
         pos.fill_(length - 1)
         blocks[:] = table[0]
         blocks[:, : min(nb, len(table))] = torch.tensor(table[:nb])

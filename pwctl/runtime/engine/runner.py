@@ -18,6 +18,7 @@ from pwctl.runtime.engine.attention import (
 )
 from pwctl.runtime.engine.decode_graphs import DecodeGraphs, DeviceTokens
 from pwctl.runtime.engine.scheduler import ScheduledBatch
+from pwctl.runtime.memory.accounting import probe_ids
 from pwctl.runtime.memory.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ class ModelRunner:
         cache, beside a prefill chunk of the remaining tokens at the end of a full-length
         sequence; then the largest decode step of the graphs, if any (their pool's share). All
         rows read and write one sequence's blocks (the cache must have room for one full-length
-        sequence), given back after; the token ids are random."""
+        sequence), given back after; the token ids are random from a fixed seed (`probe_ids`),
+        so every process that measures this step allocates alike."""
         seq = WARM_UP_SEQ
         if not self.kv.grow(seq, max_len):
             raise RuntimeError(f"warm-up: no room in the KV cache for {max_len} tokens")
@@ -109,7 +111,7 @@ class ModelRunner:
             positions = [max_len - 1] * decodes + list(range(max_len - n, max_len))
             vocab = self.model.config.vocab_size
             dev = self.device
-            ids = torch.randint(vocab, (1, decodes + n), device=dev)
+            ids = probe_ids(vocab, (1, decodes + n)).to(dev)
             paged = PagedBatch(self.kv, slots.to(dev), spans)
             self._packed(ids, torch.tensor([positions], device=dev), paged,
                          list(range(decodes)) + [decodes + n - 1])  # fmt: skip

@@ -193,6 +193,44 @@ def step_bytes(device: str, run: Callable[[], object]) -> int:
     return int(grown + max(0, _cupy_pool_bytes() - pool))
 
 
+def reserved_where(device: str) -> list[dict[str, object]]:
+    """Where torch's reserved bytes sit now, by stream and pool (the default pool, or a CUDA
+    graph's private pool): reserved and allocated MB and segments each. The peak check counts
+    reserved bytes; where they pass the allocated ones by more than a segment, this says whose
+    they are."""
+    rows: dict[tuple[int, str], dict[str, float]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", 0) != (torch.device(device).index or 0):
+            continue
+        pool = seg.get("segment_pool_id", (0, 0))
+        name = "default" if tuple(pool) == (0, 0) else f"graph {tuple(pool)}"
+        row = rows.setdefault(
+            (int(seg.get("stream", 0)), name),
+            dict.fromkeys(("reserved_mb", "allocated_mb", "segments"), 0.0),
+        )
+        row["reserved_mb"] += seg["total_size"] / 1e6
+        row["allocated_mb"] += seg["allocated_size"] / 1e6
+        row["segments"] += 1
+    return [
+        {"stream": stream, "pool": pool, **{k: round(v, 1) for k, v in row.items()}}
+        for (stream, pool), row in sorted(rows.items())
+    ]
+
+
+PROBE_SEED = 0
+
+
+def probe_ids(vocab: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Token ids for a step run to be measured (`step_bytes`): random, from a fixed seed. The
+    ids pick the experts and the experts' group sizes pick the allocations, so with unseeded
+    ids two processes measuring one step need not agree. They did not on an H100 (2026-12-06):
+    `serving_budget --measure` 348 MB, the engine after it 369 MB (one 20 MiB segment); the
+    engine then held 21 MB less KV than the calculator's budget for 4 sequences and preempted
+    40 times. A fixed seed removes this cause of disagreement."""
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(vocab, shape, generator=gen)
+
+
 def configure_allocator() -> None:
     """Expandable segments for torch's CUDA caching allocator, unless the user set its options
     (PYTORCH_CUDA_ALLOC_CONF). Serving asks for temporaries whose size grows step by step (a
