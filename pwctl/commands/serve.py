@@ -43,7 +43,9 @@ def run(
     max_request_bytes: Annotated[
         int, typer.Option(help="larger request bodies get 413 (default 2 MiB)")
     ] = 2_097_152,  # runtime.server.MAX_REQUEST_BYTES (not imported here: it loads fastapi)
-    max_queue: Annotated[int, typer.Option(help="waiting requests before 429")] = 64,
+    max_queue: Annotated[
+        int, typer.Option(help="waiting requests before 429 (the server's: all ranks together)")
+    ] = 64,
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 16,
     max_batch_tokens: Annotated[int, typer.Option(help="tokens per engine step")] = 256,
     max_model_len: Annotated[int | None, typer.Option(help="context (default: model's)")] = None,
