@@ -29,6 +29,34 @@ import expert_parallel_worker as worker  # noqa: E402  # the reference shares it
 from shared import free_port  # noqa: E402
 
 
+def test_each_rank_takes_its_own_gpu_and_nccl(monkeypatch):
+    """On CUDA a rank runs on its local GPU (LOCAL_RANK under torchrun, else RANK; rank 0, which
+    starts the others, has neither) over NCCL; the CPU stays the CPU over gloo; fewer GPUs than
+    ranks on the host, or a GPU named by hand, is refused before anything loads."""
+    from pwctl.runtime.parallel import launch
+
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for var in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert launch.rank_device("cpu", 2) == "cpu" and launch.backend_for("cpu") == "gloo"
+    assert launch.rank_device("cuda", 2) == "cuda:0"
+    monkeypatch.setenv("RANK", "1")
+    assert launch.rank_device("cuda", 2) == "cuda:1" and launch.backend_for("cuda:1") == "nccl"
+    monkeypatch.setenv("RANK", "5")  # torchrun on a second host: its local rank decides
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert launch.rank_device("cuda", 8) == "cuda:1"
+    assert chosen == [0, 1, 1]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(PwctlError, match="4 ranks on this host, 2 GPU"):
+        launch.rank_device("cuda", 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(PwctlError, match="each rank takes its own GPU"):
+        launch.rank_device("cuda:0", 8)
+
+
 def test_placement_balances_load_with_equal_counts():
     rng = np.random.default_rng(0)
     load = rng.pareto(1.5, size=(3, 60)) + 0.01  # a few hot experts, as routers have

@@ -42,7 +42,7 @@ def run(
         int,
         typer.Option(
             help="ranks that share the experts (each runs its owned experts for all; started "
-            "here, or by torchrun); the CPU path only for now"
+            "here, or by torchrun): gloo on the CPU, NCCL on CUDA (a GPU a rank)"
         ),
     ] = 1,
     json: JsonOut = None,
@@ -53,6 +53,10 @@ def run(
     checks.at_least("--expert-parallel", expert_parallel, 1)
     BudgetArg.parse(memory_budget)  # a bad size fails before the model loads
     device = parse_device(device)
+    if expert_parallel > 1:
+        from pwctl.runtime.parallel.launch import rank_device
+
+        device = rank_device(device, expert_parallel)
     from pwctl.runtime.engine.batcher import BatchConfig
     from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
     from pwctl.runtime.engine.scheduler import SamplingParams
@@ -78,15 +82,14 @@ def run(
     ids = engine.tokenizer(prompt).input_ids
     params = SamplingParams(max_tokens=max_tokens)
     if expert_parallel > 1:
-        if device != "cpu":  # gloo only: the NCCL launch (a GPU a rank) is not built yet
-            raise PwctlError("--expert-parallel runs on the CPU for now (--device cpu)")
         from pwctl.runtime.parallel.launch import ranks
         from pwctl.runtime.parallel.rank_metrics import gather_rank_metrics
         from pwctl.runtime.parallel.ranks import RankEngine
 
         bits = "-" if max_bits is None else str(max_bits)
-        owner = [str(pack), str(pol), bits, "-" if memory_budget is None else memory_budget]
-        with ranks(expert_parallel, owner) as rank:
+        budget_arg = "-" if memory_budget is None else memory_budget
+        owner = [str(pack), str(pol), bits, budget_arg, device]
+        with ranks(expert_parallel, owner, device=device) as rank:
             prompts = [ids] if rank == 0 else []  # under torchrun other ranks only serve
             ep = RankEngine(engine)
             seqs = ep.generate_batch(prompts, params)

@@ -73,8 +73,10 @@ def run(
                         ("--max-request-bytes", max_request_bytes)):  # fmt: skip
         checks.at_least(name, value, 1)
     device = parse_device(device)
-    if expert_parallel > 1 and device != "cpu":  # gloo only: the NCCL launch is not built yet
-        raise PwctlError("--expert-parallel runs on the CPU for now (--device cpu)")
+    if expert_parallel > 1:
+        from pwctl.runtime.parallel.launch import rank_device
+
+        device = rank_device(device, expert_parallel)
     if _front_end():
         checks.port_free(host, port)
     from pwctl.runtime.engine.batcher import BatchConfig
@@ -121,7 +123,8 @@ def run(
     from pwctl.runtime.parallel.ranks import RankEngine
     from pwctl.runtime.serve.ranked_worker import RankedWorker, follow
 
-    with ranks(expert_parallel, [_rank_options(options)], RANK_MODULE, together=False) as rank:
+    rank_options = [_rank_options(options)]
+    with ranks(expert_parallel, rank_options, RANK_MODULE, together=False, device=device) as rank:
         if rank == 0:
             run_server(RankedWorker(RankEngine(engine)), pack.name, host, port, api_key, **serving)
         else:

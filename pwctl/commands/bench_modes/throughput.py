@@ -59,6 +59,10 @@ def run(
     options = dict(locals())  # what a started rank runs this with (throughput_rank)
     checks.at_least("--expert-parallel", expert_parallel, 1)
     device = parse_device(device)
+    if expert_parallel > 1:
+        from pwctl.runtime.parallel.launch import rank_device
+
+        device = rank_device(device, expert_parallel)
     from pwctl.bench import throughput as tp
     from pwctl.bench.plotting import pyplot
     from pwctl.build.checkpoint import EVAL_SAMPLE
@@ -117,10 +121,8 @@ def _ranked_runs(
     from pwctl.runtime.parallel.launch import ranks
 
     n = options["expert_parallel"]
-    if device != "cpu":  # gloo only: the NCCL launch (a GPU a rank) is not built yet
-        raise PwctlError("--expert-parallel runs on the CPU for now (--device cpu)")
     check_loads(spec, n)  # before any rank starts
-    with ranks(n, [encode(options)], RANK_MODULE) as rank:
+    with ranks(n, [encode(options)], RANK_MODULE, device=device) as rank:
         if rank != 0:
             console.quiet = True  # a rank's own process: rank 0 prints for all
         results = _runs(pack, policies, spec, options["max_bits"], device, data, [], parallel=True)

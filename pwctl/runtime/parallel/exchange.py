@@ -5,9 +5,9 @@ Every rank routes its own tokens, then (a collective each, in this order on ever
 2. the pairs' hidden rows and expert ids, to the owners (uneven splits);
 3. the owners' outputs, back along the same splits;
 and the sender combines them with its own routing weights (the weights never travel). A rank
-with no tokens still joins each collective, with empty splits. Splits are read on the host, so
-a step with an exchange runs eagerly (no CUDA graph): fixed-size padded exchanges would be what
-graphs need."""
+with no tokens still joins each collective, with empty splits. Splits are read on the host (on
+CUDA a sync a layer), so a step with an exchange runs eagerly (no CUDA graph): fixed-size padded
+exchanges would be what graphs need."""
 
 from __future__ import annotations
 
@@ -27,13 +27,20 @@ from pwctl.runtime.parallel.placement import ExpertPlacement
 RunExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def join(rank: int, world: int, backend: str = "gloo", timeout_s: float = 60.0) -> None:
+def join(
+    rank: int, world: int, backend: str = "gloo", timeout_s: float = 60.0, device: str = "cpu"
+) -> None:
     """This process into the group (MASTER_ADDR / MASTER_PORT from the environment, as torchrun
     sets them), with an explicit timeout: a rank that dies makes the others' next collective
-    fail within it instead of hanging."""
+    fail within it instead of hanging (under NCCL its watchdog ends the process). NCCL's group
+    is bound to this rank's GPU (`device`) at once."""
     try:
         dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=torch.device(device) if backend == "nccl" else None,
         )
     except (RuntimeError, ValueError) as e:
         raise PwctlError(f"rank {rank} of {world}: could not join the group ({e})") from None
@@ -67,6 +74,7 @@ class ExpertExchange:
                 f"{dist.get_world_size(group)}"
             )
         self._owner = torch.as_tensor(placement.owner, dtype=torch.long)
+        self._owner_on: dict[torch.device, torch.Tensor] = {}  # `_owner` where the tokens are
         self.stats = ExchangeStats()
 
     def __call__(
@@ -83,7 +91,7 @@ class ExpertExchange:
         T, k = index.shape
         R, H = self.placement.ranks, x.shape[1]
         flat = index.reshape(-1).long()
-        dest = self._owner[layer].to(flat.device)[flat]
+        dest = self._owners(flat.device)[layer][flat]
         order = torch.argsort(dest, stable=True)
         tokens = order // k
         send = torch.bincount(dest, minlength=R)
@@ -98,6 +106,12 @@ class ExpertExchange:
         out.index_add_(0, tokens, back.float() * w[:, None])
         self.stats.calls += 1
         return out
+
+    def _owners(self, device: torch.device) -> torch.Tensor:
+        """The owner of every (layer, expert) on `device`, copied there once."""
+        if device not in self._owner_on:
+            self._owner_on[device] = self._owner.to(device)
+        return self._owner_on[device]
 
     def _counts(self, send: torch.Tensor) -> torch.Tensor:
         recv = torch.empty_like(send)

@@ -4,7 +4,8 @@ process is rank 0 and starts ranks 1..N-1 itself, each `python -m MODULE ARGS`: 
 `pwctl.runtime.parallel.owner` on the same pack and policy (those serve only as their experts'
 owners: the request, and the output, are rank 0's); for bench --throughput and serve the
 command's own code with rank 0's options, serving its share of the requests (serve: those rank 0's
-front end gives it). Gloo on the CPU (the only path for now)."""
+front end gives it). Gloo on the CPU; NCCL on CUDA, one GPU a rank (`rank_device`: the local
+rank's GPU, LOCAL_RANK under torchrun)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,37 @@ def rank_entry(main: Callable[[list[str]], int]) -> None:
         sys.exit(2)
 
 
+def backend_for(device: str) -> str:
+    """The collectives' backend for ranks on `device`: NCCL between GPUs, gloo on the CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, n: int) -> str:
+    """This rank's device for `--device device` under `--expert-parallel n`: the CPU as it is;
+    on CUDA the GPU of this rank's local index (LOCAL_RANK under torchrun, else RANK: the ranks
+    `ranks` starts live on this host; rank 0, which starts them, has neither and takes GPU 0),
+    made the current device. NCCL needs a GPU a rank, so fewer local GPUs than ranks is an error
+    here, before the model loads."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    visible = torch.cuda.device_count()
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    if here > visible:
+        raise PwctlError(
+            f"--expert-parallel {n} on CUDA runs a GPU a rank: {here} ranks on this host, "
+            f"{visible} GPU(s) visible"
+        )
+    if device != "cuda" and device != f"cuda:{local}":
+        raise PwctlError(
+            f"--device {device} with --expert-parallel: each rank takes its own GPU (--device cuda)"
+        )
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"
+
+
 def torchrun_rank() -> tuple[int, int] | None:
     """(rank, world) when torchrun (or another launcher) started this process as a rank."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -52,9 +84,12 @@ def torchrun_rank() -> tuple[int, int] | None:
 
 
 @contextmanager
-def ranks(n: int, args: list[str], module: str = OWNER, together: bool = True) -> Iterator[int]:
+def ranks(
+    n: int, args: list[str], module: str = OWNER, together: bool = True, device: str = "cpu"
+) -> Iterator[int]:
     """This process as a rank of `n` (yields its rank): under a launcher as it says, else rank
-    0 with ranks 1..n-1 started as `python -m module args` (default: owners).
+    0 with ranks 1..n-1 started as `python -m module args` (default: owners). `device`: this
+    rank's (`rank_device`), which picks the backend.
     On exit the group is left (`together`: at a barrier, where every rank's work ends in step;
     serve's rank 0 ends by a signal, once it has told the others to stop) and started ranks are
     waited for (one that failed: an error)."""
@@ -72,7 +107,7 @@ def ranks(n: int, args: list[str], module: str = OWNER, together: bool = True) -
     if world != n:
         raise PwctlError(f"--expert-parallel {n}, but the launcher started {world} ranks")
     try:
-        join(rank, world, timeout_s=TIMEOUT_S)
+        join(rank, world, backend_for(device), TIMEOUT_S, device)
         yield rank
         if together:
             leave()

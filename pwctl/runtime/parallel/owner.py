@@ -1,7 +1,8 @@
 """A rank that only serves its experts to the others (started by `launch.ranks` for generate):
-python -m pwctl.runtime.parallel.owner PACK POLICY MAX_BITS MEMORY_BUDGET ("-": none), with
-torchrun's environment. Once no rank has work it hands rank 0 its metrics (rank 0 gathers every
-rank's at that point: `gather_rank_metrics`)."""
+python -m pwctl.runtime.parallel.owner PACK POLICY MAX_BITS MEMORY_BUDGET DEVICE ("-": none),
+with torchrun's environment (DEVICE: rank 0's, cpu or cuda:0; this rank takes its own GPU). Once
+no rank has work it hands rank 0 its metrics (rank 0 gathers every rank's at that point:
+`gather_rank_metrics`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ from pwctl.runtime.parallel.launch import rank_entry
 def main(argv: list[str]) -> int:
     from pwctl.policy import parse_policy
     from pwctl.runtime.engine.batcher import BatchConfig
-    from pwctl.runtime.engine.engine import Engine, open_pack
+    from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
     from pwctl.runtime.engine.scheduler import SamplingParams
     from pwctl.runtime.parallel.exchange import join
-    from pwctl.runtime.parallel.launch import TIMEOUT_S, leave, torchrun_rank
+    from pwctl.runtime.parallel.launch import (
+        TIMEOUT_S,
+        backend_for,
+        leave,
+        rank_device,
+        torchrun_rank,
+    )
     from pwctl.runtime.parallel.rank_metrics import gather_rank_metrics
     from pwctl.runtime.parallel.ranks import RankEngine
 
@@ -27,8 +34,10 @@ def main(argv: list[str]) -> int:
     launched = torchrun_rank()
     if launched is None:
         raise PwctlError("an owner rank needs RANK and WORLD_SIZE (launch.ranks sets them)")
-    join(*launched, timeout_s=TIMEOUT_S)
-    engine = Engine(open_pack(pack), "cpu", max_bits=max_bits)
+    device = rank_device("cuda" if argv[4].startswith("cuda") else argv[4], launched[1])
+    join(*launched, backend_for(device), TIMEOUT_S, device)
+    experts = experts_for(policy, device)  # as rank 0 chose: the same backend and dtype
+    engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
     batcher = engine.start_batching(policy, budget, BatchConfig())
     ranks = RankEngine(engine)
     ranks.generate_batch([], SamplingParams())  # serve until no rank has work

@@ -88,7 +88,7 @@ class RankEngine:
             block.exchanged(x, weights, index)
 
     def _anyone_busy(self, busy: bool) -> bool:
-        flag = torch.tensor([int(busy)])
+        flag = torch.tensor([int(busy)], device=self.engine.device)  # NCCL: on the GPU
         try:
             dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.group)
         except RuntimeError as e:  # a peer died or timed out: one line, as the exchange says it
