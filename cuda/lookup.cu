@@ -240,7 +240,7 @@ __device__ __forceinline__ bool stage_down(const Paged& g, const Slots& s, int e
     return __syncthreads_and(flat);
 }
 
-// h[pair] = silu(gate x) * up x in fragment order (`store_h`), for the down projection: the CTA's
+// h[pair] = glu(gate x, up x) in fragment order (`store_h`), for the down projection: the CTA's
 // 16 rows for tile c of a slot (also the few-token popc kernels' slots of several tokens).
 template <int NT>
 __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, const Tile& c,
@@ -279,7 +279,7 @@ __device__ __forceinline__ void gate_up_tile(const Paged& g, const Slots& s, con
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int j = c.base + 8 * nt + 2 * (lane & 3) + (warp & 1);
-        if (j < c.T) store_h(hp, c.lo + j, row, I, wpad_out, gs[nt], us[nt]);
+        if (j < c.T) STORE_H(s, e, hp, c.lo + j, row, I, wpad_out, gs[nt], us[nt]);
     }
 }
 
@@ -340,7 +340,8 @@ __device__ __forceinline__ void down_tile(const Paged& g, const Slots& s, const 
         for (int nt = 0; nt < NT; ++nt) {
             const int j = c.base + 8 * nt + 2 * (lane & 3) + (warp & 1);
             if (j < c.T)
-                atomicAdd(out + (i64)__ldg(s.token + c.lo + j) * H + row, __ldg(s.weight + c.lo + j) * sum[u][nt]);
+                atomicAdd(out + (i64)__ldg(s.token + c.lo + j) * H + row,
+                          __ldg(s.weight + c.lo + j) * WITH_DOWN_BIAS(s, e, row, H, kz == 0, sum[u][nt]));
         }
     }
 }
@@ -366,7 +367,7 @@ __device__ void down(Paged g, Slots s, int slot, int tile, int kz, int kn, const
 // the launcher passes the routed group twice and n_routed = gridDim.y.
 #define SHARED_SLOT_ARGS const int *t_expert, const int *t_lo, const int *t_hi, const int *t_token,   \
                          const float *t_weight
-#define SHARED_SLOTS Slots{t_expert, t_lo, t_hi, t_token, t_weight, block_ids, n_ids}
+#define SHARED_SLOTS Slots{t_expert, t_lo, t_hi, t_token, t_weight, block_ids, n_ids NO_BIAS}
 #define WHICH_GROUP                                                                              \
     const bool t = (int)blockIdx.y >= n_routed;                                                  \
     int slot = blockIdx.y, tile = blockIdx.x, kz = blockIdx.z, kn = gridDim.z;                   \

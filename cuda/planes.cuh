@@ -416,21 +416,111 @@ struct Slots {
     const float* weight;  // [pairs]: combine weight of each pair
     const int* block_ids;  // [experts (+ shared), 3]: block of gate, up, down
     int n_ids;             // block_ids' rows
+#if PWCTL_EXPERT_BIAS
+    // fp16 biases of the routed experts (null: a group without, the shared expert's)
+    const unsigned short* bias_gate_up;  // [experts, 2, I]: gate's row, then up's
+    const unsigned short* bias_down;     // [experts, H]
+#endif
 };
+
+// ---- the experts' activation and biases: the program's variant -------------------------------
+// A program names both (pwctl/kernels/registry.py `Variant`, written as #defines by build.py), so
+// the silu build without biases is the code it always was and the others cost it nothing.
+// PWCTL_GLU, h = GLU(gate, up):
+#define GLU_SILU 0            // silu(gate) * up
+#define GLU_GELU_TANH 1       // gelu_tanh(gate) * up (Gemma-4's gelu_pytorch_tanh)
+#define GLU_CLAMPED_SWIGLU 2  // GPT-OSS's, with SWIGLU_ALPHA and SWIGLU_LIMIT
+// PWCTL_EXPERT_BIAS: the routed experts' gate / up biases are added before the activation and the
+// down bias to each pair's down output before its routing weight multiplies it, as transformers'
+// GptOssExperts does (out += w (W_d h + b_d)).
+#if !defined(PWCTL_GLU) || !defined(PWCTL_EXPERT_BIAS)
+#error "the program names no variant: pwctl.kernels.build writes PWCTL_GLU and PWCTL_EXPERT_BIAS"
+#endif
 
 // (__fdividef: a plain division checks its operands and branches to a slow path; for v -> -inf the
 // divisor is inf and the result 0, silu's limit)
 __device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.f + __expf(-v)); }
 
-// h[pair, row] = silu(gate) * up, stored in fragment order for the down projection. Rows past I
+#if PWCTL_GLU == GLU_GELU_TANH
+// torch's gelu(approximate="tanh"): 0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3)))
+__device__ __forceinline__ float gelu_tanh(float v) {
+    return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+}
+#endif
+
+#if PWCTL_GLU == GLU_CLAMPED_SWIGLU
+// GPT-OSS: gate clamped to at most the limit, up to [-limit, limit], (up + 1) gate sigmoid(alpha
+// gate). Alpha and the limit are compile-time constants of the variant (every GPT-OSS config has
+// 1.702 and 7.0): kernel arguments would add two to every gate_up kernel's list, the silu build's
+// too, and a variant's program costs nothing until a model asks for it.
+__device__ __forceinline__ float clamped_swiglu(float gate, float up) {
+    gate = fminf(gate, SWIGLU_LIMIT);
+    up = fminf(fmaxf(up, -SWIGLU_LIMIT), SWIGLU_LIMIT);
+    return (up + 1.f) * __fdividef(gate, 1.f + __expf(-SWIGLU_ALPHA * gate));
+}
+#endif
+
+// h = GLU(gate, up). Macros, as WITH_DOWN_BIAS and STORE_H below: the silu build without biases
+// is then the very expression it always was (an inlined call in its place, even an empty one,
+// moved the code NVVM made of some kernels: sm_80 cubins compared before and after).
+#if PWCTL_GLU == GLU_SILU
+#define GLU(gate, up) (silu(gate) * (up))
+#elif PWCTL_GLU == GLU_GELU_TANH
+#define GLU(gate, up) (gelu_tanh(gate) * (up))
+#elif PWCTL_GLU == GLU_CLAMPED_SWIGLU
+#define GLU(gate, up) clamped_swiglu(gate, up)
+#else
+#error "PWCTL_GLU names no activation"
+#endif
+
+// Row `row` (< I) of expert e's gate and up with their biases (the bias variant; a group without
+// biases, and every other variant, leaves them as they are).
+#if PWCTL_EXPERT_BIAS
+__device__ __forceinline__ void add_gate_up_bias(const Slots& s, int e, int row, int I, float& gate,
+                                                 float& up) {
+    if (s.bias_gate_up != nullptr && row < I) {
+        const unsigned short* b = s.bias_gate_up + (i64)e * 2 * I + row;
+        gate += h2f(__ldg(b));
+        up += h2f(__ldg(b + I));
+    }
+}
+#endif
+
+// A down row's sum v of expert e with the expert's bias (the bias variant), added once a pair:
+// by the CTA whose columns start the row (`first`; a k-split's other parts add their sums only).
+#if PWCTL_EXPERT_BIAS
+__device__ __forceinline__ float with_down_bias(const Slots& s, int e, int row, int H, bool first,
+                                                float v) {
+    if (first && s.bias_down != nullptr) v += h2f(__ldg(s.bias_down + (i64)e * H + row));
+    return v;
+}
+#define WITH_DOWN_BIAS(s, e, row, H, first, v) with_down_bias(s, e, row, H, first, v)
+#else
+#define WITH_DOWN_BIAS(s, e, row, H, first, v) (v)
+#endif
+
+// h[pair, row] = GLU(gate, up), stored in fragment order for the down projection. Rows past I
 // up to the padded width get zeros, so down never reads memory nobody wrote.
 __device__ __forceinline__ void store_h(unsigned short* hp, int pair, int row, int I, int wpad,
                                         float gate, float up) {
     if (row >= 32 * wpad) return;
     const int col = row & 31;
     const i64 off = (i64)(row >> 5) * 32 + (2 * (col & 3) + (col >> 4)) * 4 + ((col >> 2) & 3);
-    hp[(i64)pair * wpad * 32 + off] = f2h(row < I ? silu(gate) * up : 0.f);
+    hp[(i64)pair * wpad * 32 + off] = f2h(row < I ? GLU(gate, up) : 0.f);
 }
+
+// store_h of expert e's h: in the bias variant, its gate and up biases added first.
+#if PWCTL_EXPERT_BIAS
+__device__ __forceinline__ void store_h_biased(const Slots& s, int e, unsigned short* hp, int pair,
+                                               int row, int I, int wpad, float gate, float up) {
+    add_gate_up_bias(s, e, row, I, gate, up);
+    store_h(hp, pair, row, I, wpad, gate, up);
+}
+#define STORE_H(s, e, hp, pair, row, I, wpad, gate, up) \
+    store_h_biased(s, e, hp, pair, row, I, wpad, gate, up)
+#else
+#define STORE_H(s, e, hp, pair, row, I, wpad, gate, up) store_h(hp, pair, row, I, wpad, gate, up)
+#endif
 
 // Where a CTA is: blockIdx.x = row tile, `slot` = its slot in its group (*_ENTRY: blockIdx.y less
 // the routed slots for the shared expert's), blockIdx.z: k-split of down.
@@ -453,8 +543,18 @@ __device__ __forceinline__ Tile tile_of(const Slots& s, int rows_per_cta, int sl
 // Flat kernel parameters (CuPy passes scalars and raw pointers): the descriptor, then the slots.
 #define PAGED_ARGS const unsigned char *arena, const int *slab_map, const int *slab_off,             \
                    const int *width, int slab_shift, int max_bits
+// (the bias variant: the biases' two pointers after the slots'; a group without passes nulls)
+#if PWCTL_EXPERT_BIAS
+#define BIAS_ARGS , const unsigned short *s_bias_gate_up, const unsigned short *s_bias_down
+#define BIAS_FIELDS , s_bias_gate_up, s_bias_down
+#define NO_BIAS , nullptr, nullptr
+#else
+#define BIAS_ARGS
+#define BIAS_FIELDS
+#define NO_BIAS
+#endif
 #define SLOT_ARGS const int *s_expert, const int *s_lo, const int *s_hi, const int *s_token,          \
-                  const float *s_weight, const int *block_ids, int n_ids
+                  const float *s_weight, const int *block_ids, int n_ids BIAS_ARGS
 #define PAGED Paged{arena, slab_map, slab_off, width, slab_shift, max_bits}
-#define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block_ids, n_ids}
+#define SLOTS Slots{s_expert, s_lo, s_hi, s_token, s_weight, block_ids, n_ids BIAS_FIELDS}
 #endif  // PWCTL_PLANES_CUH

@@ -456,7 +456,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
             }
         const int nrows = min(ROWS, I - c.row0);
         if (nrows <= 0) {  // a tile of h's padding columns: zeros
-            if (threadIdx.x < ROWS) store_h(hp, c.lo, c.row0 + threadIdx.x, I, wpad_out, 0.f, 0.f);
+            if (threadIdx.x < ROWS) STORE_H(s, e, hp, c.lo, c.row0 + threadIdx.x, I, wpad_out, 0.f, 0.f);
             continue;
         }
         TileEnd end{c.lo, c.row0, kz, kn, (FEW ? run.j : share.j) + 1 - kz};
@@ -527,7 +527,7 @@ __device__ void gate_up_popc(Paged g, Slots s, Run run, const uint4* xf, unsigne
         if (end.kn > 1 && !split_join(sp, end, rows))
             continue;  // the other half stores h
         if (threadIdx.x < ROWS)
-            store_h(hp, end.lo, end.row0 + threadIdx.x, I, wpad_out, rows[0][threadIdx.x],
+            STORE_H(s, e, hp, end.lo, end.row0 + threadIdx.x, I, wpad_out, rows[0][threadIdx.x],
                     rows[1][threadIdx.x]);
     }
     STAMP(0, 7);
@@ -613,7 +613,8 @@ __device__ void down_popc(Paged g, Slots s, int slot, int tile, int kz, int kn, 
     }
     if (threadIdx.x < nrows && c.row0 + threadIdx.x < H)
         atomicAdd(out + (i64)__ldg(s.token + c.lo) * H + c.row0 + threadIdx.x,
-                  __ldg(s.weight + c.lo) * rows[threadIdx.x]);
+                  __ldg(s.weight + c.lo) *
+                      WITH_DOWN_BIAS(s, e, c.row0 + threadIdx.x, H, kz == 0, rows[threadIdx.x]));
     STAMP(1, 7);
 }
 

@@ -177,7 +177,7 @@ __device__ void gate_up_prefill(Paged g, Slots s, const uint4* xf, unsigned shor
             for (int r = 0; r < 4; ++r) {
                 const int row = c.row0 + ROWS * mt + (lane >> 2) + 8 * (r >> 1);
                 const int k = c.base + 8 * (warp + PF_WARPS * j) + 2 * (lane & 3) + (r & 1);
-                if (k < c.T) store_h(hp, c.lo + k, row, I, wpad_out, acc[mt][j][r], acc[2 + mt][j][r]);
+                if (k < c.T) STORE_H(s, e, hp, c.lo + k, row, I, wpad_out, acc[mt][j][r], acc[2 + mt][j][r]);
             }
 }
 
@@ -207,7 +207,8 @@ __device__ void down_prefill(Paged g, Slots s, const uint4* hp, float* out, int 
                 const int row = c.row0 + ROWS * mt + (lane >> 2) + 8 * (r >> 1);
                 const int k = c.base + 8 * (warp + PF_WARPS * j) + 2 * (lane & 3) + (r & 1);
                 if (k < c.T && row < H)
-                    atomicAdd(out + (i64)__ldg(s.token + c.lo + k) * H + row, __ldg(s.weight + c.lo + k) * acc[mt][j][r]);
+                    atomicAdd(out + (i64)__ldg(s.token + c.lo + k) * H + row,
+                              __ldg(s.weight + c.lo + k) * WITH_DOWN_BIAS(s, e, row, H, true, acc[mt][j][r]));
             }
 }
 

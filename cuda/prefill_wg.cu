@@ -490,7 +490,7 @@ __device__ __forceinline__ WgJob wg_job(PrefillWG& sm, const Paged& g, int block
     return job;
 }
 
-// h = silu(gate x) * up x for the 128 tokens of a tile, into the same tile of h (down_prefill_wg's
+// h = glu(gate x, up x) for the 128 tokens of a tile, into the same tile of h (down_prefill_wg's
 // B): 32 rows, warps 0, 1 gate, warps 2, 3 up. Gate and up warps swap half their sums through
 // shared memory, so that each warp forms h for 64 of the tile's tokens (before: the gate warps
 // formed all 128 while the up warps sat idle at the CTA's end).
@@ -536,7 +536,13 @@ __device__ __forceinline__ void gate_up_prefill_wg(Paged g, Slots s, const unsig
         for (int u = 0; u < 2; ++u) {
             const float mine = gate ? d[i + u] : d[32 + i + u], theirs = other[(i + u) * 32];
             const int row = row0 + 8 * (((i + u) & 3) >> 1);
-            v[u] = row < I ? f2h(silu(gate ? mine : theirs) * (gate ? theirs : mine)) : 0u;
+#if PWCTL_EXPERT_BIAS  // (the silu build keeps its expression: planes.cuh GLU)
+            float gv = gate ? mine : theirs, uv = gate ? theirs : mine;
+            add_gate_up_bias(s, e, row, I, gv, uv);
+            v[u] = row < I ? f2h(GLU(gv, uv)) : 0u;
+#else
+            v[u] = row < I ? f2h(GLU(gate ? mine : theirs, gate ? theirs : mine)) : 0u;
+#endif
         }
         const u32 got = __shfl_xor_sync(0xffffffffu, low ? v[1] : v[0], 16);
         const int k = half + 8 * (i >> 2) + 2 * (lane & 3) + (low ? 0 : 1);
@@ -577,8 +583,11 @@ __device__ __forceinline__ void down_prefill_job(PrefillWG& sm, const Paged& g, 
             const int pair = c.lo + c.base + k;
             const float w = __ldg(s.weight + pair);
             float* at = out + (i64)__ldg(s.token + pair) * H + row;
+            // (the bias variant: the down bias by the job whose chunks start the row)
+            const float v0 = WITH_DOWN_BIAS(s, e, row, H, ch.c0 == 0, low ? d[i] : got);
+            const float v1 = WITH_DOWN_BIAS(s, e, row + 1, H, ch.c0 == 0, low ? got : d[i + 1]);
             asm volatile("red.global.add.v2.f32 [%0], {%1, %2};"
-                         :: "l"(at), "f"(w * (low ? d[i] : got)), "f"(w * (low ? got : d[i + 1]))
+                         :: "l"(at), "f"(w * v0), "f"(w * v1)
                          : "memory");
         }
     }

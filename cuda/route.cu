@@ -4,6 +4,20 @@
 #define PWCTL_ROUTE_CU
 #include "prep.cu"
 
+// PWCTL_ROUTER_BIAS (the program's variant, pwctl/kernels/registry.py): the router linear has a bias
+// (GPT-OSS), an fp16 vector route_prep takes last, added to each logit before its fp16 rounding as
+// torch's fp16 linear adds it. Without it the kernel takes no such argument.
+#ifndef PWCTL_ROUTER_BIAS
+#error "the program names no variant: pwctl.kernels.build writes PWCTL_ROUTER_BIAS"
+#endif
+#if PWCTL_ROUTER_BIAS
+#define ROUTER_BIAS_ARG , const unsigned short* router_bias
+#define ROUTER_BIAS , router_bias
+#else
+#define ROUTER_BIAS_ARG
+#define ROUTER_BIAS
+#endif
+
 // ------------------------------------------------------------------------------------------------
 // Routing in the launch that prepares a decode call (`route_prep`: decode_prep with the router
 // folded in). An eager decode is host-bound on the many-expert shapes, and the router was 6-8 more
@@ -54,7 +68,7 @@ __device__ float slice_dot(const uint4* a, const uint4* b, int lo, int hi) {
 // launch. The block's warps take warps / slices rows at a time; every thread of the block calls.
 __device__ void router_logits(const unsigned short* x, int T, int H, const unsigned short* gate_w,
                               int experts, const unsigned short* shared_gate_w, int slices,
-                              float* logits, int blocks) {
+                              float* logits, int blocks ROUTER_BIAS_ARG) {
     __shared__ float part[PREP_THREADS / 32];
     const int rows = experts + (shared_gate_w != nullptr), warps = blockDim.x / 32;
     const int wib = threadIdx.x / 32, per = warps / slices, n = H / 8, len = (n + slices - 1) / slices;
@@ -71,6 +85,9 @@ __device__ void router_logits(const unsigned short* x, int T, int H, const unsig
         if (threadIdx.x % (32 * slices) == 0 && d < T * rows) {
             float sum = 0.f;
             for (int j = 0; j < slices; ++j) sum += part[wib + j];
+#if PWCTL_ROUTER_BIAS
+            if (e < experts) sum += h2f(__ldg(router_bias + e));  // (the shared gate's has none)
+#endif
             logits[d] = h2f(f2h(sum));
         }
         __syncthreads();  // part is rewritten by the next rows
@@ -172,7 +189,8 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
                                       i64* index, float* weights, float* shared_scale, int slots,
                                       int* token, float* weight, int* s_expert, int* s_lo,
                                       int* s_hi, int wpad, unsigned short* xf, float* out,
-                                      int out_n, int words, PopcX* px, int px_blocks, int slices) {
+                                      int out_n, int words, PopcX* px, int px_blocks, int slices
+                                      ROUTER_BIAS_ARG) {
     STAMP(2, 0);
     const int rows = experts + (shared_gate_w != nullptr), warps = blockDim.x / 32;
     const int blocks = gridDim.x - px_blocks;  // the last px_blocks build x's pieces
@@ -189,7 +207,7 @@ extern "C" __global__ void route_prep(const unsigned short* x, int T, int H,
         lay_out_x<1>(x, T, H, wpad, xf, out, out_n, first, px_blocks * blockDim.x);
         return x_piece(x, T, H, words, px, b);
     }
-    router_logits(x, T, H, gate_w, experts, shared_gate_w, slices, logits, blocks);
+    router_logits(x, T, H, gate_w, experts, shared_gate_w, slices, logits, blocks ROUTER_BIAS);
     STAMP(2, 1);
     if (px_blocks == 0) {
         const int first = blockIdx.x * blockDim.x + threadIdx.x;

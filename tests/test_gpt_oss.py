@@ -417,18 +417,18 @@ def test_end_to_end_convert_profile_generate_serve_bench(gpt_oss, tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
 
 
-def test_the_cuda_kernels_refuse_gpt_oss_until_they_have_its_variant(gpt_oss):
-    """No fused kernel has the clamped SwiGLU or the biases yet (issue 65 item 5): a GPT-OSS pack
-    on CUDA's paged experts is refused at construction (Engine turns it into a PwctlError), and
-    route_prep never takes a biased router; the CPU's torch path runs it (above)."""
-    from pwctl.runtime.moe.fused import FusedMoE
+def test_the_cuda_kernels_take_gpt_oss_in_its_variant(gpt_oss):
+    """The fused kernels' GPT-OSS build (issue 65 item 5): the clamped SwiGLU with the experts'
+    and the router's biases (`registry.GPT_OSS`; tests/test_kernel_variants.py has its twins and
+    GPU tests), and route_prep takes its biased router (`can_route` on the CPU: torch's)."""
+    from pwctl.runtime.moe.fused import variant_of
     from pwctl.runtime.moe.prep import can_route
 
     spec = spec_of(tiny.tiny_config("gpt_oss").to_dict())
-    on_cuda = SimpleNamespace(device=torch.device("cuda"))
-    with pytest.raises(ValueError, match="clamped_swiglu with expert biases: the kernels"):
-        FusedMoE(spec, on_cuda, {})  # type: ignore[arg-type]
-    assert not can_route(spec, torch.zeros(1, spec.hidden), torch.zeros(4, spec.hidden))
+    v = variant_of(spec)
+    assert (v.glu, v.expert_bias, v.router_bias) == ("clamped_swiglu", True, True)
+    assert (v.swiglu_alpha, v.swiglu_limit) == (spec.swiglu_alpha, spec.swiglu_limit)
+    assert can_route(spec, torch.zeros(1, spec.hidden), torch.zeros(4, spec.hidden))
 
 
 def test_profile_proxy_keeps_the_biases(gpt_oss):

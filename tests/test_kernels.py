@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import math
 import re
 import sys
 import threading
@@ -28,7 +29,7 @@ from pwctl.bench.kernels import (
 )
 from pwctl.format.bitplanes import pack_planes
 from pwctl.format.pack import Pack
-from pwctl.format.recipe import MoESpec
+from pwctl.format.recipe import CLAMPED_SWIGLU, MoESpec
 from pwctl.kernels import build, geometry, launch, popc, registry
 from pwctl.kernels.popc import popc_matvec, quantize, step_words, subset_coefficients
 from pwctl.runtime.memory.device_table import DeviceTable
@@ -648,6 +649,99 @@ def test_kernels_match_reference(shape):
     print(shape, "max relative error", max(worst.values()))
 
 
+# the kernels' variants (issues 64 and 65; their CPU twins: tests/test_kernel_variants.py)
+VARIANT_SHAPES = ["gpt-oss-20b", "gemma4-26b-a4b"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", VARIANT_SHAPES)
+def test_variant_kernels_match_reference(shape):
+    """The clamped SwiGLU with biases (GPT-OSS) and GELU-tanh (Gemma-4) layers, on every decode
+    build and both prefills, against the torch path with the same biases: decode at 1, 4 and
+    16 tokens, prefill at 512, at 2, 4 and 8 bits and mixed widths 2-8."""
+    from pwctl.bench.kernels import random_routing
+    from tests.test_kernels import PREFILL_KINDS, _poison, _set_widths
+
+    layer = synthetic_layer(SHAPES[shape], seed=7)
+    rng = np.random.default_rng(7)
+    for width in ["2", "4", "8", "mixed"]:
+        _set_widths(layer, width, rng)
+        for T in (1, 4, 16, 512):
+            x, weights, index, scale = random_routing(layer.spec, T, seed=T)
+            want = layer.moe(0, x, weights, index, scale, reference=True, bias=layer.bias)
+            for kind in PREFILL_KINDS if T > geometry.DECODE_MAX_TOKENS else ["decode"]:
+                layer.moe.prefill_kernel = kind
+                for forced in (None, False) if kind == "decode" else (None,):
+                    layer.moe.rules = replace(layer.moe.rules, popc_decode=forced)
+                    _poison(layer.moe)
+                    got = layer.moe(0, x, weights, index, scale, bias=layer.bias)
+                    torch.cuda.synchronize()
+                    err = float((got - want).norm() / want.norm())
+                    case = f"{shape} width {width} tokens {T} {kind} popc {forced}"
+                    assert err < 1e-3, f"{case}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_route_prep_with_router_bias_and_top_k_then_softmax(T):
+    """GPT-OSS's router in the decode's first launch: logits = x W^T + b within fp16 rounding of
+    torch's biased linear, the top-k of the logits, then softmax over those k (`route`)."""
+    E, H = 32, 2880
+    spec = MoESpec(E, 4, 64, H, "topk_softmax", False, 1.0, 0, False, CLAMPED_SWIGLU, True, True)
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    gw = (torch.randn(E, H, generator=gen, device="cuda") * 0.05).half()
+    rb = (torch.randn(E, generator=gen, device="cuda") * 0.5).half()
+    done = torch.zeros(1, dtype=torch.int32, device="cuda")
+    wpad = -(-H // 256) * 8
+    for _ in range(2):  # the completion counter is back at zero for the second launch
+        x = torch.randn(T, H, generator=gen, device="cuda").half()
+        out = torch.full((T, H), float("nan"), device="cuda")
+        pairs, xf, got = prepare_routed(x, gw, None, spec, wpad, out, done, router_bias=rb)
+        torch.testing.assert_close(got.logits, F.linear(x, gw, rb).float(), rtol=2e-3, atol=2e-3)
+        want_w, want_i = route(got.logits.half(), spec)
+        torch.testing.assert_close(got.logits.gather(1, got.index), got.logits.gather(1, want_i))
+        torch.testing.assert_close(got.weights, want_w, rtol=1e-5, atol=1e-6)
+        want = group(got.index, got.weights, E)
+        for field in ("token", "weight", "lo", "hi"):
+            assert torch.equal(getattr(pairs, field), getattr(want, field)), field
+        assert torch.equal(xf, fragment_order(x, wpad)) and not out.any()
+        assert int(done) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_routed_gpt_oss_layer_matches_reference(T):
+    """`FusedMoE.routed` on the GPT-OSS shape, router bias and expert biases included, against
+    the torch path on the routing it chose, eager and replayed from a CUDA graph."""
+    layer = synthetic_layer(SHAPES["gpt-oss-20b"], seed=3)
+    layer.set_widths(np.full(layer.table.n_blocks, 4))
+    spec, gen = layer.spec, torch.Generator(device="cuda").manual_seed(0)
+    from pwctl.bench import kernels as kb
+
+    gw, _, rb = kb.router_weights(spec, 0)
+    x = torch.randn(T, spec.hidden, generator=gen, device="cuda").half()
+
+    def check(out: torch.Tensor, case: str) -> None:
+        r = layer.moe._routing[(T, False)]
+        torch.testing.assert_close(r.logits, F.linear(x, gw, rb).float(), rtol=2e-3, atol=2e-3)
+        want = layer.moe(0, x, r.weights, r.index, None, reference=True, bias=layer.bias)
+        err = float((out - want).norm() / want.norm())
+        assert err < 1e-3 and math.isfinite(err), f"T {T} {case}: relative error {err:.2e}"
+
+    check(layer.moe.routed(0, x, gw, None, rb, layer.bias)[0].clone(), "eager")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer.moe.routed(0, x, gw, None, rb, layer.bias)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out, _ = layer.moe.routed(0, x, gw, None, rb, layer.bias)
+    x.copy_(torch.randn(T, spec.hidden, generator=gen, device="cuda").half())
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out.clone(), "replay")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(PREFILL_KINDS[0] != "wgmma", reason="the sm_90a prefill needs Hopper")
 @pytest.mark.parametrize("shape", ["qwen-moe", "qwen3-moe", *TEST_SPECS])
@@ -1260,9 +1354,11 @@ def test_prepared_launch_fills_its_holes_each_call(monkeypatch):
         launch.Prepared("k", (1,), (32,), args, holes=(1,))
 
 
-def _kernel_params(name: str) -> list[str]:
+def _kernel_params(name: str, variant: registry.Variant = registry.DEFAULT) -> list[str]:
     """The parameter names of kernel `name` in cuda/ (GATE_UP_ENTRY, DOWN_ENTRY: the decode
-    kernels' macros), its argument-list macros expanded."""
+    kernels' macros) in `variant`'s build, its argument-list macros expanded (a variant's
+    arguments, BIAS_ARGS and ROUTER_BIAS_ARG, from their first definition where the variant
+    has them, else empty)."""
     files = build.included([f"{family}.cu" for family in registry.FAMILIES], build.cuda_dir())
     src = "".join(p.read_text() for p in files).replace("\\\n", " ")
     at = src.index(f"#define {name}(") if name.endswith("_ENTRY") else 0
@@ -1270,6 +1366,10 @@ def _kernel_params(name: str) -> list[str]:
     sig = src[src.index(f" {name}(", at) :].split(")", 1)[0].split("(", 1)[1]
     for macro in ("PAGED_ARGS", "SHARED_SLOT_ARGS", "SLOT_ARGS"):
         sig = sig.replace(macro, src.split(f"#define {macro} ", 1)[1].split("\n", 1)[0])
+    for macro, on in (("BIAS_ARGS", variant.expert_bias), ("ROUTER_BIAS_ARG", variant.router_bias)):
+        sig = sig.replace(
+            macro, src.split(f"#define {macro} ", 1)[1].split("\n", 1)[0] if on else ""
+        )
     return [p.split()[-1].lstrip("*") for p in sig.split(",")]
 
 
@@ -1304,6 +1404,9 @@ def test_route_launch_holes_are_the_kernels_per_call_pointers(monkeypatch):
     names = _kernel_params("route_prep")
     assert prepared.count == len(names)
     assert [names[i] for i in prepared.holes] == ["x", "gate_w", "shared_gate_w", "out"]
+    biased = route_launch(3, 256, spec, True, 8, done, pairs, xf, routing, None, registry.GPT_OSS)
+    names = _kernel_params("route_prep", registry.GPT_OSS)
+    assert biased.count == len(names) and names[biased.holes[-1]] == "router_bias"
 
 
 def _one_token_call():
@@ -1327,6 +1430,11 @@ def test_slot_arguments_end_with_block_ids_and_their_rows():
         names = _kernel_params(name)
         first = names.index("s_expert")
         assert names[first : first + len(args)][-2:] == ["block_ids", "n_ids"], name
+        biased = _kernel_params(name, registry.GPT_OSS)  # then the biases (FusedMoE._slot_args)
+        assert biased[first + len(args) : first + len(args) + 2] == [
+            "s_bias_gate_up",
+            "s_bias_down",
+        ], name
     assert args[-2] == launch.ptr(ids) and args[-1] == 5
 
 
@@ -1556,12 +1664,12 @@ def test_reload_forgets_the_module_and_its_handles(monkeypatch):
     loads = []
 
     @functools.cache
-    def modules():
+    def part_module(part, variant=registry.DEFAULT):
         loads.append(len(loads))
         handle = SimpleNamespace(kernel=SimpleNamespace(ptr=len(loads)))  # CUfunction of this load
-        return (SimpleNamespace(get_function=lambda name: handle),) * len(registry.PARTS)
+        return SimpleNamespace(get_function=lambda name: handle)
 
-    monkeypatch.setattr(build, "modules", modules)
+    monkeypatch.setattr(build, "part_module", part_module)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     launch.reload()
     try:

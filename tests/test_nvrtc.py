@@ -82,11 +82,24 @@ def _kernels_in(cubin: bytes) -> list[str]:
     return sorted(name for name in registry.BY_NAME if b".text." + name.encode() + b"\0" in cubin)
 
 
+# Every part of every variant a recipe asks for (registry.VARIANTS), each part once: a part that
+# compiles alike in two variants (`registry.part_variant`: the prep launches always) is the first's.
+_PARTS = list(
+    dict.fromkeys(
+        (part, registry.part_variant(part, v))
+        for part in range(len(registry.PARTS))
+        for v in registry.VARIANTS
+    )
+)
+
+
 @pytest.mark.early
-@pytest.mark.parametrize("part", range(len(registry.PARTS)))
-def test_part_compiles_for_sm80_with_nvrtc(part, request):
+@pytest.mark.parametrize(
+    "part, variant", _PARTS, ids=[f"{p}-{v.name or 'default'}" for p, v in _PARTS]
+)
+def test_part_compiles_for_sm80_with_nvrtc(part, variant, request):
     nvrtc = _nvrtc()
-    source, options = build.part_source(part), build.program_options("sm_80")
+    source, options = build.part_source(part, variant), build.program_options("sm_80")
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     key = _key(nvrtc, source, options)
     held = None if cache is None or os.environ.get("PWCTL_NVRTC_FRESH") else cache.get(key, None)

@@ -21,17 +21,31 @@ from pwctl.build.convert import ConvertOptions, rows_per_table
 from pwctl.errors import PwctlError
 from pwctl.format.bitplanes import bits_nbytes, words_per_row
 from pwctl.format.pack import BlockInfo, PlaneInfo
-from pwctl.format.recipe import MoESpec
+from pwctl.format.recipe import CLAMPED_SWIGLU, MoESpec
 from pwctl.kernels.geometry import DECODE_MAX_TOKENS, POPC_MAX_TOKENS
 from pwctl.runtime.memory.device_table import DeviceTable
 from pwctl.runtime.memory.page_table import GPU, PageTable, choose_slab, min_slab
+from pwctl.runtime.moe.activation import ExpertBias
 from pwctl.runtime.moe.dispatch import DispatchRules
 from pwctl.runtime.moe.fused import FusedMoE
 from pwctl.runtime.moe.router import route
 
 
-def _spec(hidden, inter, experts, top_k, shared=0, order="softmax_topk", norm=False) -> MoESpec:
-    return MoESpec(experts, top_k, inter, hidden, order, norm, 1.0, shared, shared > 0, "silu")
+def _spec(
+    hidden,
+    inter,
+    experts,
+    top_k,
+    shared=0,
+    order="softmax_topk",
+    norm=False,
+    act="silu",
+    bias=False,
+) -> MoESpec:
+    """A layer's MoESpec; `bias`: router and experts with biases (GPT-OSS)."""
+    return MoESpec(
+        experts, top_k, inter, hidden, order, norm, 1.0, shared, shared > 0, act, bias, bias
+    )
 
 
 SHAPES = {  # one layer of each: Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B, OLMoE-1B-7B
@@ -39,6 +53,17 @@ SHAPES = {  # one layer of each: Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B,
     "qwen-moe": _spec(2048, 1408, 60, 4, shared=5632),
     "qwen3-moe": _spec(2048, 768, 128, 8, norm=True),
     "olmoe": _spec(2048, 1024, 64, 8),
+    # openai/gpt-oss-20b config.json (as issue 65 quotes it): hidden_size 2880,
+    # intermediate_size 2880, num_local_experts 32, num_experts_per_tok 4 (24 layers); top-k of
+    # the logits then softmax, clamped SwiGLU (alpha 1.702, limit 7.0), biased router and experts
+    "gpt-oss-20b": _spec(2880, 2880, 32, 4, order="topk_softmax", act=CLAMPED_SWIGLU, bias=True),
+    # google/gemma-4-26B-A4B: hidden_size 2816, moe_intermediate_size 704, num_experts 128,
+    # top_k_experts 8 (softmax, top-k, renormalised), gelu_pytorch_tanh. NOT verified against the
+    # published config.json here (transformers' Gemma4TextConfig has no MoE defaults, and no copy
+    # was at hand): check before quoting figures. The routed experts only: the dense MLP beside
+    # them (intermediate_size) runs its own launches (FusedMoE.dense), and the router is a
+    # module of its own reading the residual stream (never route_prep).
+    "gemma4-26b-a4b": _spec(2816, 704, 128, 8, norm=True, act="gelu_pytorch_tanh"),
 }
 
 
@@ -68,6 +93,7 @@ class SyntheticLayer:
     table: PageTable
     dt: DeviceTable
     moe: FusedMoE
+    bias: ExpertBias | None = None  # random fp16 expert biases where spec.expert_bias
 
     def set_widths(self, widths: np.ndarray) -> None:
         self.table.width[:] = widths
@@ -115,7 +141,18 @@ def synthetic_layer(
     arena.index_copy_(0, where, linear.view(-1, slab))
     dt = DeviceTable(table, arena, blocks)
     index = {(0, b.expert, b.proj): i for i, b in enumerate(blocks)}
-    return SyntheticLayer(spec, blocks, table, dt, FusedMoE(spec, dt, index, rules))
+    bias = random_bias(spec, device, seed) if spec.expert_bias else None
+    return SyntheticLayer(spec, blocks, table, dt, FusedMoE(spec, dt, index, rules), bias)
+
+
+def random_bias(spec: MoESpec, device: str = "cuda", seed: int = 0) -> ExpertBias:
+    """Random fp16 expert biases (x 0.05) of one layer: gate, up [E, I], down [E, H]."""
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+
+    def rows(n: int) -> torch.Tensor:
+        return (torch.randn(spec.num_experts, n, generator=gen, device=device) * 0.05).half()
+
+    return ExpertBias(rows(spec.intermediate), rows(spec.intermediate), rows(spec.hidden))
 
 
 def random_routing(spec: MoESpec, T: int, device: str = "cuda", seed: int = 0):
@@ -140,30 +177,36 @@ def decode_calls(shapes: list[str], tokens: list[int], width: int = 4, path: str
         layer.set_widths(np.full(layer.table.n_blocks, width))
         for T in tokens:
             x, w, idx, sc = random_routing(layer.spec, T, seed=T)
-            yield name, T, functools.partial(layer.moe, 0, x, w, idx, sc, path=path)
+            call = functools.partial(layer.moe, 0, x, w, idx, sc, path=path, bias=layer.bias)
+            yield name, T, call
         del layer
         torch.cuda.empty_cache()
 
 
-def router_weights(spec: MoESpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A random fp16 router (x 0.05) and, with a shared expert, its gate's row."""
+def router_weights(
+    spec: MoESpec, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A random fp16 router (x 0.05), with a shared expert its gate's row and, where the spec
+    has one, the router's bias."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     gw = (torch.randn(spec.num_experts, spec.hidden, generator=gen, device="cuda") * 0.05).half()
-    sgw = None
+    sgw = rb = None
     if spec.has_shared:
         sgw = (torch.randn(1, spec.hidden, generator=gen, device="cuda") * 0.05).half()
-    return gw, sgw
+    if spec.router_bias:
+        rb = (torch.randn(spec.num_experts, generator=gen, device="cuda") * 0.5).half()
+    return gw, sgw, rb
 
 
 def routed_call(call):
     """The same layer and token count as a `decode_calls` call, with a random fp16 router in the
     first launch instead of given routing (`FusedMoE.routed`)."""
-    return routed_on(call.func, call.args[1])
+    return routed_on(call.func, call.args[1], bias=call.keywords.get("bias"))
 
 
-def routed_on(moe: FusedMoE, x: torch.Tensor, seed: int = 0):
-    """`moe.routed` on layer 0's tokens x with `router_weights(seed)`."""
-    return functools.partial(moe.routed, 0, x.half(), *router_weights(moe.spec, seed))
+def routed_on(moe: FusedMoE, x: torch.Tensor, seed: int = 0, bias: ExpertBias | None = None):
+    """`moe.routed` on layer 0's tokens x with `router_weights(seed)` and the experts' `bias`."""
+    return functools.partial(moe.routed, 0, x.half(), *router_weights(moe.spec, seed), bias)
 
 
 # --- timing ------------------------------------------------------------------------------------
@@ -418,7 +461,7 @@ def _measure(layer: SyntheticLayer, name: str, width: str, T: int, copy_bw: floa
 
         def call(path=path):
             kind = "prefill" if path == "prefill" else "decode"
-            return layer.moe(0, x, weights, index, scale, path=kind)
+            return layer.moe(0, x, weights, index, scale, path=kind, bias=layer.bias)
 
         if path == "prefill":
             t = warm = _median_time(call, 5)
@@ -473,7 +516,7 @@ def _routed_row(layer: SyntheticLayer, name, width, x, copy_bw, seed) -> KernelR
     """The engine's call, the whole layer: a random fp16 router in the first launch
     (`FusedMoE.routed`, the launcher's choice of kernels), graph-replayed. Its bytes, FP16 floor
     and FP16 baseline are those of the experts it routes to."""
-    call = routed_on(layer.moe, x, seed)
+    call = routed_on(layer.moe, x, seed, layer.bias)
     _, routing = call()
     planes, fp16 = active_bytes(layer, routing.index)
     tg = grouped_time(GroupedFp16(layer, x, routing.weights, routing.index, routing.scale))

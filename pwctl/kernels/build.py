@@ -71,18 +71,25 @@ def sources_digest(paths: Iterable[Path]) -> str:
     return h.hexdigest()
 
 
-def program_source(names: Iterable[str], probe: str | None = None) -> str:
+def program_source(
+    names: Iterable[str],
+    probe: str | None = None,
+    variant: registry.Variant = registry.DEFAULT,
+) -> str:
     """The program that holds kernels `names` (every one: a whole build, for nvcc): the
-    geometry, each written-out kernel's guard, the family files, each entry. `probe`: a timing
-    probe of cuda/probes.cuh (development builds only)."""
+    geometry, the variant's #defines its families read, each written-out kernel's guard, the
+    family files, each entry. `probe`: a timing probe of cuda/probes.cuh (development builds
+    only)."""
     kernels = [registry.BY_NAME[name] for name in names]
     families = [f for f in registry.FAMILIES if any(k.family == f for k in kernels)]
     files = [f"{family}.cu" for family in families]
     digest = sources_digest(included(files, cuda_dir()))
+    defines = {k: v for f in families for k, v in variant.defines(f).items()}
     lines = [
         f"// pwctl.kernels.build: {' '.join(k.name for k in kernels)}",
         f"// sources sha256 {digest}",
         *(f"#define {name} {value}" for name, value in geometry.DEFINES.items()),
+        *(f"#define {name} {value}" for name, value in defines.items()),
         *([f"#define PWCTL_PROBE PROBE_{probe.upper()}"] if probe else []),
         *(f"#define PWCTL_WANT_{k.name} 1" for k in kernels if not k.entry),
         *(f'#include "{file}"' for file in files),
@@ -91,9 +98,10 @@ def program_source(names: Iterable[str], probe: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def part_source(part: int) -> str:
-    """The program of part `part` (`registry.PARTS`)."""
-    return program_source(registry.PARTS[part])
+def part_source(part: int, variant: registry.Variant = registry.DEFAULT) -> str:
+    """The program of part `part` (`registry.PARTS`) in `variant`'s build (as far as the part's
+    family reads it: `registry.part_variant`)."""
+    return program_source(registry.PARTS[part], variant=registry.part_variant(part, variant))
 
 
 def program_options(arch: str) -> tuple[str, ...]:
@@ -101,44 +109,68 @@ def program_options(arch: str) -> tuple[str, ...]:
     return ("-std=c++17", f"--gpu-architecture={arch}", f"-I{cuda_dir()}")
 
 
-def each_part(build: Callable[[int], object]) -> list:
-    """build(k) for every part k, side by side: a thread a core (NVRTC holds no GIL)."""
-    parts = len(registry.PARTS)
-    with ThreadPoolExecutor(min(parts, os.cpu_count() or 1)) as pool:
-        return list(pool.map(build, range(parts)))
+def each_part(build: Callable[[int], object], parts: Iterable[int] | None = None) -> list:
+    """build(k) for every part k (or those of `parts`), side by side: a thread a core (NVRTC
+    holds no GIL)."""
+    todo = list(range(len(registry.PARTS)) if parts is None else parts)
+    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        return list(pool.map(build, todo))
 
 
 @functools.cache
-def modules() -> tuple:
-    """One CuPy RawModule a part, all compiled on the first call, side by side (NVRTC spends
-    nearly all its time on each kernel's own optimization, one core a program). With
-    PWCTL_CUBIN, that one cubin serves every part."""
+def modules(variant: registry.Variant = registry.DEFAULT) -> tuple:
+    """One CuPy RawModule a part of `variant`'s build (`part_module`), all compiled on the first
+    call, side by side (NVRTC spends nearly all its time on each kernel's own optimization, one
+    core a program). With PWCTL_CUBIN, that one cubin serves every part."""
+    return tuple(each_part(lambda k: part_module(k, registry.part_variant(k, variant))))
+
+
+@functools.cache
+def part_module(part: int, variant: registry.Variant = registry.DEFAULT):
+    """Part `part`'s RawModule in `variant` (as the part reads it: `registry.part_variant`), so a
+    part that compiles alike in two variants (the prep launches always) is one module."""
+    cupy = _cupy()
+    prebuilt = os.environ.get("PWCTL_CUBIN")
+    if prebuilt:  # development: a cubin built elsewhere (nvcc) skips NVRTC's minutes on a GPU box
+        if variant != registry.DEFAULT:
+            raise PwctlError(f"PWCTL_CUBIN holds the default build; the model needs {variant.name}")
+        return _prebuilt(prebuilt)
+    options, device = program_options(device_arch()), cupy.cuda.runtime.getDevice()
+    mod = cupy.RawModule(code=part_source(part, variant), options=options)
+    with cupy.cuda.Device(device):  # CuPy compiles with the GIL let go, then loads on `device`
+        mod.compile()
+    return mod
+
+
+def _cupy():
     try:
         import cupy
     except ImportError:
         raise PwctlError(
             "the CUDA kernels need CuPy: pip install 'pwctl[cuda13]' (or [cuda12])"
         ) from None
-    prebuilt = os.environ.get("PWCTL_CUBIN")
-    if prebuilt:  # development: a cubin built elsewhere (nvcc) skips NVRTC's minutes on a GPU box
-        if not Path(prebuilt).is_file():
-            raise PwctlError(f"PWCTL_CUBIN={prebuilt}: no such file")
-        return (cupy.RawModule(path=prebuilt),) * len(registry.PARTS)
-    options, device = program_options(device_arch()), cupy.cuda.runtime.getDevice()
-    codes = [part_source(part) for part in range(len(registry.PARTS))]  # (sources checked here)
-
-    def build(part: int):  # CuPy compiles with the GIL let go, then loads on `device`
-        mod = cupy.RawModule(code=codes[part], options=options)
-        with cupy.cuda.Device(device):
-            mod.compile()
-        return mod
-
-    return tuple(each_part(build))
+    return cupy
 
 
-def module(name: str):
-    """The RawModule that holds kernel `name`."""
-    return modules()[registry.PART_OF[name]]
+@functools.cache
+def _prebuilt(path: str):
+    """The one RawModule of PWCTL_CUBIN, for every part."""
+    if not Path(path).is_file():
+        raise PwctlError(f"PWCTL_CUBIN={path}: no such file")
+    return _cupy().RawModule(path=path)
+
+
+def forget() -> None:
+    """Drop every module built or loaded (`launch.reload`)."""
+    for cached in (modules, part_module, _prebuilt):
+        cached.cache_clear()
+
+
+def module(launch_name: str):
+    """The RawModule that holds the kernel of a launch name (`registry.qualified`: a kernel's
+    name, with its variant where its part compiles otherwise than the default's)."""
+    name, variant = registry.unqualified(launch_name)
+    return part_module(registry.PART_OF[name], variant)
 
 
 def device_arch() -> str:

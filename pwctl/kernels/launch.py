@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pwctl.errors import PwctlError
-from pwctl.kernels import build, geometry
+from pwctl.kernels import build, geometry, registry
 
 
 def _current_stream(device: int) -> int:
@@ -223,7 +223,9 @@ def _launch_pdl(func: int, grid: tuple, block: tuple, extra: int, shared_mem: in
 
 @functools.cache
 def _function(name: str):
-    return build.module(name).get_function(name)
+    """The kernel of launch name `name` (`registry.qualified`: the cubin's name, maybe with a
+    variant)."""
+    return build.module(name).get_function(registry.unqualified(name)[0])
 
 
 @functools.cache
@@ -237,7 +239,8 @@ def reload() -> None:
     """Forget the loaded modules and every handle taken from them, so that the next launch loads
     the sources (`build.use_sources`) or `PWCTL_CUBIN` afresh (development A/B of kernel variants
     in one process)."""
-    for cached in (build.modules, _function, _handle, _opt_in, _occupancy):
+    build.forget()
+    for cached in (_function, _handle, _opt_in, _occupancy):
         cached.cache_clear()
 
 

@@ -11,7 +11,7 @@ programs, and their cached builds, as they were."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pwctl.kernels.geometry import POPC_MAX_BITS
 
@@ -107,3 +107,131 @@ def part_family(part: int) -> str:
     """The family of part `part`'s kernels (a part holds one family's)."""
     (family,) = {BY_NAME[name].family for name in PARTS[part]}
     return family
+
+
+# ---- variants: what a model's experts and router ask of the kernels ----------------------------
+# The gated activations the GEMM families compile (cuda/planes.cuh `glu`), by the name of their
+# `GLU_*` macro; the recipe's activation names (format/recipe.py MoESpec.act) map to them.
+GLUS = {"silu": "GLU_SILU", "gelu_tanh": "GLU_GELU_TANH", "clamped_swiglu": "GLU_CLAMPED_SWIGLU"}
+_GLU_OF_ACT = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "clamped_swiglu": "clamped_swiglu",
+}
+# What each family's code reads of a variant (a field of `Variant`): a part is compiled again for a
+# variant only where its family reads a field that differs from the default's.
+_GEMM = ("glu", "swiglu_alpha", "swiglu_limit", "expert_bias")
+READS = {
+    "lookup": _GEMM,
+    "popc": _GEMM,
+    "prefill": _GEMM,
+    "prefill_wg": _GEMM,
+    "prep": (),
+    "route": ("router_bias",),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a program compiles besides its kernels: the experts' gated activation (`glu`, a key
+    of GLUS; GPT-OSS's alpha and limit are compile-time constants, cuda/planes.cuh says why),
+    whether the routed experts have gate / up / down biases and whether the router has one.
+    The default is the build every kernel had before variants: its programs are unchanged."""
+
+    glu: str = "silu"
+    expert_bias: bool = False
+    router_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.glu not in GLUS:
+            raise ValueError(f"no kernels for activation {self.glu!r}; they compile {list(GLUS)}")
+
+    @property
+    def name(self) -> str:
+        """What differs from the default: '' for it, else e.g. 'gelu_tanh', 'router_bias' or
+        'clamped_swiglu(1.702,7.0)+expert_bias+router_bias' (`unqualified` reads it back)."""
+        glu = [] if self.glu == DEFAULT.glu else [self.glu]
+        if self.glu == "clamped_swiglu":
+            glu = [f"{self.glu}({self.swiglu_alpha!r},{self.swiglu_limit!r})"]
+        flags = [f for f in ("expert_bias", "router_bias") if getattr(self, f)]
+        return "+".join(glu + flags)
+
+    def defines(self, family: str) -> dict[str, str]:
+        """The #defines a program of `family` reads (cuda/planes.cuh, cuda/route.cu)."""
+        reads = READS[family]
+        out: dict[str, str] = {}
+        if "glu" in reads:
+            out["PWCTL_GLU"] = GLUS[self.glu]
+            out["PWCTL_EXPERT_BIAS"] = str(int(self.expert_bias))
+            if self.glu == "clamped_swiglu":  # (the others' programs name no constants)
+                out["SWIGLU_ALPHA"] = f"{self.swiglu_alpha!r}f"
+                out["SWIGLU_LIMIT"] = f"{self.swiglu_limit!r}f"
+        if "router_bias" in reads:
+            out["PWCTL_ROUTER_BIAS"] = str(int(self.router_bias))
+        return out
+
+    def for_family(self, family: str) -> Variant:
+        """This variant as far as `family` reads it: the default in every field it does not."""
+        fields = {f: getattr(self, f) for f in READS[family]}
+        if self.glu != "clamped_swiglu":  # the constants only matter to the clamped SwiGLU
+            fields.pop("swiglu_alpha", None), fields.pop("swiglu_limit", None)
+        return replace(DEFAULT, **fields)
+
+
+DEFAULT = Variant()
+# The variants the models of the recipes ask for (tests/test_nvrtc.py compiles every part of each)
+GELU_TANH = Variant(glu="gelu_tanh")  # Gemma-4
+GPT_OSS = Variant(glu="clamped_swiglu", expert_bias=True, router_bias=True)
+VARIANTS = (DEFAULT, GELU_TANH, GPT_OSS)
+
+
+def variant_for(
+    act: str, expert_bias: bool, router_bias: bool, alpha: float = 1.702, limit: float = 7.0
+) -> Variant:
+    """The variant of a model's MoE (a recipe's activation name, its biases); ValueError, one
+    line, for an activation no kernel computes."""
+    if act not in _GLU_OF_ACT:
+        raise ValueError(f"activation {act}: the kernels implement {', '.join(_GLU_OF_ACT)}")
+    glu = _GLU_OF_ACT[act]
+    if glu != "clamped_swiglu":  # the constants are the clamped SwiGLU's alone
+        alpha, limit = DEFAULT.swiglu_alpha, DEFAULT.swiglu_limit
+    return Variant(glu, expert_bias, router_bias, alpha, limit)
+
+
+def part_variant(part: int, variant: Variant) -> Variant:
+    """The variant part `part` compiles for `variant` (`Variant.for_family` of its family)."""
+    return variant.for_family(part_family(part))
+
+
+def qualified(name: str, variant: Variant) -> str:
+    """The launch name of kernel `name` in `variant`'s build: `name` itself where its part
+    compiles as the default's (the prep launches always), else 'name@<variant name>'. build and
+    launch take either form; a cubin holds the kernel under `name`."""
+    v = part_variant(PART_OF[name], variant)
+    return name if v == DEFAULT else f"{name}@{v.name}"
+
+
+def unqualified(launch_name: str) -> tuple[str, Variant]:
+    """(kernel name, variant) of a launch name `qualified` made."""
+    name, _, tag = launch_name.partition("@")
+    return name, _NAMED.get(tag) or _variant_named(tag)
+
+
+def _variant_named(tag: str) -> Variant:
+    """The variant whose `name` is `tag`."""
+    items = tag.split("+")
+    glu, alpha, limit = DEFAULT.glu, DEFAULT.swiglu_alpha, DEFAULT.swiglu_limit
+    if items[0].partition("(")[0] in GLUS:
+        glu, _, consts = items.pop(0).partition("(")
+        if consts:
+            alpha, limit = (float(c) for c in consts.rstrip(")").split(","))
+    v = Variant(glu, "expert_bias" in items, "router_bias" in items, alpha, limit)
+    _NAMED[tag] = v
+    return v
+
+
+_NAMED: dict[str, Variant] = {"": DEFAULT}

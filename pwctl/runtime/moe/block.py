@@ -103,7 +103,8 @@ class MoEBlock(nn.Module):
         if fused is not None and can_route(self.spec, x, self.gate.weight):
             sg = self.shared_expert_gate  # router, grouping and layout in one launch
             sgw = None if sg is None else sg.weight
-            out, routing = fused.routed(self.layer, x, self.gate.weight, sgw)
+            bias = self.gate.bias, self.bias()  # (GPT-OSS: the router's, the experts')
+            out, routing = fused.routed(self.layer, x, self.gate.weight, sgw, *bias)
             if self.observer is not None:  # routing's buffers are reused by the next layer
                 self.observer(self.layer, x, routing.index.clone(), routing.weights.clone())
             return out.to(x.dtype).view_as(hidden)

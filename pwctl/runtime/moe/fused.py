@@ -1,12 +1,12 @@
 """The experts of one MoE layer, computed from paged planes at per-block widths: grouping of
-(token, expert) pairs by expert, then two tensor-core kernels (gate+up with SiLU(gate)*up, then
-down with the weighted combine; the shared expert is two more) that decode labels straight into
-mma fragments. Decode (<= 64 tokens) groups on the device and never syncs the host (CUDA graphs);
-prefill groups with torch and decodes each weight chunk once into shared memory for up to 128
-tokens a pass. One interface: on the CPU (or with `reference=True`) the same pairs are computed
-with torch from `DeviceTable.weight` (the format code), which is what the kernels are tested
-against. Routing itself (router GEMM, softmax/top-k) stays in MoEBlock: the same `route` for
-every path."""
+(token, expert) pairs by expert, then two tensor-core kernels (gate+up with the recipe's gated
+activation and biases, then down with its bias and the weighted combine; the shared expert is two
+more; the build for the recipe: `variant_of`) that decode labels straight into mma fragments.
+Decode (<= 64 tokens) groups on the device and never syncs the host (CUDA graphs); prefill groups
+with torch and decodes each weight chunk once into shared memory for up to 128 tokens a pass. One
+interface: on the CPU (or with `reference=True`) the same pairs are computed with torch from
+`DeviceTable.weight` (the format code), which is what the kernels are tested against. Routing
+itself (router GEMM, softmax/top-k) stays in MoEBlock: the same `route` for every path."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pwctl.format.recipe import MoESpec
-from pwctl.kernels import build, geometry, launch, popc
+from pwctl.kernels import build, geometry, launch, popc, registry
 from pwctl.runtime.memory.device_table import DeviceTable
 from pwctl.runtime.moe.activation import ExpertBias, expert_mlp, glu_of
 from pwctl.runtime.moe.dispatch import (
@@ -65,6 +65,14 @@ class DecodeLaunch:
     down_shared: tuple
 
 
+def variant_of(spec: MoESpec) -> registry.Variant:
+    """The kernels' build for `spec`'s experts and router (`registry.variant_for`; a one-line
+    ValueError for an activation no kernel computes)."""
+    return registry.variant_for(
+        spec.act, spec.expert_bias, spec.router_bias, spec.swiglu_alpha, spec.swiglu_limit
+    )
+
+
 class FusedMoE:
     def __init__(
         self,
@@ -75,12 +83,11 @@ class FusedMoE:
     ):
         """`index`: (layer, expert, proj) -> block (shared experts: expert = num_experts).
         `rules`: which decode kernels a call takes (default: `DispatchRules()`)."""
-        if dt.device.type == "cuda" and (spec.act != "silu" or spec.expert_bias):
-            raise ValueError(  # the torch path below runs any (CPU)
-                f"activation {spec.act}{' with expert biases' if spec.expert_bias else ''}: "
-                "the kernels implement silu without biases"
-            )
         self.spec, self.dt = spec, dt
+        # the kernels' build for this model (the torch path runs any activation, on the CPU)
+        self.variant = variant_of(spec) if dt.device.type == "cuda" else registry.DEFAULT
+        # `_use_bias`'s by layer: (where the model's tensors were, the kernels' fp16 copies)
+        self._bias: dict[int, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
         self.glu = glu_of(spec)
         experts = spec.num_experts + (1 if spec.has_shared or spec.has_dense else 0)
         self.block_ids: dict[int, torch.Tensor] = {}
@@ -103,7 +110,7 @@ class FusedMoE:
         on_cuda = dt.device.type == "cuda"  # route_prep's counter, zero between launches
         self._done = torch.zeros(1, dtype=torch.int32, device=dt.device) if on_cuda else None
         if on_cuda:  # every kernel compiled (or found in CuPy's cache) now, while the model loads,
-            build.modules()  # not in a first request's step (104 s on a fresh H200 machine)
+            build.modules(self.variant)  # not in a first request's step (104 s on a fresh H200)
         self._launches: dict[tuple[int, int, bool, str, bool], DecodeLaunch] = {}
         self._run_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # `routed`'s launches by (layer, T, shared gate, kernels, `_past_mma`): made once, their
@@ -147,14 +154,17 @@ class FusedMoE:
     ) -> torch.Tensor:
         """Sum over routed experts (and the shared one) for tokens x [T, H]: float32 [T, H].
         `path` forces "decode" or "prefill" on CUDA (benchmarks); default: by token count.
-        `bias`: the routed experts' biases (the torch path only). `routed_only`: without the
-        shared expert (an expert-parallel owner's rows: their senders add it)."""
+        `bias`: the routed experts' biases (the kernels take them in a build with biases).
+        `routed_only`: without the shared expert (an expert-parallel owner's rows: their senders
+        add it)."""
         T, E = x.shape[0], self.spec.num_experts
         with_shared = self.spec.has_shared and not routed_only
-        if reference or not x.is_cuda or bias is not None:
+        if reference or not x.is_cuda:
             path = "torch"
         elif path is None:
             path = "decode" if T <= geometry.DECODE_MAX_TOKENS else "prefill"
+        if path != "torch":
+            self._use_bias(layer, bias)
         if path == "decode":  # one launch groups, zeroes out and lays x out for both kernels
             out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
             wpad = self.proj[(layer, False, "gate")].wpad
@@ -180,11 +190,16 @@ class FusedMoE:
 
     def dense(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The dense MLP's blocks (spec.has_dense: the shared expert's slot) for every token of
-        x [T, H]: float32 [T, H]. The torch path only: the kernels' activation is SiLU, and the
-        one architecture with a dense MLP (Gemma-4) runs GELU-tanh, refused on CUDA above."""
+        x [T, H]: float32 [T, H]. On CUDA the prefill kernels on its one slot at any token count
+        (the decode launches hold it beside routed experts only; a launch of it alone is not
+        built), else the torch path."""
         T, E = x.shape[0], self.spec.num_experts
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        self._torch(layer, True, x, all_tokens(T, None, E, x.device), out)
+        every = all_tokens(T, None, E, x.device)
+        if x.is_cuda:
+            self._prefill(layer, True, x, every, one_slot_tiles(T, x.device), out)
+        else:
+            self._torch(layer, True, x, every, out)
         return out
 
     def routed(
@@ -193,13 +208,17 @@ class FusedMoE:
         x: torch.Tensor,
         gate_weight: torch.Tensor,
         shared_gate_weight: torch.Tensor | None = None,
+        router_bias: torch.Tensor | None = None,
+        bias: ExpertBias | None = None,
     ) -> tuple[torch.Tensor, Routing]:
         """Router and experts of a call `can_route` accepts: float32 [T, H], and the routing
         chosen. On CUDA one launch routes, groups and lays x out (`prepare_routed`), then the
         decode kernels run; the routing is in buffers the next call of the same token count
-        overwrites. On the CPU: torch's router (`route`), then the torch path."""
+        overwrites. On the CPU: torch's router (`route`), then the torch path. `router_bias`,
+        `bias`: the router's and the routed experts' biases (GPT-OSS)."""
         if not x.is_cuda:  # the reference: torch's router, then the torch path
-            return self._routed_torch(layer, x, gate_weight, shared_gate_weight)
+            return self._routed_torch(layer, x, gate_weight, shared_gate_weight, router_bias, bias)
+        self._use_bias(layer, bias)
         T = x.shape[0]
         out = torch.empty(T, x.shape[1], dtype=torch.float32, device=x.device)
         px = self._x_pieces(layer, T, x.device)
@@ -211,7 +230,7 @@ class FusedMoE:
             if not torch.cuda.is_current_stream_capturing():  # see all_tokens: made, not filled
                 self._routed_plans[key] = plan
         route, gate_up, down, routing = plan
-        route(*routed_pointers(x, gate_weight, shared_gate_weight, out))
+        route(*routed_pointers(x, gate_weight, shared_gate_weight, out, router_bias))
         gate_up()
         down(out.data_ptr())
         return out, routing
@@ -227,7 +246,9 @@ class FusedMoE:
         routing = self._routing[(T, shared)]
         pairs, xf = self._buffers(T, self.spec.top_k, wpad, self.dt.device)
         assert self._done is not None  # on CUDA (`routed` takes the torch path elsewhere)
-        route = route_launch(T, H, self.spec, shared, wpad, self._done, pairs, xf, routing, px)
+        route = route_launch(
+            T, H, self.spec, shared, wpad, self._done, pairs, xf, routing, px, self.variant
+        )
         E = self.spec.num_experts
         one = all_tokens(T, routing.scale, E, self.dt.device) if self.spec.has_shared else None
         launches = self._decode_launches(layer, xf, pairs, one, px)
@@ -239,13 +260,15 @@ class FusedMoE:
         x: torch.Tensor,
         gate_weight: torch.Tensor,
         shared_gate_weight: torch.Tensor | None,
+        router_bias: torch.Tensor | None,
+        bias: ExpertBias | None,
     ) -> tuple[torch.Tensor, Routing]:
-        logits = F.linear(x, gate_weight)
+        logits = F.linear(x, gate_weight, router_bias)
         weights, index = route(logits, self.spec)
         scale = None
         if shared_gate_weight is not None:
             scale = torch.sigmoid(F.linear(x, shared_gate_weight)).reshape(-1).float()
-        out = self(layer, x, weights, index, scale)
+        out = self(layer, x, weights, index, scale, bias=bias)
         return out, Routing(index, weights, scale, logits.float())
 
     def _buffers(
@@ -258,6 +281,42 @@ class FusedMoE:
             E = self.spec.num_experts
             self._decode_buffers[(T, k, wpad)] = decode_buffers(T, k, E, wpad, device)
         return self._decode_buffers[(T, k, wpad)]
+
+    def _kernel(self, name: str) -> str:
+        """The launch name of kernel `name` in this model's build (`registry.qualified`)."""
+        return registry.qualified(name, self.variant)
+
+    def _use_bias(self, layer: int, bias: ExpertBias | None) -> None:
+        """Hold `layer`'s expert biases as the kernels read them (a build with biases): fp16,
+        gate and up [E, 2, I], down [E, H], made once per layer (their pointers stay fixed for
+        the launches kept and CUDA graphs) and copied again only if the model's tensors move.
+        A layer's biases are the model's: a call without them takes those held, or none (null
+        pointers) before the layer's first call with them."""
+        if not self.variant.expert_bias or bias is None:
+            return
+        key = tuple(t.data_ptr() for t in (bias.gate, bias.up, bias.down))
+        if layer in self._bias and self._bias[layer][0] == key:
+            return
+        half = torch.float16
+        gate_up = torch.stack([bias.gate, bias.up], dim=1).to(half).contiguous()
+        fresh: tuple[torch.Tensor, ...] = (gate_up, bias.down.to(half).contiguous())
+        if layer in self._bias:  # into the copies the kept launches point at
+            for mine, new in zip(self._bias[layer][1], fresh, strict=True):
+                mine.copy_(new)
+            fresh = self._bias[layer][1]
+        self._bias[layer] = (key, fresh)
+
+    def _slot_args(self, layer: int, pairs: Pairs, shared: bool = False) -> tuple:
+        """The kernels' slot arguments (cuda/planes.cuh SLOT_ARGS): the pairs' and, in a build
+        with biases, the layer's bias pointers (null without, and for the `shared` expert's
+        slot, which has none)."""
+        args = pairs.kernel_args(self.block_ids[layer])
+        if not self.variant.expert_bias:
+            return args
+        held = self._bias.get(layer)
+        if held is None or shared:
+            return args + (np.uint64(0), np.uint64(0))
+        return args + tuple(launch.ptr(t) for t in held[1])
 
     # --- the torch path: CPU execution and the kernels' reference ------------------------------
 
@@ -354,7 +413,7 @@ class FusedMoE:
         hp = [self._h(layer, t, p, xf.device) for t, p in groups]
         # the second group's pointers: the routed group again when there is no shared expert
         second = groups[-1][1].slot_args() + (ptr(hp[-1]),)
-        common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
+        common = self.dt.kernel_args() + self._slot_args(layer, pairs)
         xpx = _NO_PIECES  # the lookup kernels take no pieces
         if is_popc(gu_build):  # the popc gate_up x's
             assert px is not None and px.buf is not None  # built by the prep launch
@@ -371,14 +430,15 @@ class FusedMoE:
         gu_args = (ptr(xf), ptr(hp[0])) + plan.gate_up_routed + second + plan.gate_up_shared
         block = (32 * geometry.WARPS,)
         gate_up = launch.Prepared(
-            f"gate_up_{gu_build}", plan.gate_up_grid, block,
+            self._kernel(f"gate_up_{gu_build}"), plan.gate_up_grid, block,
             common + gu_args + xpx + self._run_args(plan, xf.device),
             early=True,
         )  # fmt: skip
         dn_args = (ptr(hp[0]), np.uint64(0)) + plan.down_routed + second + plan.down_shared  # out
         # down stages while gate_up finishes and waits before it reads h
         down = launch.Prepared(
-            f"down_{dn_build}", plan.down_grid, block, common + dn_args + hpx, (len(common) + 1,),
+            self._kernel(f"down_{dn_build}"), plan.down_grid, block, common + dn_args + hpx,
+            (len(common) + 1,),
             early=True,
         )  # fmt: skip
         if planes is None:
@@ -496,7 +556,7 @@ class FusedMoE:
         )
         grid += (geometry.POPC_SPLIT,)
         steps = min(geometry.POPC_STEPS, max(popc.steps(p.words) for _, p, _ in jobs))
-        return launch.Prepared("popc_planes", grid, (32 * steps,), args, early=True)
+        return launch.Prepared(self._kernel("popc_planes"), grid, (32 * steps,), args, early=True)
 
     def _decode_launch(
         self, layer: int, n_routed: int, with_shared: bool, kind: str
@@ -543,7 +603,7 @@ class FusedMoE:
         `down_split`, or by `geometry.k_split`, which fills the GPU for the lookup kernels and
         one wave of the popc kernels' CTAs for them; both groups in one wave where a plan fits
         (`geometry.down_groups`, unless the rules' down_one_wave is off)."""
-        wave = launch.resident_ctas(f"down_{kind}") if is_popc(kind) else None
+        wave = launch.resident_ctas(self._kernel(f"down_{kind}")) if is_popc(kind) else None
         shared = (dn[1].rows, dn[1].words) if len(dn) > 1 else None
         return geometry.down_groups(
             (dn[0].rows, dn[0].words),
@@ -569,7 +629,7 @@ class FusedMoE:
         if ctas is None and past_mma:
             return 0, 0
         if ctas is None:
-            wave = launch.resident_ctas(f"gate_up_{kind}")
+            wave = launch.resident_ctas(self._kernel(f"gate_up_{kind}"))
             ctas = geometry.gate_up_runs(tiles + shared_tiles, wave)
         return geometry.gate_up_shares(ctas, tiles, shared_tiles)
 
@@ -587,14 +647,14 @@ class FusedMoE:
         info) and sync nothing; the mma.sync ones sync the host once (the largest slot sets the
         passes)."""
         gu, dn = self.proj[(layer, shared, "gate")], self.proj[(layer, shared, "down")]
-        common = self.dt.kernel_args() + pairs.kernel_args(self.block_ids[layer])
+        common = self.dt.kernel_args() + self._slot_args(layer, pairs, shared)
         gate_up, down = self._scalars(layer, shared)
         i32, ptr = np.int32, launch.ptr
         rows = geometry.PREFILL_ROWS  # per CTA; gate_up covers h's padded columns
         row_tiles = (-(-32 * dn.wpad // rows["gate_up"]), -(-dn.rows // rows["down"]))
         block = (32 * geometry.PREFILL_WARPS,)
         if self.prefill_kernel == "wgmma" and dn.rows % 2 == 0:  # down adds row pairs
-            xt = token_tiles(x, gu.wpad, pairs, tiles)
+            xt = token_tiles(x, gu.wpad, pairs, tiles, self._kernel("token_tiles"))
             n_tiles = tiles.shape[0]
             hp = x.new_empty(n_tiles * TILE_TOKENS, 32 * dn.wpad, dtype=torch.float16)
             smem, sk = geometry.PREFILL_WG_SMEM, self._down_stream_k(dn)
@@ -613,10 +673,10 @@ class FusedMoE:
             names = ("gate_up_prefill", "down_prefill")
         io = ((ptr(xt), ptr(hp)) + gate_up, (ptr(hp), ptr(out)) + down)
         for name, grid, args, extra in zip(names, grids, io, extras, strict=True):
-            launch.launch(name, grid, block, common + args + extra, shared_mem=smem)
+            launch.launch(self._kernel(name), grid, block, common + args + extra, shared_mem=smem)
 
     def _down_stream_k(self, dn: Proj) -> int:
         """CTAs of the sm_90a prefill down's stream-K wave (cuda/prefill_wg.cu down_span), or 0 for
         one CTA a (token tile, row tile): `DispatchRules.stream_k`."""
         on = self.rules.stream_k(-(-dn.words // 8))
-        return launch.resident_prefill_ctas("down_prefill_wg") if on else 0
+        return launch.resident_prefill_ctas(self._kernel("down_prefill_wg")) if on else 0

@@ -138,17 +138,20 @@ def down_spans(units: int, sk: int, chunks: int) -> list[tuple[int, int]]:
     return whole + list(zip(shares, shares[1:], strict=False))
 
 
-def token_tiles(x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor) -> torch.Tensor:
+def token_tiles(
+    x: torch.Tensor, wpad: int, pairs: Pairs, info: torch.Tensor, kernel: str = "token_tiles"
+) -> torch.Tensor:
     """`wgmma_tiles(x, wpad, pairs.token[tile_plan(pairs).pair])` in one launch (CUDA), flat
     [tiles, 128 * 32 * wpad], for the tiles `info` plans (`tile_plan(pairs).info`). Tiles past
-    the last real one (slot -1) are left unwritten: no kernel reads them."""
+    the last real one (slot -1) are left unwritten: no kernel reads them. `kernel`: its launch
+    name in the model's build (`registry.qualified`: the module its prefill kernels are in)."""
     xh = x.half().contiguous()
     tiles = info.shape[0]
     xt = torch.empty(tiles, TILE_TOKENS * 32 * wpad, dtype=torch.float16, device=x.device)
     units = wpad // 4 * 2048  # 16-byte units a tile (cuda/prefill_wg.cu token_tiles)
     p, i = launch.ptr, np.int32
     launch.launch(
-        "token_tiles",
+        kernel,
         (min(64, -(-units // 256)), tiles),
         (256,),
         (p(xh), i(x.shape[1]), i(wpad), p(pairs.token), p(pairs.lo), p(pairs.hi), p(info), p(xt)),

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pwctl.format.recipe import MoESpec
-from pwctl.kernels import geometry, launch, popc
+from pwctl.kernels import geometry, launch, popc, registry
 from pwctl.kernels.geometry import ROUTE_LOADS, ROUTE_MAX_EXPERTS
 from pwctl.runtime.moe.layouts import tile_bound
 from pwctl.runtime.moe.pairs import Pairs, decode_buffers, pair_buffers
@@ -134,10 +134,7 @@ def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool
     """Whether `FusedMoE.routed` takes this call: always on the CPU (torch's router); on CUDA
     when `prepare_routed` does, a decode of fp16 tokens and router, rows a multiple of 8 values
     starting 16-byte aligned (the dot products load 16 bytes at a time), at most 256 experts and
-    top-8. Never with biases (GPT-OSS's router and experts): route_prep has none, and the torch
-    twin is `route` then the fused MoE's call, which takes them."""
-    if spec.router_bias or spec.expert_bias:
-        return False
+    top-8 (a router bias, GPT-OSS's, is the build's: `registry.Variant.router_bias`)."""
     if not x.is_cuda:
         return True
     return (
@@ -163,17 +160,20 @@ def prepare_routed(
     buffers: tuple[Pairs, torch.Tensor] | None = None,
     routing: Routing | None = None,
     pieces: XPieces | None = None,
+    router_bias: torch.Tensor | None = None,
 ) -> tuple[Pairs, torch.Tensor, Routing]:
     """`prepare_decode` with the router folded into its launch: logits (x @ gate_weight.T, fp16
     values), each token's top-k in the recipe's order, the shared expert's gate, then the pairs,
     x in fragment order, `out` zeroed and x's `pieces`. x, gate weights: fp16 (`can_route`).
-    `done`: an int32 counter, zero between launches (the kernel's last block resets it)."""
+    `done`: an int32 counter, zero between launches (the kernel's last block resets it).
+    `router_bias`: fp16 [E] where spec.router_bias."""
     T, H = x.shape
     shared = shared_gate_weight is not None
     pairs, xf = buffers or decode_buffers(T, spec.top_k, spec.num_experts, wpad, x.device)
     routing = routing or routing_buffers(T, spec, shared, x.device)
-    prepared = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces)
-    prepared(*routed_pointers(x, gate_weight, shared_gate_weight, out))
+    variant = registry.Variant(router_bias=spec.router_bias)  # (route_prep reads only this)
+    prepared = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces, variant)
+    prepared(*routed_pointers(x, gate_weight, shared_gate_weight, out, router_bias))
     return pairs, xf, routing
 
 
@@ -182,11 +182,13 @@ def routed_pointers(
     gate_weight: torch.Tensor,
     shared_gate_weight: torch.Tensor | None,
     out: torch.Tensor,
-) -> tuple[int, int, int, int]:
+    router_bias: torch.Tensor | None = None,
+) -> tuple[int, ...]:
     """What a `route_launch` takes at each call: x, the router's and the shared gate's weights
-    (0: none), out."""
+    (0: none), out and, where the router has one (fp16 [E]), its bias."""
     sgw = 0 if shared_gate_weight is None else shared_gate_weight.contiguous().data_ptr()
-    return x.contiguous().data_ptr(), gate_weight.contiguous().data_ptr(), sgw, out.data_ptr()
+    head = (x.contiguous().data_ptr(), gate_weight.contiguous().data_ptr(), sgw, out.data_ptr())
+    return head if router_bias is None else (*head, router_bias.contiguous().data_ptr())
 
 
 def route_launch(
@@ -200,9 +202,11 @@ def route_launch(
     xf: torch.Tensor,
     routing: Routing,
     pieces: XPieces | None,
+    variant: registry.Variant = registry.DEFAULT,
 ) -> launch.Prepared:
     """`prepare_routed`'s launch for T tokens of H into these buffers: `routed_pointers` fill
-    its holes (x, router weights, shared gate weights, out [T, H] float32) at each call."""
+    its holes (x, router weights, shared gate weights, out [T, H] float32 and, in a build with
+    a router bias, the bias) at each call."""
     E, k = spec.num_experts, spec.top_k
     slots, units, slices = min(E, T * k), max(xf.numel(), T * H), route_slices(H)
     warps = T * (E + shared) * slices
@@ -220,6 +224,9 @@ def route_launch(
         + (i(wpad), p(xf))
     )
     args = head + (hole, i(T * H)) + px.args + (i(slices),)  # out
-    holes = (0, 3, 5, len(head))
+    holes: tuple[int, ...] = (0, 3, 5, len(head))
+    if variant.router_bias:  # the build's last argument (cuda/route.cu ROUTER_BIAS_ARG)
+        args, holes = args + (hole,), holes + (len(args),)
     grid, smem = (blocks + px.blocks,), geometry.group_smem(E)
-    return launch.Prepared("route_prep", grid, (geometry.PREP_THREADS,), args, holes, smem)
+    name = registry.qualified("route_prep", variant)
+    return launch.Prepared(name, grid, (geometry.PREP_THREADS,), args, holes, smem)
