@@ -155,10 +155,6 @@ class DecodeGraphs:
         self._inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        # one side stream for every capture's eager run: the caching allocator keeps a stream's
-        # freed blocks for that stream, so a fresh stream a capture would strand its step's
-        # temporaries (a decode step's gathered keys and values) in memory no later step reuses
-        self._side = torch.cuda.Stream(self.device) if capture else None
         # what every graph writes, made on the first capture: logits [max_seqs, vocab] (fp32),
         # and per MoE layer the tap's tensors (x, index, weights; max_seqs rows)
         self._logits: torch.Tensor | None = None
@@ -256,17 +252,17 @@ class DecodeGraphs:
         return True
 
     def _capture(self, inputs: DecodeInputs, tap: MoETap | None) -> torch.cuda.CUDAGraph:
-        """A graph of `_run` on `inputs` writing into the shared outputs, after one eager run on
-        a side stream (which makes the kernels' lazily built launches and buffers, and the
-        outputs: a capture records work, it runs none). Graphs share one memory pool and keep
-        nothing of their own there: a step's temporaries are dead when its replay ends."""
-        side = self._side
-        assert side is not None  # captures run only with `capture`, which makes the stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            logits = self._run(inputs)  # the step itself: the replay rewrites the same cache rows
-        torch.cuda.current_stream().wait_stream(side)
-        side.synchronize()
+        """A graph of `_run` on `inputs` writing into the shared outputs, after one eager run
+        (which makes the kernels' lazily built launches and buffers, and the outputs: a capture
+        records work, it runs none). Graphs share one memory pool and keep nothing of their own
+        there: a step's temporaries are dead when its replay ends. The eager run is on the
+        serving stream, not a side stream: the caching allocator keeps a stream's blocks for
+        that stream, so the buffers the run makes for good (the fused MoE's, per token count)
+        would pin pages of a segment only captures use. That is the likely holder of what was
+        reserved and not allocated on an H100 (2026-12-06: ~108 MB at start-up, rises of 65-78
+        MB with new graph shapes); the peak timeline's `where` (by stream) tells."""
+        logits = self._run(inputs)  # the step itself: the replay rewrites the same cache rows
+        torch.cuda.current_stream().synchronize()
         torch.cuda.empty_cache()  # that run's temporaries, before the graph's pool takes its own
         self._make_outputs(logits, tap)
         graph = torch.cuda.CUDAGraph()
