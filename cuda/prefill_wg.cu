@@ -584,10 +584,10 @@ __device__ __forceinline__ void down_prefill_job(PrefillWG& sm, const Paged& g, 
             const float w = __ldg(s.weight + pair);
             float* at = out + (i64)__ldg(s.token + pair) * H + row;
             // (the bias variant: the down bias by the job whose chunks start the row)
-            const float v0 = WITH_DOWN_BIAS(s, e, row, H, ch.c0 == 0, low ? d[i] : got);
-            const float v1 = WITH_DOWN_BIAS(s, e, row + 1, H, ch.c0 == 0, low ? got : d[i + 1]);
             asm volatile("red.global.add.v2.f32 [%0], {%1, %2};"
-                         :: "l"(at), "f"(w * v0), "f"(w * v1)
+                         :: "l"(at),
+                            "f"(w * WITH_DOWN_BIAS(s, e, row, H, ch.c0 == 0, low ? d[i] : got)),
+                            "f"(w * WITH_DOWN_BIAS(s, e, row + 1, H, ch.c0 == 0, low ? got : d[i + 1]))
                          : "memory");
         }
     }
