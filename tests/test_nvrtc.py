@@ -82,13 +82,37 @@ def _kernels_in(cubin: bytes) -> list[str]:
     return sorted(name for name in registry.BY_NAME if b".text." + name.encode() + b"\0" in cubin)
 
 
-# Every part of every variant a recipe asks for (registry.VARIANTS), each part once: a part that
-# compiles alike in two variants (`registry.part_variant`: the prep launches always) is the first's.
+def _variant_parts() -> list[int]:
+    """The parts a variant other than the default compiles here: one a family, its last (a
+    family's parts go from its longest compile to its shortest) among those that hold a gate_up
+    and a down kernel, since the variant's code is macros both take (cuda/planes.cuh). Every part
+    of every variant took the 2-core machine past `make test`'s 10 minutes from a clean clone;
+    the device compiles a variant's every part at first use, and PWCTL_NVRTC_ALL=1 does here."""
+    if os.environ.get("PWCTL_NVRTC_ALL"):
+        return list(range(len(registry.PARTS)))
+    parts = range(len(registry.PARTS))
+    chosen: dict[str, int] = {}
+    for part in parts:
+        family = registry.part_family(part)
+        if _both(part) or not any(_both(q) for q in parts if registry.part_family(q) == family):
+            chosen[family] = part
+    return sorted(chosen.values())
+
+
+def _both(part: int) -> bool:
+    """Whether part `part` holds a gate_up and a down kernel."""
+    names = registry.PARTS[part]
+    return any(n.startswith("gate_up") for n in names) and any(n.startswith("down") for n in names)
+
+
+# Every part of the default variant, and `_variant_parts` of every other a recipe asks for
+# (registry.VARIANTS); each once: a part that compiles alike in two variants
+# (`registry.part_variant`: the prep launches always) is the first's.
 _PARTS = list(
     dict.fromkeys(
         (part, registry.part_variant(part, v))
-        for part in range(len(registry.PARTS))
         for v in registry.VARIANTS
+        for part in (range(len(registry.PARTS)) if v == registry.DEFAULT else _variant_parts())
     )
 )
 
