@@ -9,7 +9,8 @@
 #       2304 tokens, 32 concurrent 2048/256 a rank (no fp16 row: the 16-bit experts take no
 #       exchange)
 # Every row is `pwctl bench --throughput`; a 2-rank row's JSON has each rank's figures under
-# `ranks` (exchange calls, bytes and seconds: all-to-all time a step = seconds / steps).
+# `ranks` (exchange calls, bytes and seconds: all-to-all time a step = seconds / steps), merged
+# into $OUT/serving.json.
 # NVLink multicast stays off (the device tool's KINDS.md): NCCL_NVLS_ENABLE=0 and the rest are
 # exported here again, so every rank a command starts inherits them.
 # Usage (device tool, kind nvidia-h100-x2 or nvidia-h200-x2; carry .carry/cupy_cache.tgz):
@@ -24,14 +25,8 @@ IO=(--input-len 2048 --output-len 256)
 HERE=$(dirname "$0")
 mkdir -p "$OUT" "$JSON"
 
-budget() { python3 -m pwctl.bench.serving_budget "$PACK" --device cuda "$@"; }
-tp() {  # name, then bench arguments: one bench process (2 ranks: it starts the second), its rc
-  local name=$1
-  shift
-  timeout "${TP_TIMEOUT:-240}" pwctl bench "$PACK" --throughput --device cuda "${IO[@]}" "$@" \
-    --json "$JSON/$name.json"
-  echo "[$name] rc $?"
-}
+source "$HERE/cupy_cache.sh"
+source "$HERE/serving_steps.sh"  # budget, row, tp
 
 case "${1:-}" in
 s)
@@ -41,7 +36,7 @@ s)
   MEM_S=$((${MEM_S%b} * 115 / 100))b
   echo "(s) memory budget a GPU $MEM_S, BUDGET $PLANES4"
   for P in uniform:4 "pagedweight:$PLANES4"; do
-    name=$(case $P in uniform:*) echo uniform4 ;; *) echo pagedweight ;; esac)
+    name=$(row "$P")
     tp "s1_$name" --concurrency 16 --requests 32 --max-seqs 16 --memory-budget "$MEM_S" \
       --policy "$P" --max-bits 4
     tp "s2_$name" --expert-parallel 2 --concurrency 32 --requests 64 --max-seqs 16 \
@@ -53,28 +48,22 @@ r)
   MEM_B=$(budget --planes fp16 --seqs 4 --tokens 2304 --max-seqs 32 --measure)
   echo "(r) memory budget a rank $MEM_B, BUDGET $PLANES4"
   for P in uniform:4 "pagedweight:$PLANES4"; do
-    name=$(case $P in uniform:*) echo uniform4 ;; *) echo pagedweight ;; esac)
-    tp "r2_$name" --expert-parallel 2 --concurrency 64 --requests 128 --max-seqs 32 \
+    tp "r2_$(row "$P")" --expert-parallel 2 --concurrency 64 --requests 128 --max-seqs 32 \
       --memory-budget "$MEM_B" --policy "$P"
   done
   ;;
-report)  # one line a row, and the 2-rank rows' exchange per step
-  python3 - "$JSON" "$OUT/expert_parallel.json" <<'PY'
-import json, sys, pathlib
-src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-merged = {p.stem: json.loads(p.read_text()) for p in sorted(src.glob("*.json"))}
-dst.write_text(json.dumps(merged, indent=1))
+report)  # one line a row (perf_serving_gpu.sh merge), each 2-rank row's ranks, the scaling
+  JSON=$JSON OUT=$OUT bash "$HERE/perf_serving_gpu.sh" merge
+  python3 - "$OUT/serving.json" <<'PY'
+import json, sys
+merged = json.load(open(sys.argv[1]))
 for name, doc in merged.items():
     for r in doc.get("results", []):
-        line = (f"{name:16s} {r['policy'][:26]:26s} c{r['load']:<3d} out {r['output_tok_s']:8.1f}"
-                f" tok/s  TPOT {r['tpot_mean_s'] * 1e3:6.2f} ms  peak {r['peak_memory_bytes'] / 1e9:.3f}"
-                f" / {r['memory_budget_bytes'] / 1e9:.3f} GB  preempt {r['preemptions']}")
         for rank in r.get("ranks") or []:
-            ex, steps = rank.get("exchange", {}), max(rank.get("steps", 0), 1)
-            line += (f"\n    rank {rank.get('rank')}: out {rank.get('output_tok_s', 0):.1f} tok/s,"
-                     f" all-to-all {ex.get('seconds', 0) / steps * 1e3:.2f} ms a step,"
-                     f" {ex.get('sent_bytes', 0) / 1e6:.1f} MB sent")
-        print(line)
+            ex, steps = rank["exchange"], max(rank["steps"], 1)
+            print(f"{name:16s} rank {rank['rank']}: out {rank['output_tok_s']:.1f} tok/s, "
+                  f"all-to-all {ex['seconds'] / steps * 1e3:.2f} ms a step, "
+                  f"{ex['sent_bytes'] / 1e6:.1f} MB sent")
 for pol in ("uniform4", "pagedweight"):
     one, two = merged.get(f"s1_{pol}"), merged.get(f"s2_{pol}")
     if one and two:
@@ -87,6 +76,7 @@ all)
     for S in s r; do start=\$(date +%s); bash '$0' \$S;
     echo \"== stage \$S: \$((\$(date +%s) - start)) s\"; done"
   bash "$0" report
+  save_cupy_cache
   ;;
 *)
   echo "usage: $0 s|r|report|all" >&2

@@ -48,19 +48,7 @@ mkdir -p "$OUT"
 JSON=${JSON:-/tmp/serving-json}
 mkdir -p "$JSON"
 source "$(dirname "$0")/cupy_cache.sh"
-
-# --measure: the engine's fixed part, confirmed by its start-up step (decision 043)
-budget() { python3 -m pwctl.bench.serving_budget "$PACK" --device cuda "$@"; }
-row() {  # a policy's JSON name: uniform:3 -> uniform3, pagedweight:2225602560B -> pagedweight
-  case $1 in uniform:*) echo "${1/:/}" ;; *) echo "${1%%:*}" ;; esac
-}
-tp() {  # name, then bench arguments: one bench process, its rc printed
-  local name=$1
-  shift
-  timeout "${TP_TIMEOUT:-300}" pwctl bench "$PACK" --throughput --device cuda "${IO[@]}" "$@" \
-    --json "$JSON/$name.json"
-  echo "[$name] rc $?"
-}
+source "$(dirname "$0")/serving_steps.sh"  # budget, row, tp
 
 case "${1:-}" in
 prep)
