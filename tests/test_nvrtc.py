@@ -86,10 +86,11 @@ def _variant_parts() -> list[int]:
     """The parts a variant other than the default compiles here: one a family, its last (a
     family's parts go from its longest compile to its shortest) among those that hold a gate_up
     and a down kernel, since the variant's code is macros both take (cuda/planes.cuh). Every part
-    of every variant is 33 compiles against the default's 12, and a clean clone's `make test`
-    (nothing cached) took 559 s with the 12 alone: it would pass its 10 minutes. With these 21 it
-    took 494 s (2-core machine, 2026-12-06). The device compiles a variant's every part at first
-    use, and PWCTL_NVRTC_ALL=1 does here."""
+    of every variant is 33 compiles against the default's 12, which alone take ~430 s of CPU
+    with nothing cached (docs/PERF.md "NVRTC compile"): on the 2-core machine that is ~400 s more
+    of a clean clone's `make test`, past its 10 minutes (with these 21: `.ci/run` 494 s in all,
+    2026-12-06). The device compiles a variant's every part at first use, and PWCTL_NVRTC_ALL=1
+    does here."""
     if os.environ.get("PWCTL_NVRTC_ALL"):
         return list(range(len(registry.PARTS)))
     parts = range(len(registry.PARTS))
