@@ -660,7 +660,6 @@ def test_variant_kernels_match_reference(shape):
     build and both prefills, against the torch path with the same biases: decode at 1, 4 and
     16 tokens, prefill at 512, at 2, 4 and 8 bits and mixed widths 2-8."""
     from pwctl.bench.kernels import random_routing
-    from tests.test_kernels import PREFILL_KINDS, _poison, _set_widths
 
     layer = synthetic_layer(SHAPES[shape], seed=7)
     rng = np.random.default_rng(7)
