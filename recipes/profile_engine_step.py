@@ -87,6 +87,32 @@ def gpu_busy_us(prof: torch.profiler.profile) -> tuple[float, int]:
     return busy, len(spans)
 
 
+def host_outside_forward(engine: Engine, device: str, steps: int) -> None:
+    """Print the host's time a step outside the model's forward (scheduling, sampling, reading
+    tokens, detokenization, the planner): with overlapped steps on the GPU, what must fit in the
+    GPU's step for the GPU never to wait."""
+    runner = engine.batcher.runner
+    inside = [0.0]
+    forward = runner.forward
+
+    def timed(*args, **kw):
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kw)
+        finally:
+            inside[0] += time.perf_counter() - start
+
+    runner.forward = timed  # type: ignore[method-assign]  # this instance only, then put back
+    t0 = synced(device)
+    for _ in range(steps):
+        engine.step()
+    wall = synced(device) - t0
+    runner.forward = forward  # type: ignore[method-assign]
+    print(f"host outside the forward: {(wall - inside[0]) / steps * 1e3:.2f} ms a step of "
+          f"{wall / steps * 1e3:.2f} (the forward's host side, launches included: "
+          f"{inside[0] / steps * 1e3:.2f})")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("pack")
@@ -109,7 +135,7 @@ def main() -> None:
         a.device,
         a.max_bits,
         a.prompt_len,
-        12 * a.steps + 8,
+        13 * a.steps + 8,
         not a.eager,
         a.seqs,
         not a.no_overlap,
@@ -155,6 +181,7 @@ def main() -> None:
             print(f"  ({graphs.captures - captured} graph captures in the profiled steps: their "
                   "eager runs count in the busy time)")  # fmt: skip
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
+    host_outside_forward(engine, a.device, a.steps)
     prof_py = cProfile.Profile()
     prof_py.enable()
     for _ in range(a.steps):
