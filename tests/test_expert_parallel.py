@@ -34,16 +34,17 @@ def test_each_rank_takes_its_own_gpu_and_nccl(monkeypatch):
     starts the others, has neither) over NCCL; the CPU stays the CPU over gloo; fewer GPUs than
     ranks on the host, or a GPU named by hand, is refused before anything loads."""
     from pwctl.runtime.parallel import launch
+    from pwctl.runtime.parallel.exchange import backend_for
 
     chosen: list[int] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     for var in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    assert launch.rank_device("cpu", 2) == "cpu" and launch.backend_for("cpu") == "gloo"
+    assert launch.rank_device("cpu", 2) == "cpu" and backend_for("cpu") == "gloo"
     assert launch.rank_device("cuda", 2) == "cuda:0"
     monkeypatch.setenv("RANK", "1")
-    assert launch.rank_device("cuda", 2) == "cuda:1" and launch.backend_for("cuda:1") == "nccl"
+    assert launch.rank_device("cuda", 2) == "cuda:1" and backend_for("cuda:1") == "nccl"
     monkeypatch.setenv("RANK", "5")  # torchrun on a second host: its local rank decides
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -88,7 +88,8 @@ def run(
 
         bits = "-" if max_bits is None else str(max_bits)
         budget_arg = "-" if memory_budget is None else memory_budget
-        owner = [str(pack), str(pol), bits, budget_arg, device]
+        kind = device.partition(":")[0]  # each owner takes its own GPU (`rank_device`)
+        owner = [str(pack), str(pol), bits, budget_arg, kind]
         with ranks(expert_parallel, owner, device=device) as rank:
             prompts = [ids] if rank == 0 else []  # under torchrun other ranks only serve
             ep = RankEngine(engine)

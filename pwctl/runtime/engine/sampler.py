@@ -83,17 +83,23 @@ def nucleus(
     by bisection on the device for every row at once (ties at it all kept)."""
     k = min(probs.shape[-1], NUCLEUS_K)
     top, order = probs.topk(k, dim=-1)
-    keep = top.cumsum(-1) - top < top_p[:, None]  # the smallest set reaching top_p
-    mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
+    mask = _smallest_reaching(probs, top, order, top_p)
     short = (top.sum(-1) < top_p) & (top_p < 1)  # rows whose nucleus goes past the k-th token
     if k < probs.shape[-1]:
         if probs.is_cuda if sync_free is None else sync_free:
             mask = torch.where(short[:, None], probs >= threshold(probs, top_p, top[:, -1]), mask)
         elif bool(short.any()):
-            top, order = probs.sort(dim=-1, descending=True)
-            keep = top.cumsum(-1) - top < top_p[:, None]
-            mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
+            mask = _smallest_reaching(probs, *probs.sort(dim=-1, descending=True), top_p)
     return mask | (top_p[:, None] >= 1)
+
+
+def _smallest_reaching(
+    probs: torch.Tensor, top: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask [n, vocab] of the smallest set of each row's `top` probabilities (at `order`, most
+    likely first) that reaches its top_p."""
+    keep = top.cumsum(-1) - top < top_p[:, None]
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
 
 
 def threshold(probs: torch.Tensor, top_p: torch.Tensor, high: torch.Tensor) -> torch.Tensor:

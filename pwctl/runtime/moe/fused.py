@@ -39,6 +39,7 @@ from pwctl.runtime.moe.prep import (
     route_launch,
     routed_pointers,
     routing_buffers,
+    variant_of,
 )
 from pwctl.runtime.moe.router import route
 
@@ -63,14 +64,6 @@ class DecodeLaunch:
     down_grid: tuple[int, int, int]
     down_routed: tuple
     down_shared: tuple
-
-
-def variant_of(spec: MoESpec) -> registry.Variant:
-    """The kernels' build for `spec`'s experts and router (`registry.variant_for`; a one-line
-    ValueError for an activation no kernel computes)."""
-    return registry.variant_for(
-        spec.act, spec.expert_bias, spec.router_bias, spec.swiglu_alpha, spec.swiglu_limit
-    )
 
 
 class FusedMoE:

@@ -130,6 +130,14 @@ def route_slices(H: int) -> int:
     return slices
 
 
+def variant_of(spec: MoESpec) -> registry.Variant:
+    """The kernels' build for `spec`'s experts and router (`registry.variant_for`; a one-line
+    ValueError for an activation no kernel computes)."""
+    return registry.variant_for(
+        spec.act, spec.expert_bias, spec.router_bias, spec.swiglu_alpha, spec.swiglu_limit
+    )
+
+
 def can_route(spec: MoESpec, x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
     """Whether `FusedMoE.routed` takes this call: always on the CPU (torch's router); on CUDA
     when `prepare_routed` does, a decode of fp16 tokens and router, rows a multiple of 8 values
@@ -171,7 +179,7 @@ def prepare_routed(
     shared = shared_gate_weight is not None
     pairs, xf = buffers or decode_buffers(T, spec.top_k, spec.num_experts, wpad, x.device)
     routing = routing or routing_buffers(T, spec, shared, x.device)
-    variant = registry.Variant(router_bias=spec.router_bias)  # (route_prep reads only this)
+    variant = variant_of(spec)
     prepared = route_launch(T, H, spec, shared, wpad, done, pairs, xf, routing, pieces, variant)
     prepared(*routed_pointers(x, gate_weight, shared_gate_weight, out, router_bias))
     return pairs, xf, routing

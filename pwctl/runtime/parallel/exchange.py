@@ -27,13 +27,17 @@ from pwctl.runtime.parallel.placement import ExpertPlacement
 RunExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def join(
-    rank: int, world: int, backend: str = "gloo", timeout_s: float = 60.0, device: str = "cpu"
-) -> None:
+def backend_for(device: str) -> str:
+    """The collectives' backend for ranks on `device`: NCCL between GPUs, gloo on the CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def join(rank: int, world: int, timeout_s: float = 60.0, device: str = "cpu") -> None:
     """This process into the group (MASTER_ADDR / MASTER_PORT from the environment, as torchrun
-    sets them), with an explicit timeout: a rank that dies makes the others' next collective
-    fail within it instead of hanging (under NCCL its watchdog ends the process). NCCL's group
-    is bound to this rank's GPU (`device`) at once."""
+    sets them) over `backend_for(device)`, with an explicit timeout: a rank that dies makes the
+    others' next collective fail within it instead of hanging (under NCCL its watchdog ends the
+    process). NCCL's group is bound to this rank's GPU (`device`) at once."""
+    backend = backend_for(device)
     try:
         dist.init_process_group(
             backend,
@@ -73,8 +77,8 @@ class ExpertExchange:
                 f"the placement is for {placement.ranks} ranks, the group has "
                 f"{dist.get_world_size(group)}"
             )
+        # the owner of every (layer, expert), moved to the tokens' device at the first call
         self._owner = torch.as_tensor(placement.owner, dtype=torch.long)
-        self._owner_on: dict[torch.device, torch.Tensor] = {}  # `_owner` where the tokens are
         self.stats = ExchangeStats()
 
     def __call__(
@@ -91,7 +95,9 @@ class ExpertExchange:
         T, k = index.shape
         R, H = self.placement.ranks, x.shape[1]
         flat = index.reshape(-1).long()
-        dest = self._owners(flat.device)[layer][flat]
+        if self._owner.device != flat.device:
+            self._owner = self._owner.to(flat.device)
+        dest = self._owner[layer][flat]
         order = torch.argsort(dest, stable=True)
         tokens = order // k
         send = torch.bincount(dest, minlength=R)
@@ -106,12 +112,6 @@ class ExpertExchange:
         out.index_add_(0, tokens, back.float() * w[:, None])
         self.stats.calls += 1
         return out
-
-    def _owners(self, device: torch.device) -> torch.Tensor:
-        """The owner of every (layer, expert) on `device`, copied there once."""
-        if device not in self._owner_on:
-            self._owner_on[device] = self._owner.to(device)
-        return self._owner_on[device]
 
     def _counts(self, send: torch.Tensor) -> torch.Tensor:
         recv = torch.empty_like(send)

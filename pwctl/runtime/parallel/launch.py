@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
 from pwctl.errors import PwctlError
@@ -25,14 +26,16 @@ TIMEOUT_S = 120.0  # a rank that dies fails the others' next exchange within thi
 OWNER = "pwctl.runtime.parallel.owner"
 
 
-def leave() -> None:
-    """Leave the group with every other rank: a rank whose process exits while gloo's threads
-    still talk to a peer can abort ("terminate called without an active exception")."""
+def leave(group: dist.ProcessGroup | None = None) -> None:
+    """Leave `group` (default: the whole group) with every other rank: a rank whose process
+    exits while gloo's threads still talk to a peer can abort ("terminate called without an
+    active exception"), and a rank that tears the group down before the others have read the
+    last collective fails them."""
     try:
-        dist.barrier()
+        dist.barrier(group)
     except RuntimeError as e:
         raise PwctlError(f"a rank left before the others ({e})") from None
-    dist.destroy_process_group()
+    dist.destroy_process_group(group)
 
 
 def rank_entry(main: Callable[[list[str]], int]) -> None:
@@ -45,11 +48,6 @@ def rank_entry(main: Callable[[list[str]], int]) -> None:
         sys.exit(2)
 
 
-def backend_for(device: str) -> str:
-    """The collectives' backend for ranks on `device`: NCCL between GPUs, gloo on the CPU."""
-    return "nccl" if device.startswith("cuda") else "gloo"
-
-
 def rank_device(device: str, n: int) -> str:
     """This rank's device for `--device device` under `--expert-parallel n`: the CPU as it is;
     on CUDA the GPU of this rank's local index (LOCAL_RANK under torchrun, else RANK: the ranks
@@ -58,8 +56,6 @@ def rank_device(device: str, n: int) -> str:
     here, before the model loads."""
     if not device.startswith("cuda"):
         return device
-    import torch
-
     visible = torch.cuda.device_count()
     local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     here = int(os.environ.get("LOCAL_WORLD_SIZE", n))
@@ -107,7 +103,7 @@ def ranks(
     if world != n:
         raise PwctlError(f"--expert-parallel {n}, but the launcher started {world} ranks")
     try:
-        join(rank, world, backend_for(device), TIMEOUT_S, device)
+        join(rank, world, TIMEOUT_S, device)
         yield rank
         if together:
             leave()

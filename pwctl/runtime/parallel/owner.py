@@ -1,8 +1,8 @@
 """A rank that only serves its experts to the others (started by `launch.ranks` for generate):
 python -m pwctl.runtime.parallel.owner PACK POLICY MAX_BITS MEMORY_BUDGET DEVICE ("-": none),
-with torchrun's environment (DEVICE: rank 0's, cpu or cuda:0; this rank takes its own GPU). Once
-no rank has work it hands rank 0 its metrics (rank 0 gathers every rank's at that point:
-`gather_rank_metrics`)."""
+with torchrun's environment (DEVICE: cpu or cuda, as rank 0 was asked; this rank takes its own
+GPU). Once no rank has work it hands rank 0 its metrics (rank 0 gathers every rank's at that
+point: `gather_rank_metrics`)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,7 @@ def main(argv: list[str]) -> int:
     from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
     from pwctl.runtime.engine.scheduler import SamplingParams
     from pwctl.runtime.parallel.exchange import join
-    from pwctl.runtime.parallel.launch import (
-        TIMEOUT_S,
-        backend_for,
-        leave,
-        rank_device,
-        torchrun_rank,
-    )
+    from pwctl.runtime.parallel.launch import TIMEOUT_S, leave, rank_device, torchrun_rank
     from pwctl.runtime.parallel.rank_metrics import gather_rank_metrics
     from pwctl.runtime.parallel.ranks import RankEngine
 
@@ -34,8 +28,8 @@ def main(argv: list[str]) -> int:
     launched = torchrun_rank()
     if launched is None:
         raise PwctlError("an owner rank needs RANK and WORLD_SIZE (launch.ranks sets them)")
-    device = rank_device("cuda" if argv[4].startswith("cuda") else argv[4], launched[1])
-    join(*launched, backend_for(device), TIMEOUT_S, device)
+    device = rank_device(argv[4], launched[1])
+    join(*launched, TIMEOUT_S, device)
     experts = experts_for(policy, device)  # as rank 0 chose: the same backend and dtype
     engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
     batcher = engine.start_batching(policy, budget, BatchConfig())

@@ -17,15 +17,15 @@ request (503), /health says down, and the other ranks leave with the error."""
 from __future__ import annotations
 
 import logging
-import queue
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from pwctl.errors import PwctlError
-from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
+from pwctl.runtime.engine.scheduler import SamplingParams
 from pwctl.runtime.parallel.gather import gather_to_first
+from pwctl.runtime.parallel.launch import leave
 from pwctl.runtime.parallel.rank_metrics import rank_metrics
 from pwctl.runtime.parallel.ranks import RankEngine
 from pwctl.runtime.serve.worker import EngineWorker, Request, Update
@@ -65,7 +65,7 @@ class RankTurns:
         """One turn (a collective: every rank takes every turn); rank 0 gets every report."""
         updates = self._obey(orders)
         if self.ranks.has_work:
-            updates += [(self.key_of[s.seq_id], _update(s)) for s in self.ranks.step()
+            updates += [(self.key_of[s.seq_id], Update.of(s)) for s in self.ranks.step()
                         if s.seq_id in self.key_of]  # fmt: skip
         else:
             self.batcher.idle()
@@ -102,7 +102,7 @@ def follow(ranks: RankEngine) -> None:
     turns = RankTurns(ranks)
     while not (orders := _broadcast(None, ranks.group)).stop:
         turns.turn(orders)
-    _leave(ranks.group)
+    leave(ranks.group)  # every rank has its stop order before any tears the group down
 
 
 class RankedWorker(EngineWorker):
@@ -125,7 +125,7 @@ class RankedWorker(EngineWorker):
                 if reports is not None:
                     self._deliver(reports)
             _broadcast(Orders(stop=True), self.ranks.group)
-            _leave(self.ranks.group)
+            leave(self.ranks.group)
         except Exception as e:  # a rank died or timed out, or a step failed: the ranks are out
             log.error("expert-parallel serving stopped: %s", e)  # of step, nothing more serves
             self.failure = f"expert-parallel serving stopped: {e}"
@@ -134,10 +134,8 @@ class RankedWorker(EngineWorker):
     def _orders(self) -> Orders:
         """What the handlers queued since the last turn (waiting up to idle_wait_s for some
         while no rank has work), as orders to the ranks."""
-        commands: list[tuple[str, Request]] = []
-        self._take(commands, block=not self._busy)
         orders = Orders()
-        for kind, request in commands:
+        for kind, request in self._take(block=not self._busy):
             if kind == "abort":
                 key = request.seq_id
                 if key is not None and self.requests.pop(key, None) is not None:
@@ -145,16 +143,6 @@ class RankedWorker(EngineWorker):
             else:
                 self._place(request, orders)
         return orders
-
-    def _take(self, commands: list[tuple[str, Request]], block: bool) -> None:
-        """Move every queued command into `commands` (waiting for one if `block`)."""
-        try:
-            commands.append(self.inbox.get(timeout=self.idle_wait_s) if block
-                            else self.inbox.get_nowait())  # fmt: skip
-            while True:
-                commands.append(self.inbox.get_nowait())
-        except queue.Empty:
-            return
 
     def _place(self, request: Request, orders: Orders) -> None:
         """A new request to the least loaded rank (the lowest of equals)."""
@@ -194,19 +182,6 @@ class RankedWorker(EngineWorker):
             request.push(Update("", 0, "abort", error=message, status=status))
         self.requests.clear()
         self.rank_of.clear()
-
-
-def _update(seq: Sequence) -> Update:
-    return Update(seq.text, len(seq.output_ids), seq.finish_reason)
-
-
-def _leave(group: dist.ProcessGroup | None) -> None:
-    """Every rank has its stop order before any tears the group down (rank 0 returning from
-    the broadcast does not mean the others have read it all)."""
-    try:
-        dist.barrier(group)
-    except RuntimeError as e:
-        raise PwctlError(f"rank {dist.get_rank(group)}: leaving the group failed ({e})") from None
 
 
 def _broadcast(orders: Orders | None, group: dist.ProcessGroup | None) -> Orders:

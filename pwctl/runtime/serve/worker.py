@@ -37,6 +37,11 @@ class Update:
     error: str | None = None  # the engine failed this request
     status: int = 500  # the HTTP status of that error (503: the engine cannot serve)
 
+    @classmethod
+    def of(cls, seq: Sequence) -> Update:
+        """A sequence's text, tokens and finish reason now."""
+        return cls(seq.text, len(seq.output_ids), seq.finish_reason)
+
 
 @dataclass(eq=False)
 class Request:
@@ -124,20 +129,23 @@ class EngineWorker:
 
     def _drain(self, block: bool) -> int:
         """Handle every queued command (waiting up to idle_wait_s for one if `block`)."""
-        try:
-            command = self.inbox.get(timeout=self.idle_wait_s) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return 0
-        n = 0
-        while True:
+        commands = self._take(block)
+        for command in commands:
             self._handle(*command)
-            n += 1
-            try:
-                command = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-        self._publish_metrics()
-        return n
+        if commands:
+            self._publish_metrics()
+        return len(commands)
+
+    def _take(self, block: bool) -> list[tuple[str, Request]]:
+        """Every command queued now (waiting up to idle_wait_s for one if `block`)."""
+        commands: list[tuple[str, Request]] = []
+        try:
+            commands.append(self.inbox.get(timeout=self.idle_wait_s) if block
+                            else self.inbox.get_nowait())  # fmt: skip
+            while True:
+                commands.append(self.inbox.get_nowait())
+        except queue.Empty:
+            return commands
 
     def _handle(self, kind: str, request: Request) -> None:
         if kind == "abort":
@@ -186,7 +194,7 @@ class EngineWorker:
         request = self.active.get(seq.seq_id)
         if request is None:
             return
-        request.push(Update(seq.text, len(seq.output_ids), seq.finish_reason))
+        request.push(Update.of(seq))
         if seq.finished:
             del self.active[seq.seq_id]
 
