@@ -89,13 +89,14 @@ c)
   timeout 200 python3 recipes/perf_hf_generate.py "$CK" "${IO[@]}" --dtype bfloat16 \
     --json "$JSON/c_hf_generate.json" | tail -4
   ;;
-all | call1 | call2 | call3)
-  # one device call each (<= 570 s, merged after every stage so a cut call keeps its rows);
+all | call1 | call2 | call3 | stages)
+  # one device call each (`stages`: the stages named in $STAGES) (<= 570 s, merged after every stage so a cut call keeps its rows);
   # call2 and call3 right after the one before (a warm machine keeps /tmp: prep is a no-op)
   case "$1" in
   all | call1) STAGES="prep p a c" ;;  # 140 + ~130 (p both ways) + 101 + 143 s
   call2) STAGES="prep b e" ;;  # ~280 + 211 s
   call3) STAGES="prep n pager" ;;  # 270 (n: four processes) + 10 s
+  stages) STAGES=${STAGES:?name the stages, e.g. STAGES="prep a n"} ;;
   esac
   timeout "${CALL_S:-570}" bash -c "for S in $STAGES; do start=\$(date +%s); bash '$0' \$S;
     echo \"== stage \$S: \$((\$(date +%s) - start)) s\"; bash '$0' merge >/dev/null; done"

@@ -125,9 +125,10 @@ def test_a_step_larger_than_the_formula_shrinks_the_arena(bundled_pack, monkeypa
     extra = 20 * engine._block_bytes(cfg)
     runs = []
 
-    def measured(device, run):
-        run()
-        runs.append((device, run.func.__self__.kv.pool.capacity))
+    def measured(device, eager, graphs):
+        eager()
+        graphs()
+        runs.append((device, eager.func.__self__.kv.pool.capacity))
         return formula.parts["step"] + extra
 
     monkeypatch.setattr(engine_module, "measures_steps", lambda device: True)
@@ -156,7 +157,11 @@ def test_the_calculator_measures_as_the_engine_does(bundled_pack, monkeypatch):
     extra = 7 * formula.block_bytes("uniform:4", cfg)
     step = Engine(pack).fixed_part(cfg).parts["step"]
     monkeypatch.setattr(engine_module, "measures_steps", lambda device: True)
-    monkeypatch.setattr(engine_module, "step_bytes", lambda device, run: run() or step + extra)
+    monkeypatch.setattr(
+        engine_module,
+        "step_bytes",
+        lambda device, eager, graphs: eager() or graphs() or step + extra,
+    )
     measured = BudgetCalculator(pack, "cpu", measure=True)
     assert measured.fixed_bytes("uniform:4", cfg) == formula.fixed_bytes("uniform:4", cfg) + extra
     engine = Engine(pack)
@@ -173,7 +178,9 @@ def test_the_largest_step_finds_room_under_a_dynamic_policys_first_plan(bundled_
     import pwctl.runtime.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "measures_steps", lambda device: True)
-    monkeypatch.setattr(engine_module, "step_bytes", lambda device, run: run() or 0)
+    monkeypatch.setattr(
+        engine_module, "step_bytes", lambda device, eager, graphs: eager() or graphs() or 0
+    )
     engine = Engine(Pack(bundled_pack))
     cfg = BatchConfig(max_seqs=4, max_batch_tokens=32, block_size=4, max_model_len=64)
     policy = parse_policy("pagedweight:0.6")

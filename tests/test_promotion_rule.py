@@ -111,3 +111,17 @@ def test_demotions_leave_headroom_so_a_growing_cache_demotes_rarely(bundled_pack
         assert "below the watermark" in str(e)
     else:
         raise AssertionError("a headroom at the watermark would be promoted back")
+
+
+def test_memory_to_spare_at_the_widest_widths_makes_no_plan(bundled_pack, monkeypatch):
+    """With every block at the widest width there is nothing to promote: no plan is made,
+    however long the spare bytes stay above the watermark (a plan a step was host work beside
+    every step)."""
+    engine, memory = pressed(bundled_pack)
+    rule, cooldown = memory.promotion, engine.allocator.planner.cfg.cooldown
+    idle_steps(engine, memory, lambda s: 0, cooldown + rule.hold + int(np.ceil(1 / rule.cap)) + 4)
+    assert (engine.store.widths == engine.allocator.widest).all()
+    fits = []
+    monkeypatch.setattr(engine.allocator, "fit", lambda b: fits.append(b) or memory.widths)
+    idle_steps(engine, memory, lambda s: 0, 3 * rule.hold)
+    assert fits == [] and (engine.store.widths == engine.allocator.widest).all()

@@ -37,6 +37,7 @@ from pwctl.runtime.engine.scheduler import SamplingParams, Scheduler, Sequence
 from pwctl.runtime.memory.accounting import (
     FixedPart,
     StepShape,
+    cap_allocator,
     configure_allocator,
     device_capacity,
     fixed_part,
@@ -278,6 +279,7 @@ class Engine:
         dynamic = self.allocator is not None and self.allocator.dynamic
         max_len = self.max_len(cfg)
         total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
+        cap_allocator(self.device, total)  # free cached pages go back before the budget passes
         if self._measure_step(cfg, total, fixed, capacity):  # the fixed part may have grown
             total, fixed, capacity = self._split_budget(memory_budget, cfg, dynamic)
         kv, memory = self._arena(total, fixed, capacity, cfg, on_widths)
@@ -330,9 +332,13 @@ class Engine:
         if short > 0:  # a dynamic policy's first plan may leave less than one sequence
             memory.make_room(short, urgent=True)
         runner = ModelRunner(self.model, kv, self.device, self._decode_graphs(cfg, kv))
-        largest = partial(runner.largest_step, step.max_seqs, step.max_batch_tokens, step.max_len)
-        self._measured[step] = step_bytes(self.device, largest)
-        del largest, runner, kv, memory  # the graphs' pool goes before serving's make their own
+        with runner.probe_sequence(step.max_len) as rows:
+            eager = partial(
+                runner.largest_eager_step, rows, step.max_seqs, step.max_batch_tokens, step.max_len
+            )
+            graphs = partial(runner.largest_graph_step, step.max_len)
+            self._measured[step] = step_bytes(self.device, eager, graphs)
+        del eager, graphs, runner, kv, memory  # the graphs' pool goes before serving's own
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
         confirmed = self.fixed_bytes(cfg)

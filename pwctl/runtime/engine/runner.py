@@ -4,6 +4,8 @@ of the sequences that sample this step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,33 +91,48 @@ class ModelRunner:
             )
         return out.logits[0].float()
 
+    @contextmanager
+    def probe_sequence(self, max_len: int) -> Iterator[torch.Tensor]:
+        """One full-length sequence's cache rows for the start-up's step runs (every row they
+        read and write is one of them), given back after."""
+        if not self.kv.grow(WARM_UP_SEQ, max_len):
+            raise RuntimeError(f"warm-up: no room in the KV cache for {max_len} tokens")
+        try:
+            yield self.kv.slots(WARM_UP_SEQ, 0, max_len)
+        finally:
+            self.kv.free(WARM_UP_SEQ)
+
     @torch.no_grad()
-    def largest_step(self, max_seqs: int, max_batch_tokens: int, max_len: int) -> None:
+    def largest_eager_step(
+        self, rows: torch.Tensor, max_seqs: int, max_batch_tokens: int, max_len: int
+    ) -> None:
         """Run the largest eager step the scheduler can form, for its memory's sake (the
         engine measures what it holds at start-up): every decode row but one over a full-length
         cache, beside a prefill chunk of the remaining tokens at the end of a full-length
-        sequence; then the largest decode step of the graphs, if any (their pool's share). All
-        rows read and write one sequence's blocks (the cache must have room for one full-length
-        sequence), given back after; the token ids are random from a fixed seed (`probe_ids`),
-        so every process that measures this step allocates alike."""
-        seq = WARM_UP_SEQ
-        if not self.kv.grow(seq, max_len):
-            raise RuntimeError(f"warm-up: no room in the KV cache for {max_len} tokens")
-        try:
-            rows = self.kv.slots(seq, 0, max_len)
-            decodes = max(0, min(max_seqs, max_batch_tokens) - 1)
-            n = max(1, min(max_batch_tokens - decodes, max_len))
-            spans = [SeqSpan(i, i + 1, max_len - 1, rows) for i in range(decodes)]
-            spans.append(SeqSpan(decodes, decodes + n, max_len - n, rows))
-            slots = torch.cat([rows[-1:].repeat(decodes), rows[max_len - n :]])
-            positions = [max_len - 1] * decodes + list(range(max_len - n, max_len))
-            vocab = self.model.config.vocab_size
-            dev = self.device
-            ids = probe_ids(vocab, (1, decodes + n)).to(dev)
-            paged = PagedBatch(self.kv, slots.to(dev), spans)
-            self._packed(ids, torch.tensor([positions], device=dev), paged,
-                         list(range(decodes)) + [decodes + n - 1])  # fmt: skip
-            if self.graphs is not None:
-                self.graphs.largest_step(self.kv.tables[seq], max_len)
-        finally:
-            self.kv.free(seq)
+        sequence, all on `rows` (`probe_sequence`). The token ids are random from a fixed seed
+        (`probe_ids`), so every process that measures this step allocates alike."""
+        decodes = max(0, min(max_seqs, max_batch_tokens) - 1)
+        n = max(1, min(max_batch_tokens - decodes, max_len))
+        spans = [SeqSpan(i, i + 1, max_len - 1, rows) for i in range(decodes)]
+        spans.append(SeqSpan(decodes, decodes + n, max_len - n, rows))
+        slots = torch.cat([rows[-1:].repeat(decodes), rows[max_len - n :]])
+        positions = [max_len - 1] * decodes + list(range(max_len - n, max_len))
+        vocab = self.model.config.vocab_size
+        dev = self.device
+        ids = probe_ids(vocab, (1, decodes + n)).to(dev)
+        paged = PagedBatch(self.kv, slots.to(dev), spans)
+        self._packed(ids, torch.tensor([positions], device=dev), paged,
+                     list(range(decodes)) + [decodes + n - 1])  # fmt: skip
+
+    def largest_graph_step(self, max_len: int) -> None:
+        """The largest decode graph, captured and replayed (their pool's share), over the
+        probe sequence's blocks; nothing without graphs."""
+        if self.graphs is not None:
+            self.graphs.largest_step(self.kv.tables[WARM_UP_SEQ], max_len)
+
+    def largest_step(self, max_seqs: int, max_batch_tokens: int, max_len: int) -> None:
+        """Both start-up runs in one (what the CPU path and the tests run; the engine on CUDA
+        measures them apart: `accounting.step_bytes`)."""
+        with self.probe_sequence(max_len) as rows:
+            self.largest_eager_step(rows, max_seqs, max_batch_tokens, max_len)
+            self.largest_graph_step(max_len)

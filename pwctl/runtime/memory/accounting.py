@@ -19,11 +19,14 @@ blocks) can take the rest at start-up:
 The decode gather dominates at long contexts (Qwen1.5-MoE-shaped, 32 rows x 4096 rows: 2.1 GB):
 that is the price of attending through a gather rather than a paged-attention kernel, and the
 budget says so rather than hiding it. On CUDA the engine confirms the formula at start-up: it
-runs the largest eager step once (`ModelRunner.largest_step`, measured by `step_bytes`) and, if
+runs the largest eager step and decode graph once (`ModelRunner.largest_eager_step`,
+`largest_graph_step`, measured by `step_bytes`) and, if
 that took more than the formula's step, sizes the arena from the measured figure instead (and
 logs by how much the formula fell short). `DevicePeak.read` is what every check compares with the
 budget: `torch.cuda.max_memory_reserved()` (the caching allocator's high-water mark, the
-arena and graph pools included) plus CuPy's pool, with NVML's per-process figure beside it.
+arena and graph pools included) plus CuPy's pool, with NVML's per-process figure beside it;
+`cap_allocator` holds torch's part to the budget (the allocator gives free cached pages back
+before it passes it).
 """
 
 from __future__ import annotations
@@ -180,17 +183,60 @@ def measures_steps(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def step_bytes(device: str, run: Callable[[], object]) -> int:
-    """Device bytes `run()` takes above what is live when it starts: the caching allocator's
-    reserved high-water mark past what it held before, plus the growth of CuPy's pool. Resets
+def step_bytes(device: str, eager: Callable[[], object], graphs: Callable[[], object]) -> int:
+    """Device bytes the largest step takes above what is live when it starts: `eager()`'s
+    allocated high-water mark past what was allocated before, plus what `graphs()` (the decode
+    graphs' capture) keeps: the reserve of their private pools and the bytes it leaves
+    allocated in the default pool; plus the growth of CuPy's pool. Allocated bytes, not
+    reserved ones: how the caching allocator's free pages lie depends on what ran before, so
+    reserved growth differed between processes measuring one step (an H100, 2026-12-06:
+    `serving_budget --measure` and the engine after it, one 20 MiB segment apart); the
+    reserved slack past it is the allocator cap's to give back (`cap_allocator`). Resets
     torch's peak statistics (the engine calls it at start-up, before any run is measured)."""
     dev = torch.device(device)
-    DevicePeak.reset(device)  # reserved then is what is live
-    before, pool = torch.cuda.memory_reserved(dev), _cupy_pool_bytes()
-    run()
+    DevicePeak.reset(device)
+    before, pool = torch.cuda.memory_allocated(dev), _cupy_pool_bytes()
+    eager()
     torch.cuda.synchronize(dev)
-    grown = torch.cuda.max_memory_reserved(dev) - before
-    return int(grown + max(0, _cupy_pool_bytes() - pool))
+    transient = torch.cuda.max_memory_allocated(dev) - before
+    kept_before, private_before = _pool_bytes(device)
+    graphs()
+    torch.cuda.synchronize(dev)
+    kept, private = _pool_bytes(device)
+    graph = max(0, kept - kept_before) + max(0, private - private_before)
+    return int(max(0, transient) + graph + max(0, _cupy_pool_bytes() - pool))
+
+
+def cap_allocator(device: str, budget: int) -> int:
+    """Hold torch's caching allocator to `budget` plus the peak check's slack, less what
+    CuPy's pool holds; the cap in bytes (0 off CUDA). Past the cap the allocator gives its
+    free cached pages back and tries again before it fails, so the pages a step's temporaries
+    left free (whose layout depends on the steps before) do not add up past the budget: on an
+    H100 (2026-12-06) the reserved mark rose ~200 MB past start-up in 65-80 MB rises while the
+    allocated bytes stayed under the budget. What is allocated is the engine's to keep under
+    the budget (weights, arena, the measured step); only a step larger than measured reaches
+    the cap's error."""
+    if not device.startswith("cuda"):
+        return 0
+    dev = torch.device(device)
+    cap = int(budget * (1 + SLACK)) - _cupy_pool_bytes()
+    total = int(torch.cuda.mem_get_info(dev)[1])
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(cap, 0) / total), dev)
+    return cap
+
+
+def _pool_bytes(device: str) -> tuple[int, int]:
+    """Bytes allocated in the default pool, and reserved by CUDA graphs' private pools."""
+    default = private = 0
+    index = torch.device(device).index or 0
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", 0) != index:
+            continue
+        if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0):
+            default += int(seg["allocated_size"])
+        else:
+            private += int(seg["total_size"])
+    return default, private
 
 
 def reserved_where(device: str) -> list[dict[str, object]]:

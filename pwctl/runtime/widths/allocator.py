@@ -46,6 +46,7 @@ class WidthAllocator:
         if self.residual is not None and not self.residual.usable:
             self.residual = None  # a model that does not predict held-out sequences adds noise
         top = m.max_bits if max_bits is None else max_bits
+        self.widest = top  # no plan gives a block more bits
         widths = range(m.min_bits, top + 1)
         if cost_at is None:
             cost = np.array([[b.bytes_at(w) for w in widths] for b in pack.blocks], np.int64)
