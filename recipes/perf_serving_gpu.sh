@@ -196,14 +196,16 @@ n)
   MEM_N=$(budget --planes uniform:4 --seqs 32 --tokens 2304 --max-seqs 32 --measure)
   MEM_N=$((${MEM_N%b} * 115 / 100))b
   echo "(n) memory budget $MEM_N, BUDGET $PLANES4"
+  # N_LOADS: the loads (default batch 1, 4 and 32 concurrent; "--batch 1 --batch 4" halves it)
+  read -ra LOADS <<<"${N_LOADS:---batch 1 --batch 4 --concurrency 32 --requests 64}"
   # Order A B B A, each policy's two processes averaged in PERF.md: on 2026-12-06 the stage's
   # first process ran slower at batch 1 and 4 whichever policy it was (uniform:4 first: 0.83x
   # pagedweight; pagedweight first: 0.69x uniform:4)
   run=0
   for P in uniform:4 "pagedweight:$PLANES4" "pagedweight:$PLANES4" uniform:4; do
     run=$((run + 1))
-    tp "n${run}_$(row "$P")" --batch 1 --batch 4 --concurrency 32 --requests 64 --max-seqs 32 \
-      --memory-budget "$MEM_N" --policy "$P" --max-bits 4
+    tp "n${run}_$(row "$P")" "${LOADS[@]}" --max-seqs 32 --memory-budget "$MEM_N" --policy "$P" \
+      --max-bits 4
   done
   ;;
 o)
