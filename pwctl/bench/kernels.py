@@ -57,12 +57,12 @@ SHAPES = {  # one layer of each: Mixtral-8x7B, Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B,
     # intermediate_size 2880, num_local_experts 32, num_experts_per_tok 4 (24 layers); top-k of
     # the logits then softmax, clamped SwiGLU (alpha 1.702, limit 7.0), biased router and experts
     "gpt-oss-20b": _spec(2880, 2880, 32, 4, order="topk_softmax", act=CLAMPED_SWIGLU, bias=True),
-    # google/gemma-4-26B-A4B: hidden_size 2816, moe_intermediate_size 704, num_experts 128,
-    # top_k_experts 8 (softmax, top-k, renormalised), gelu_pytorch_tanh. NOT verified against the
-    # published config.json here (transformers' Gemma4TextConfig has no MoE defaults, and no copy
-    # was at hand): check before quoting figures. The routed experts only: the dense MLP beside
-    # them (intermediate_size) runs its own launches (FusedMoE.dense), and the router is a
-    # module of its own reading the residual stream (never route_prep).
+    # google/gemma-4-26B-A4B config.json (text_config): hidden_size 2816, moe_intermediate_size
+    # 704, num_experts 128, top_k_experts 8 (softmax, top-k, renormalised), hidden_activation
+    # gelu_pytorch_tanh, 30 layers; checked 2026-12-06 against public copies of the published
+    # file (transformers' Gemma4TextConfig has no MoE defaults). The routed experts only: the
+    # dense MLP beside them (intermediate_size 2112) runs its own launches (FusedMoE.dense), and
+    # the router is a module of its own reading the residual stream (never route_prep).
     "gemma4-26b-a4b": _spec(2816, 704, 128, 8, norm=True, act="gelu_pytorch_tanh"),
 }
 
