@@ -2,10 +2,11 @@
 python tests/expert_parallel_worker.py RANK WORLD PORT OUT_DIR MODE [PACK]. MODE "ok": route this
 rank's tokens, run the exchange over two MoE layers, save inputs and outputs (safetensors);
 "die": rank 1 leaves right after joining, and the others' exchange must fail with a clear error;
-"store" / "paged": this rank's prompts (`rank_prompts`) through the engine of PACK on that expert
-backend, its experts exchanged, greedy; saves the tokens and the first step's logits. "bench":
-`run_throughput` on PACK with this rank's share of each load (`BENCH_LOADS`), saves the rows and
-the tokens of each request it served (JSON)."""
+"store" / "paged": this rank's prompts (`rank_prompts`) through an engine on this rank's share of
+PACK on that expert backend, its experts exchanged, greedy; saves the tokens, the first step's
+logits and what the engine holds of the planes. "bench": `run_throughput` on PACK with this
+rank's share of each load (`BENCH_LOADS`), saves the rows and the tokens of each request it
+served (JSON)."""
 
 from __future__ import annotations
 
@@ -62,15 +63,24 @@ def serve(
     pack: str, prompts: list[str], rank_engine=None, experts: str = "store"
 ) -> dict[str, torch.Tensor]:
     """Greedy tokens (12 a prompt) and the first step's logits on one engine of `pack` (its
-    `experts` backend); with `rank_engine(engine)` its experts are exchanged with the others."""
+    `experts` backend), and what it holds of the planes (`held_planes`); with
+    `rank_engine(engine)` the engine is on this rank's share of the pack and its experts are
+    exchanged with the others."""
+    import torch.distributed as dist
+
     from pwctl.format.pack import Pack
     from pwctl.policy import parse_policy
     from pwctl.runtime.engine.batcher import BatchConfig
     from pwctl.runtime.engine.engine import Engine
     from pwctl.runtime.engine.scheduler import SamplingParams
+    from pwctl.runtime.parallel.rank_pack import rank_pack
 
-    engine = Engine(Pack(Path(pack)), experts=experts)
-    batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=2))
+    policy = parse_policy("uniform:4")
+    opened = Pack(Path(pack))
+    if rank_engine is not None:
+        opened = rank_pack(opened, dist.get_world_size(), dist.get_rank(), policy)
+    engine = Engine(opened, experts=experts)
+    batcher = engine.start_batching(policy, None, BatchConfig(max_seqs=2))
     first: list[torch.Tensor] = []
     forward = batcher.runner.forward
     batcher.runner.forward = lambda batch, fed=None: first.append(forward(batch, fed)) or first[-1]
@@ -78,7 +88,20 @@ def serve(
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runner = rank_engine(engine) if rank_engine else engine
     seqs = runner.generate_batch(ids, params)
-    return {"tokens": torch.tensor([s.output_ids for s in seqs]), "logits": first[0]}
+    tokens = torch.tensor([s.output_ids for s in seqs])
+    return {"tokens": tokens, "logits": first[0], **held_planes(engine)}
+
+
+def held_planes(engine) -> dict[str, torch.Tensor]:
+    """Which blocks the engine's pack holds (a rank's share: its own experts'), which the store
+    has read, the planes' bytes the memory budget counts and the paged experts' host copy."""
+    held = getattr(engine.pack, "held", torch.ones(len(engine.pack.blocks), dtype=torch.bool))
+    return {
+        "held": torch.as_tensor(held),
+        "loaded": torch.tensor(engine.store.loaded_blocks, dtype=torch.int64),
+        "plane_bytes": torch.tensor(engine.batcher.metrics()["plane_bytes"]),
+        "host_bytes": torch.tensor(0 if engine.paged is None else engine.paged.table.host_bytes),
+    }
 
 
 BENCH_LOADS = ({"batches": (3,)}, {"concurrency": (2,), "requests": 3})  # one run each

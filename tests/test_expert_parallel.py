@@ -124,19 +124,143 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path):
     assert runs[0].returncode == 3 and "expert exchange failed" in runs[0].stdout, runs[0].stdout
 
 
-@pytest.mark.parametrize("experts", ["store", "paged"])
-def test_engines_on_two_ranks_serve_what_one_engine_serves(experts, bundled_pack, tmp_path):
+@pytest.fixture(scope="module", params=["store", "paged"])
+def two_ranks_served(request, bundled_pack, tmp_path_factory) -> dict:
+    """Each rank's prompts served by 2 gloo ranks, each engine on its share of the pack (the
+    worker's "store" / "paged" modes), beside one engine of the whole pack serving the same
+    prompts: {"experts", "ranks": what each rank saved, "one": one engine's, a rank's prompts
+    each}."""
+    experts, out = request.param, tmp_path_factory.mktemp(f"two-ranks-{request.param}")
+    runs = _ranks(2, out, experts, str(bundled_pack))
+    assert all(r.returncode == 0 for r in runs), [r.stdout[-2000:] for r in runs]
+    prompts = [worker.rank_prompts(rank, 2) for rank in range(2)]
+    return {
+        "experts": experts,
+        "ranks": [load_file(str(out / f"rank{rank}.st")) for rank in range(2)],
+        "one": [worker.serve(str(bundled_pack), p, experts=experts) for p in prompts],
+    }
+
+
+def test_engines_on_two_ranks_serve_what_one_engine_serves(two_ranks_served):
     """Each rank serves its own prompts (uneven: one rank runs out of work first and keeps
     joining the exchanges with no tokens); greedy tokens equal one engine's, and the first
     step's logits agree in float32 within 1e-4; owners run what they receive on the store, or
     on the paged experts' fused MoE in one call (its torch path on the CPU)."""
-    runs = _ranks(2, tmp_path, experts, str(bundled_pack))
-    assert all(r.returncode == 0 for r in runs), [r.stdout[-2000:] for r in runs]
-    for rank in range(2):
-        got = load_file(str(tmp_path / f"rank{rank}.st"))
-        want = worker.serve(str(bundled_pack), worker.rank_prompts(rank, 2), experts=experts)
+    for got, want in zip(two_ranks_served["ranks"], two_ranks_served["one"], strict=True):
         assert torch.equal(got["tokens"], want["tokens"])
         torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=1e-4)
+
+
+def test_each_rank_holds_the_planes_of_its_own_experts_only(two_ranks_served, bundled_pack):
+    """Item 1 of issue 67: a rank's engine holds (host copy, device slabs, the memory budget's
+    and /metrics' plane bytes) and reads from the page files only the blocks of the experts its
+    placement gives it, half of tiny-mixtral's (no shared expert) on each of 2 ranks, and still
+    serves one engine's greedy tokens."""
+    from pwctl.format.pack import Pack
+
+    pack = Pack(bundled_pack)
+    placement = ExpertPlacement.for_pack(pack, 2)
+    (one, _), ranks = two_ranks_served["one"], two_ranks_served["ranks"]
+    assert one["held"].all()
+    for rank, got in enumerate(ranks):
+        held = got["held"].numpy()
+        assert np.array_equal(held, placement.holds(rank, pack.blocks)) and held.mean() == 0.5
+        assert set(got["loaded"].tolist()) <= set(np.flatnonzero(held).tolist())  # none vacant
+        if two_ranks_served["experts"] == "store":  # read as the exchange brought tokens
+            assert got["loaded"].numel() > 0
+        for key in ("plane_bytes", "host_bytes"):  # the owned share of one engine's bytes
+            assert int(got[key]) == int(one[key]) // 2
+    assert not (ranks[0]["held"] & ranks[1]["held"]).any()  # each block on one rank
+    for got, want in zip(ranks, two_ranks_served["one"], strict=True):
+        assert torch.equal(got["tokens"], want["tokens"])
+
+
+def test_before_the_ranks_join_a_rank_runs_its_own_experts_only():
+    """The exchange an engine on a rank's share starts with (the start-up probe of its largest
+    step runs before RankEngine): every (token, expert) pair goes to one of this rank's experts,
+    one row a pair, as an owner would run them; no collective."""
+    from pwctl.runtime.parallel.exchange import SelfExchange
+
+    load = np.random.default_rng(0).random((2, 6))
+    placement = ExpertPlacement.balanced(load, 2)
+    x, weights, index = worker.tokens(0)  # 5 tokens, top-2 of 6 experts
+    seen = []
+
+    def run(rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        seen.append(experts)
+        return rows * (1 + experts[:, None])
+
+    for rank, layer in ((0, 0), (1, 1)):
+        out = SelfExchange(placement, rank)(layer, x, weights, index, run)
+        mine = set(placement.local(rank, layer).tolist())
+        assert seen[-1].numel() == index.numel() and set(seen[-1].tolist()) <= mine
+        scale = (weights * (1 + seen[-1].view(index.shape))).sum(1, keepdim=True)
+        torch.testing.assert_close(out, x * scale)
+
+
+@pytest.mark.parametrize("experts", ["store", "paged"])
+def test_a_ranks_share_never_reads_another_ranks_blocks(experts, bundled_qwen_pack):
+    """On a rank's share of tiny-qwen-moe (32 experts and a shared one) the other rank's routed
+    experts are vacant: no plane bytes anywhere (store, page table, host copy, memory budget)
+    and a read of one is an error; shared blocks are every rank's. The engine runs before the
+    ranks join (the start-up probe, here its reference forward) on this rank's blocks alone."""
+    from pwctl.format.pack import Pack
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.engine import Engine
+    from pwctl.runtime.parallel.rank_pack import RankPack, rank_pack
+
+    pack, policy = Pack(bundled_qwen_pack), parse_policy("uniform:4")
+    for kept in (parse_policy("fp16"), policy):  # fp16: not planes; one rank: all of them
+        assert rank_pack(pack, 2 if kept.bits is None else 1, 0, kept) is pack
+    share = rank_pack(pack, 2, 1, policy)
+    assert isinstance(share, RankPack)
+    shared = np.array([b.shared for b in pack.blocks])
+    assert share.held[shared].all() and share.held[~shared].mean() == 0.5
+    whole, engine = Engine(pack, experts=experts), Engine(share, experts=experts)
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7, 8, 1]])
+    assert torch.isfinite(engine.logits(ids)).all()
+    assert set(engine.store.loaded_blocks) <= set(np.flatnonzero(share.held).tolist())
+    assert set(np.flatnonzero(shared).tolist()) <= set(engine.store.loaded_blocks)
+    vacant = int(np.flatnonzero(~share.held)[0])
+    with pytest.raises(PwctlError, match="is rank 0's expert, not rank 1's"):
+        engine.store.weight_at(vacant, 4)
+    held_bytes = sum(b.bytes_at(4) for b, h in zip(pack.blocks, share.held, strict=True) if h)
+    cfg = BatchConfig(max_seqs=2)
+    mine = engine.start_batching(policy, None, cfg).metrics()["plane_bytes"]
+    assert whole.start_batching(policy, None, cfg).metrics()["plane_bytes"] > mine
+    if experts == "store":
+        assert mine == held_bytes
+    else:  # the same slabs as the whole pack's, for the held blocks only
+        t, w = engine.paged.table, whole.paged.table
+        assert t.slab_bytes == w.slab_bytes and t.plane_slabs[~share.held].sum() == 0
+        assert t.host_bytes == int(w.plane_slabs[share.held].sum()) * w.slab_bytes
+        assert mine == int(w.cost_at[share.held, 4].sum())
+
+
+@pytest.mark.parametrize("experts", ["store", "paged"])
+def test_a_ranks_planner_plans_its_own_blocks_only(experts, bundled_pack):
+    """A budgeted policy on a rank's share: the planner, BUDGET and the memory budget count the
+    blocks held there only (half of tiny-mixtral's), so under the same --memory-budget a rank's
+    planes may be wider than one engine's; the other rank's blocks never move."""
+    from pwctl.format.pack import Pack
+    from pwctl.runtime.engine.batcher import BatchConfig
+    from pwctl.runtime.engine.engine import Engine
+    from pwctl.runtime.parallel.rank_pack import rank_pack
+
+    pack, policy = Pack(bundled_pack), parse_policy("pagedweight:0.3")
+    share = rank_pack(pack, 2, 0, policy)
+    cfg, budget = BatchConfig(max_seqs=2), 165_000_000
+    one = Engine(pack, experts=experts).start_batching(policy, budget, cfg)
+    engine = Engine(share, experts=experts)
+    mine = engine.start_batching(policy, budget, cfg)
+    assert engine.allocator is not None
+    assert engine.allocator.planner.n == share.held.sum() == len(pack.blocks) // 2
+    assert engine.allocator.budget == one.memory.allocator.budget // 2
+    held_widest = sum(b.bytes_at(6) for b, h in zip(pack.blocks, share.held, strict=True) if h)
+    assert mine.memory.planes <= held_widest and mine.memory.planes < one.memory.planes
+    vacant = engine.store.widths[~share.held]
+    assert (vacant == engine.store.max_bits).all()  # no bytes at any width: never planned
+    assert set(mine.metrics()["widths_per_layer"]) == {0, 1, 2}
 
 
 def test_placement_of_a_pack_without_a_profile_is_uniform(bundled_qwen_pack):

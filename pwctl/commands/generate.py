@@ -67,6 +67,11 @@ def run(
     if pol is None:
         max_bits = auto_max_bits(max_bits, m.min_bits, m.max_bits)
     experts = experts_for(pol, device)
+    if expert_parallel > 1:  # this rank's experts' planes only, the only ones checked and read
+        from pwctl.runtime.parallel.launch import own_rank
+        from pwctl.runtime.parallel.rank_pack import rank_pack
+
+        opened = rank_pack(opened, expert_parallel, own_rank(), pol)
     faults = checks.verify_pack(opened) if verify else []
     if faults:
         raise PwctlError(f"{checks.fault_summary(faults)}; --no-verify skips this check")

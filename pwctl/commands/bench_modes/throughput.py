@@ -27,6 +27,7 @@ RANK_0_ONLY = ("json", "plot")
 if TYPE_CHECKING:
     from pwctl.bench.throughput import ThroughputResult, ThroughputSpec
     from pwctl.bench.throughput_ranks import RankShare
+    from pwctl.format.pack import Pack
     from pwctl.runtime.engine.engine import Engine
 
 
@@ -154,7 +155,8 @@ def _runs(
             engine = share = None  # one engine at a time: each run's peak is its own
             gc.collect()
             dtype = serving_dtype(device, kind)
-            engine = Engine(open_pack(pack), device, dtype, kind, max_bits)
+            opened = _rank_pack(open_pack(pack), p) if parallel else open_pack(pack)
+            engine = Engine(opened, device, dtype, kind, max_bits)
             share = _share(engine) if parallel else None
         if p is None:  # auto: chosen for the largest load's memory budget
             mode, load, n = max(spec.loads(), key=lambda r: r[1])
@@ -162,6 +164,15 @@ def _runs(
             console.print(f"--policy auto: {p} on {device}", highlight=False)
         results += tp.run_throughput(engine, [p], spec, data, samples, share)
     return results
+
+
+def _rank_pack(pack: Pack, policy: Any) -> Pack:
+    """This rank's share of `pack` (its experts' planes only) in the joined group."""
+    import torch.distributed as dist
+
+    from pwctl.runtime.parallel.rank_pack import rank_pack
+
+    return rank_pack(pack, dist.get_world_size(), dist.get_rank(), policy)
 
 
 def _share(engine: Engine) -> RankShare:

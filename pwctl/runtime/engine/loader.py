@@ -1,7 +1,9 @@
 """Build a runnable model from a pack: transformers' own code for everything but the MoE blocks.
 
 The model is built on the meta device (so dense experts are never materialised), every MoE block
-is swapped for `MoEBlock`, and the non-expert weights are assigned from the pack."""
+is swapped for `MoEBlock`, and the non-expert weights are assigned from the pack. On one rank's
+share of a pack (parallel/rank_pack.py) the MoE blocks run their own experts only until the ranks
+join (nothing the engine runs before then reads another rank's vacant blocks)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pwctl.format.recipe import MoESpec, load_recipe
 from pwctl.runtime.memory.expert_store import ExpertStore
 from pwctl.runtime.moe.block import DenseMLP, MoEBlock
 from pwctl.runtime.moe.router import ResidualRouter
+from pwctl.runtime.parallel.rank_pack import exchange_before_join
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -31,11 +34,13 @@ def load_model(
     spec = MoESpec(**m.spec)
     config = AutoConfig.from_pretrained(pack.path, local_files_only=True)
     store = ExpertStore(pack, device, dtype)
+    exchange = exchange_before_join(pack)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         for layer in m.moe_layers:
             parent, attr = recipe.moe_path(layer).rsplit(".", 1)
             block = MoEBlock(spec, layer, store, recipe.moe_returns == "tuple")
+            block.exchange = exchange
             setattr(model.get_submodule(parent), attr, block)
             dense = recipe.dense_path(layer)
             if dense is not None and spec.has_dense:  # its blocks, on the block's backend

@@ -89,6 +89,9 @@ class MemoryBudget:
             self.space = paged.table.n_slabs * paged.table.slab_bytes
         self.widths = store.widths
         self._layer = np.array([b.layer for b in store.pack.blocks])  # MoE layer of each block
+        # blocks with planes here (a rank's share of the pack holds none of other ranks' blocks:
+        # runtime/parallel/rank_pack.py): the widths reported are theirs
+        self._held = np.array([b.bytes_at(store.max_bits) > 0 for b in store.pack.blocks])
         self.allocator = allocator if allocator is not None and allocator.dynamic else None
         self.on_widths = on_widths
         self.moves = WidthMoves()
@@ -162,9 +165,8 @@ class MemoryBudget:
 
     def widths_per_layer(self) -> dict[int, float]:
         """Mean width (bits) of each MoE layer's blocks."""
-        return {
-            int(li): float(self.widths[self._layer == li].mean()) for li in np.unique(self._layer)
-        }
+        layer, widths = self._layer[self._held], self.widths[self._held]
+        return {int(li): float(widths[layer == li].mean()) for li in np.unique(layer)}
 
     def _set(self, new: np.ndarray) -> None:
         new = np.asarray(new, dtype=self.widths.dtype)

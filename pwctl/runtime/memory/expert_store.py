@@ -86,6 +86,12 @@ class ExpertStore:
         return min(width, good)
 
     @property
+    def loaded_blocks(self) -> list[int]:
+        """Blocks whose planes have been read into memory, ascending (on one rank's share of a
+        pack, its own blocks only: parallel/rank_pack.py)."""
+        return sorted(self._planes)
+
+    @property
     def widths(self) -> np.ndarray:
         """Every block's planned width (read-only: `plan.set` changes them)."""
         return self.plan.widths

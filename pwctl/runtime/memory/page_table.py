@@ -31,8 +31,10 @@ def min_slab(blocks: list[BlockInfo]) -> int:
 def choose_slab(plane_bytes: np.ndarray, min_bytes: int = 0, waste: int = 16) -> int:
     """The largest power of two <= median plane / `waste` (>= the pack's 256-byte alignment):
     a plane wastes under one slab, so on average about 1 / (2 * waste) of its bytes. At least
-    `min_bytes` (`min_slab`)."""
-    median = float(np.median(plane_bytes)) if plane_bytes.size else ALIGN
+    `min_bytes` (`min_slab`). Planes of no bytes (another rank's blocks: parallel/rank_pack.py)
+    do not count, so a rank's slabs are those of the whole pack."""
+    held = plane_bytes[plane_bytes > 0]
+    median = float(np.median(held)) if held.size else ALIGN
     slab = max(ALIGN, 1 << int(np.log2(max(median / waste, 1))))
     return max(slab, 1 << max(min_bytes - 1, 0).bit_length())
 

@@ -118,10 +118,18 @@ class PagedExperts:
         (the plan) and the slabs it holds now (resident, in flight, retiring), plus the slabs
         of cancelled copies that are still writing."""
         t = self.table
-        held = np.add.reduceat((t.slab_map >= 0).astype(np.int64), t.slab_off[:, 0])
         plan = t.cost_of(widths)
         cancelled = self.pager.cancelled_slabs()
-        return int(np.maximum(plan, held * t.slab_bytes).sum()) + cancelled * t.slab_bytes
+        held = self._held_slabs() * t.slab_bytes
+        return int(np.maximum(plan, held).sum()) + cancelled * t.slab_bytes
+
+    def _held_slabs(self) -> np.ndarray:
+        """Per block, the slabs its planes hold now: a count over its range of the slab map
+        (empty for a block with no bytes here: parallel/rank_pack.py)."""
+        t = self.table
+        taken = np.concatenate([[0], np.cumsum(t.slab_map >= 0)])
+        start = t.slab_off[:, 0]
+        return taken[start + t.plane_slabs.sum(axis=1)] - taken[start]
 
     @property
     def widths(self) -> np.ndarray:

@@ -137,3 +137,40 @@ class ExpertExchange:
         except RuntimeError as e:  # a peer died or timed out: say so in one line
             raise PwctlError(f"rank {self.rank}: expert exchange failed ({e})") from None
         self.stats.seconds += time.perf_counter() - start
+
+
+class SelfExchange(ExpertExchange):
+    """A rank's exchange before the ranks have joined (an engine on a rank's share of the pack
+    has one from the start: its start-up probe of the largest step runs before RankEngine):
+    every (token, expert) pair goes to one of this rank's own experts, so the step does an
+    owner's work on the blocks this rank holds and reads no other rank's. Its output is not the
+    model's; RankEngine puts the real exchange in its place before anything is served."""
+
+    def __init__(self, placement: ExpertPlacement, rank: int):
+        # no ExpertExchange.__init__: there is no group to ask for the rank yet
+        self.placement, self.group, self.rank = placement, None, rank
+        self.stats = ExchangeStats()
+        # this rank's experts of each layer, moved to the tokens' device at the first call (a
+        # copy while a decode graph is captured would fail the capture)
+        layers = range(placement.owner.shape[0])
+        self._mine = [torch.as_tensor(placement.local(rank, layer)) for layer in layers]
+
+    def __call__(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        index: torch.Tensor,
+        run: RunExperts,
+    ) -> torch.Tensor:
+        T, k = index.shape
+        if self._mine[layer].device != index.device:
+            self._mine = [m.to(index.device) for m in self._mine]
+        mine = self._mine[layer]
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        if T and mine.numel():  # (the placement may leave a rank no expert of a layer)
+            experts = mine[index.reshape(-1).long() % mine.numel()]
+            rows = run(x.repeat_interleave(k, dim=0), experts).float().view(T, k, -1)
+            out = (rows * weights.float()[..., None]).sum(1)
+        self.stats.calls += 1
+        return out

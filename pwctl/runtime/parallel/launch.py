@@ -72,6 +72,13 @@ def rank_device(device: str, n: int) -> str:
     return f"cuda:{local}"
 
 
+def own_rank() -> int:
+    """This process's rank, known before the group is joined (the engine loads its share of the
+    pack first): the launcher's, else 0, as `ranks` makes the command's own process rank 0."""
+    launched = torchrun_rank()
+    return 0 if launched is None else launched[0]
+
+
 def torchrun_rank() -> tuple[int, int] | None:
     """(rank, world) when torchrun (or another launcher) started this process as a rank."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -1,4 +1,5 @@
-"""A rank that only serves its experts to the others (started by `launch.ranks` for generate):
+"""A rank that only serves its experts to the others, holding their planes alone (`rank_pack`),
+started by `launch.ranks` for generate:
 python -m pwctl.runtime.parallel.owner PACK POLICY MAX_BITS MEMORY_BUDGET DEVICE ("-": none),
 with torchrun's environment (DEVICE: cpu or cuda, as rank 0 was asked; this rank takes its own
 GPU). Once no rank has work it hands rank 0 its metrics (rank 0 gathers every rank's at that
@@ -20,6 +21,7 @@ def main(argv: list[str]) -> int:
     from pwctl.runtime.parallel.exchange import join
     from pwctl.runtime.parallel.launch import TIMEOUT_S, leave, rank_device, torchrun_rank
     from pwctl.runtime.parallel.rank_metrics import gather_rank_metrics
+    from pwctl.runtime.parallel.rank_pack import rank_pack
     from pwctl.runtime.parallel.ranks import RankEngine
 
     pack, policy = Path(argv[0]), parse_policy(argv[1])
@@ -31,7 +33,8 @@ def main(argv: list[str]) -> int:
     device = rank_device(argv[4], launched[1])
     join(*launched, TIMEOUT_S, device)
     experts = experts_for(policy, device)  # as rank 0 chose: the same backend and dtype
-    engine = Engine(open_pack(pack), device, serving_dtype(device, experts), experts, max_bits)
+    share = rank_pack(open_pack(pack), launched[1], launched[0], policy)
+    engine = Engine(share, device, serving_dtype(device, experts), experts, max_bits)
     batcher = engine.start_batching(policy, budget, BatchConfig())
     ranks = RankEngine(engine)
     ranks.generate_batch([], SamplingParams())  # serve until no rank has work

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pwctl.errors import PwctlError
-from pwctl.format.pack import Pack
+from pwctl.format.pack import BlockInfo, Pack
 from pwctl.format.profile import PROFILE_JSON, Profile
 
 
@@ -55,6 +55,12 @@ class ExpertPlacement:
     def local(self, rank: int, layer: int) -> np.ndarray:
         """Experts of `layer` that `rank` runs, ascending."""
         return np.flatnonzero(self.owner[layer] == rank)
+
+    def holds(self, rank: int, blocks: list[BlockInfo]) -> np.ndarray:
+        """bool [len(blocks)]: the blocks whose planes `rank` needs: those of the routed experts
+        it runs, and every shared (or dense) block, which each rank runs for its own tokens.
+        A block's layer indexes `owner` as the exchange's does."""
+        return np.array([b.shared or self.owner[b.layer, b.expert] == rank for b in blocks], bool)
 
     def rank_load(self, load: np.ndarray) -> np.ndarray:
         """[moe_layers, ranks]: the share of `load` each rank carries."""

@@ -3,21 +3,26 @@ attention, its own KV cache), and every MoE layer's exchange needs every rank. S
 step together: each step they agree whether any has work, and a rank whose step ran no forward
 (nothing scheduled, or no work left while others have some) joins each layer's exchange with no
 tokens. Owners run what they receive on the store or the paged experts (one fused MoE call, the
-shared expert left to the senders); the 16-bit experts take no exchange. Steps with an exchange
+shared expert left to the senders); the 16-bit experts take no exchange. An engine on a rank's
+share of the pack (rank_pack.py) holds the planes of its own experts only, and its placement is
+the exchange's. Steps with an exchange
 run eagerly: decode graphs would need the exchange padded to fixed sizes."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from pwctl.errors import PwctlError
+from pwctl.format.pack import Pack
 from pwctl.runtime.engine.batcher import Batcher
 from pwctl.runtime.engine.engine import Engine
 from pwctl.runtime.engine.scheduler import SamplingParams, Sequence
 from pwctl.runtime.moe.block import MoEBlock
 from pwctl.runtime.parallel.exchange import ExpertExchange
 from pwctl.runtime.parallel.placement import ExpertPlacement
+from pwctl.runtime.parallel.rank_pack import RankPack
 
 
 class RankEngine:
@@ -29,12 +34,12 @@ class RankEngine:
         group: dist.ProcessGroup | None = None,
         placement: ExpertPlacement | None = None,
     ):
-        """`placement` (None: the pack's profile balanced over the group's ranks)."""
+        """`placement` (None: the one the engine's pack was cut by, if it is a rank's share,
+        else the pack's profile balanced over the group's ranks)."""
         if engine.dense is not None:
             raise PwctlError("--expert-parallel serves planes (the store or the paged experts)")
         self.engine, self.group = engine, group
-        ranks = dist.get_world_size(group)
-        self.placement = placement or ExpertPlacement.for_pack(engine.pack, ranks)
+        self.placement = _placement(engine.pack, group, placement)
         self.exchange = ExpertExchange(self.placement, group)
         self.blocks = [m for m in engine.model.modules() if isinstance(m, MoEBlock)]
         for block in self.blocks:
@@ -95,3 +100,22 @@ class RankEngine:
             rank = dist.get_rank(self.group)
             raise PwctlError(f"rank {rank}: the ranks could not agree on a step ({e})") from None
         return bool(flag.item())
+
+
+def _placement(
+    pack: Pack, group: dist.ProcessGroup | None, placement: ExpertPlacement | None
+) -> ExpertPlacement:
+    """Who runs which expert: a rank's share of the pack holds the blocks of its placement
+    only, so the exchange follows that one (for the rank it was cut for); a whole pack follows
+    `placement`, or the profile's balanced over the group."""
+    if not isinstance(pack, RankPack):
+        return placement or ExpertPlacement.for_pack(pack, dist.get_world_size(group))
+    rank = dist.get_rank(group)
+    if placement is not None and not np.array_equal(placement.owner, pack.placement.owner):
+        raise PwctlError("the engine holds its own pack's placement: give RankEngine no other")
+    if (pack.rank, pack.placement.ranks) != (rank, dist.get_world_size(group)):
+        raise PwctlError(
+            f"rank {rank}: the engine holds rank {pack.rank}'s share of "
+            f"{pack.placement.ranks} ranks, the group has {dist.get_world_size(group)}"
+        )
+    return pack.placement

@@ -54,7 +54,13 @@ class WidthAllocator:
             cost = np.asarray(cost_at, dtype=np.int64)[:, m.min_bits : top + 1]
         # the planner's curves stop at the cap: its widest width is `top`, damage taken from there
         damage = self.profile.damage[:, : top - m.min_bits + 1]
-        self.budget = policy.budget.resolve(sum(b.fp16_bytes for b in pack.blocks))
+        # one rank's share of the pack holds no bytes of the other ranks' blocks
+        # (runtime/parallel/rank_pack.py): the planner plans the blocks held here only
+        self.n_blocks, self._held = len(pack.blocks), np.flatnonzero(cost[:, -1] > 0)
+        self._top = top
+        blocks = [pack.blocks[i] for i in self._held]
+        cost, damage = cost[self._held], damage[self._held]
+        self.budget = policy.budget.resolve(sum(b.fp16_bytes for b in blocks))
         if self.budget < cost[:, 0].sum():
             raise PwctlError(
                 f"policy {policy}: {self.budget / 1e6:.2f} MB is below the "
@@ -65,7 +71,7 @@ class WidthAllocator:
         # fraction near 1, or a cap) would hold memory back from the KV cache for nothing
         self.budget = min(self.budget, int(cost[:, -1].sum()))
         self.narrowest = int(cost[:, 0].sum())  # every block at the narrowest width
-        block_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
+        block_layer = np.array([self.layers.index(b.layer) for b in blocks])
         self._block_layer = block_layer
         self.per_layer = policy.kind is Kind.PER_LAYER
         self.last: Plan | None = None
@@ -73,7 +79,8 @@ class WidthAllocator:
             n_layers = len(self.layers)
             cost = np.stack([cost[block_layer == li].sum(0) for li in range(n_layers)])
             damage = np.stack([damage[block_layer == li].sum(0) for li in range(n_layers)])
-            self._norm_fit = _norm_estimator(self.profile, block_layer)
+            every_layer = np.array([self.layers.index(b.layer) for b in pack.blocks])
+            self._norm_fit = _norm_estimator(self.profile, every_layer)
             self.planner = Planner(
                 cost,
                 damage,
@@ -89,9 +96,9 @@ class WidthAllocator:
             cost,
             damage,
             m.min_bits,
-            np.array([b.layer for b in pack.blocks]),
-            np.array([b.expert for b in pack.blocks]),
-            np.array([b.shared for b in pack.blocks]),
+            np.array([b.layer for b in blocks]),
+            np.array([b.expert for b in blocks]),
+            np.array([b.shared for b in blocks]),
             config,
         )
         self.planner.set_prior(self.profile.router_share)
@@ -147,7 +154,7 @@ class WidthAllocator:
 
     def adopt(self, widths: np.ndarray) -> None:
         """The planner takes `widths` (per block) as its current ones (a plan not taken)."""
-        widths = np.asarray(widths)
+        widths = np.asarray(widths)[self._held]
         if self.per_layer:  # one width a layer: its blocks share it
             first = np.unique(self._block_layer, return_index=True)[1]
             widths = widths[first]
@@ -156,8 +163,10 @@ class WidthAllocator:
     def _widths(self) -> np.ndarray:
         """The last plan's widths per block (a per-layer plan is spread to its blocks)."""
         assert self.last is not None  # a plan is made before its widths are read
-        widths = self.last.widths
-        return widths[self._block_layer] if self.per_layer else widths
+        planned = self.last.widths
+        out = np.full(self.n_blocks, self._top, dtype=planned.dtype)  # unheld: no bytes at any
+        out[self._held] = planned[self._block_layer] if self.per_layer else planned
+        return out
 
     def observe(self, tap: MoETap) -> None:
         """Feed the planner the signals of the forward `tap` just recorded."""
