@@ -25,7 +25,7 @@ if [ "${1:-}" = variants ]; then
   save_cupy_cache
   exit 0
 fi
-timeout 330 python3 -m pytest -q -s -m gpu -o faulthandler_timeout=200 tests/test_kernels.py tests/test_dense_experts.py tests/test_paged_engine.py tests/test_pager.py tests/test_decode_graphs.py tests/test_scheduler.py tests/test_overlap.py \
+timeout 420 python3 -m pytest -q -s -m gpu -o faulthandler_timeout=200 tests/test_kernels.py tests/test_dense_experts.py tests/test_paged_engine.py tests/test_pager.py tests/test_decode_graphs.py tests/test_scheduler.py tests/test_overlap.py tests/test_allocator_cap.py \
     -p no:cacheprovider 2>&1 | grep -v "Writing model" | tail -25
 timeout 210 pwctl bench --kernels --shape mixtral --shape qwen-moe --shape qwen3-moe --width 3 --width 4 \
     --tokens 1 --tokens 2 --tokens 4 --json "${OUT:-/tmp}/kernels.json" 2>&1 | tail -8
