@@ -6,7 +6,13 @@ tokens. Owners run what they receive on the store or the paged experts (one fuse
 shared expert left to the senders); the 16-bit experts take no exchange. An engine on a rank's
 share of the pack (rank_pack.py) holds the planes of its own experts only, and its placement is
 the exchange's. Steps with an exchange
-run eagerly: decode graphs would need the exchange padded to fixed sizes."""
+run eagerly: decode graphs would need the exchange padded to fixed sizes.
+
+A rank's planner reads its own tokens' routing over every expert, as on one GPU: with
+data-parallel attention its tokens sample the same traffic as every rank's, so each expert's
+share of its layer (what hot floors and the planner's weights use) is estimated without another
+collective. The pairs an owner receives count its own experts' load exactly, but a share needs
+every rank's total beside them: a count a step more to exchange, not done."""
 
 from __future__ import annotations
 
