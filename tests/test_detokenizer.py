@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pwctl.runtime.engine.detokenizer import TextOffsets, advance, first_stop
+from pwctl.runtime.engine.detokenizer import (
+    TextOffsets,
+    advance,
+    advance_many,
+    decode_many,
+    first_stop,
+)
 
 BUNDLED = Path(__file__).resolve().parents[1] / "pwctl" / "models" / "tiny-mixtral"
 TEXT = "Der Bär läuft über die Straße — 東京 🚀 naïve café, it's 3.14 x² … ok.\n" * 3
@@ -53,6 +59,30 @@ def test_incremental_text_equals_full_decode(name, tok):
     rng = random.Random(0)
     for _ in range(20):  # arbitrary ids: invalid UTF-8, special tokens, lone byte tokens
         _check(tok, [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))])
+
+
+@pytest.mark.parametrize("name,tok", _tokenizers())
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_many_sequences_in_one_call_equal_one_at_a_time(name, tok, clean_up):
+    """`decode_many` gives what `decode` gives a list at a time (a tokenizer that cleans up
+    tokenization spaces takes the call a list: its backend's batch does not clean up), and
+    `advance_many` over sequences growing a token a step gives each one's `advance` text."""
+    tok.clean_up_tokenization_spaces = clean_up
+    rng = random.Random(1)
+    lists = [[rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))] for _ in range(200)]
+    lists.append(tok(" hello , world .").input_ids)
+    assert decode_many(tok, lists) == [tok.decode(ids, skip_special_tokens=True) for ids in lists]
+    seqs = [tok(TEXT[i * 7 :]).input_ids[:30] for i in range(8)]
+    one = [("", TextOffsets()) for _ in seqs]
+    many = [("", TextOffsets()) for _ in seqs]
+    for n in range(1, 31):
+        one = [(advance(tok, ids[:n], t, at), at) for ids, (t, at) in zip(seqs, one, strict=True)]
+        items = [(ids[:n], t, at, n == 30) for ids, (t, at) in zip(seqs, many, strict=True)]
+        texts = advance_many(tok, items)
+        many = [(t, at) for t, (_, _, at, _) in zip(texts, items, strict=True)]
+        if n < 30:
+            assert [t for t, _ in many] == [t for t, _ in one]
+    assert [t for t, _ in many] == [tok.decode(ids, skip_special_tokens=True) for ids in seqs]
 
 
 def test_first_stop_equals_a_search_of_the_whole_text_at_every_step():

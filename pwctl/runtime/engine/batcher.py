@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from pwctl.errors import PwctlError
 from pwctl.runtime.engine.decode_graphs import DeviceTokens
-from pwctl.runtime.engine.detokenizer import advance, first_stop
+from pwctl.runtime.engine.detokenizer import advance, advance_many, first_stop
 from pwctl.runtime.engine.runner import ModelRunner
 from pwctl.runtime.engine.sampler import SampledTokens, sample_tokens
 from pwctl.runtime.engine.scheduler import SamplingParams, ScheduledBatch, Scheduler, Sequence
@@ -211,9 +211,13 @@ class Batcher:
     def catch_up_text(self) -> None:
         """The text of every token a running sequence got at the last step (finished ones have
         theirs): `seq.text` lags the tokens by at most one step between steps."""
-        for seq in self._untexted:
-            self._detokenize(seq, seq.output_ids)
-        self._untexted.clear()
+        seqs, self._untexted = self._untexted, []
+        if not seqs:
+            return
+        items = [(seq.output_ids, seq.text, seq.offsets, False) for seq in seqs]
+        texts = self.locked(lambda: advance_many(self.tokenizer, items))
+        for seq, text in zip(seqs, texts, strict=True):
+            seq.text = text
 
     def _land(self, step: Launched) -> list[Sequence]:
         """Read a launched step's tokens (waits for that step alone) and append them; the
