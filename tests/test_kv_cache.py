@@ -59,6 +59,21 @@ def test_tables_slots_and_free():
     assert kv.grow(7, 9) and kv.free(7) == 3 and kv.used == 0
 
 
+def test_table_arrays_follow_their_tables_through_grow_and_free():
+    kv = KVCache(LAYOUT, capacity=6, block_size=4)
+    assert kv.grow(1, 5) and kv.grow(2, 4)
+    first = kv.table_array(1)
+    assert first.tolist() == kv.tables[1] and kv.table_array(1) is first  # made once
+    assert kv.grow(1, 9) and kv.table_array(1).tolist() == kv.tables[1] == [
+        *first,
+        kv.tables[1][-1],
+    ]
+    kv.free(1)  # preempted, then back: new blocks (here the same count) in a new table
+    assert kv.grow(3, 4) and kv.grow(1, 9)
+    assert kv.table_array(1).tolist() == kv.tables[1]
+    assert kv.table_array(2).tolist() == kv.tables[2]
+
+
 class Slabs:
     """A slab pool standing for the paged backend's arena (PagedExperts' lending side)."""
 

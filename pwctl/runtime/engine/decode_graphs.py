@@ -103,7 +103,7 @@ class DecodeInputs:
         ids, pos, src, blocks = (v.numpy() for v in self.views(host))
         for i, seq in enumerate(batch.seqs):
             past = seq.num_computed
-            table = kv.tables[seq.seq_id][: self.nb]
+            table = kv.table_array(seq.seq_id)[: self.nb]
             token = seq.token_at(past)
             if token is None:
                 if fed is None:

@@ -186,6 +186,7 @@ class KVCache:
         self.block_size = block_size
         self.pool = BlockPool(capacity)
         self.tables: dict[int, list[int]] = {}
+        self._arrays: dict[int, np.ndarray] = {}  # `table_array`'s, dropped when a table changes
         self.slabs = slabs
         if slabs is not None:
             self._init_slabs(slabs, capacity)
@@ -288,7 +289,17 @@ class KVCache:
             self.pool.give_back(ids)
             return False
         self.tables.setdefault(seq_id, []).extend(ids)
+        self._arrays.pop(seq_id, None)
         return True
+
+    def table_array(self, seq_id: int) -> np.ndarray:
+        """`seq_id`'s block table as an int64 array, made once per change of the table (a
+        decode step copies every running sequence's table into its inputs: from a list, 32
+        sequences' tables took ~0.2 ms of host time a step on the 2-core dev VM)."""
+        arr = self._arrays.get(seq_id)
+        if arr is None:
+            arr = self._arrays[seq_id] = np.asarray(self.tables[seq_id], dtype=np.int64)
+        return arr
 
     def _take_slabs(self, ids: list[int]) -> bool:
         """Slabs of the arena for blocks `ids`; waits for retiring slabs once if short."""
@@ -309,6 +320,7 @@ class KVCache:
     def free(self, seq_id: int) -> int:
         """Give every block of `seq_id` back; returns how many."""
         ids = self.tables.pop(seq_id, [])
+        self._arrays.pop(seq_id, None)
         if self.slabs is not None and ids:
             self.slabs.give_back(self._host_slabs[ids].ravel().astype(np.int32))
             self._host_slabs[ids] = -1
