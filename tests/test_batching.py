@@ -209,3 +209,20 @@ def test_text_catches_up_while_the_next_step_runs(bundled_pack):
         if not plain.finished and plain.output_ids:
             assert text(plain, len(plain.output_ids)).startswith(plain.text)
     assert lagged > 0 and plain.finished and watched.finished
+
+
+def test_a_sequence_not_streamed_gets_its_text_once_at_the_end(bundled_pack):
+    """`stream=False` (a whole response, bench, generate): no text while it runs, no decode a
+    step; at the end the text a streamed twin got step by step."""
+    engine = Engine(Pack(bundled_pack))
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=2))
+    ids = engine.tokenizer(PROMPTS[0]).input_ids
+    streamed = batcher.add(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    whole = batcher.add(ids, SamplingParams(max_tokens=12, ignore_eos=True, stream=False))
+    while batcher.has_work:
+        batcher.step()
+        batcher.catch_up_text()
+        if not whole.finished:
+            assert whole.text == "" and whole.offsets.read == 0
+    assert whole.output_ids == streamed.output_ids and whole.text == streamed.text
+    assert whole.text == engine.tokenizer.decode(whole.output_ids, skip_special_tokens=True)

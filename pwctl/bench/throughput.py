@@ -481,7 +481,7 @@ def _run_one(
     timeline = _Timeline(batcher, engine.device)
     with QualitySamples(batcher, spec.quality_sample) as got:
         if mode in ("batch", "concurrency"):
-            params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True)
+            params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, stream=False)
             seqs = _closed_loop(steps, timeline, mine, params, in_flight)
         else:
             seqs = _arrival_loop(batcher, timeline, prompts, arrivals)
@@ -560,7 +560,8 @@ def _arrival_loop(
             if timeline.start + a.at > timeline.now():
                 break
             seq = batcher.add(
-                prompts[order.pop(0)], SamplingParams(max_tokens=a.output_len, ignore_eos=True)
+                prompts[order.pop(0)],
+                SamplingParams(max_tokens=a.output_len, ignore_eos=True, stream=False),
             )
             timeline.submitted(seq, max(timeline.start + a.at, opened[a.phase]))
             phase_of[seq.seq_id] = a.phase

@@ -85,7 +85,7 @@ def run(
         f"policy {pol}, device {device}, memory budget {budget / 1e6:.1f} MB", highlight=False
     )
     ids = engine.tokenizer(prompt).input_ids
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, stream=False)  # the text is read at the end
     if expert_parallel > 1:
         from pwctl.runtime.parallel.launch import ranks
         from pwctl.runtime.parallel.rank_metrics import gather_rank_metrics

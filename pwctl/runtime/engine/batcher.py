@@ -260,7 +260,7 @@ class Batcher:
         if self._at_length(seq):
             self._detokenize(seq, seq.output_ids, final=True)
             return self._finish(seq, "length")
-        if not p.stop:
+        if p.stream and not p.stop:
             self._untexted.append(seq)
         return None
 

@@ -47,6 +47,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the model's eos
     ignore_eos: bool = False
     seed: int | None = None
+    # the text follows the tokens step by step (a streamed response reads it); False: it is
+    # made once, when the sequence ends (stop strings make it step by step either way)
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

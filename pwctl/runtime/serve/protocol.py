@@ -111,6 +111,7 @@ def _common(body: dict, prompt: str | list[int], max_name: str, default_max: int
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         stop=_stop(body),
         seed=seed,
+        stream=stream,  # a whole response reads the text once, at the end
     )
     include_usage = bool(options.get("include_usage", False))
     return Parsed(prompt, params, max_tokens, stream, include_usage)
