@@ -226,3 +226,19 @@ def test_a_sequence_not_streamed_gets_its_text_once_at_the_end(bundled_pack):
             assert whole.text == "" and whole.offsets.read == 0
     assert whole.output_ids == streamed.output_ids and whole.text == streamed.text
     assert whole.text == engine.tokenizer.decode(whole.output_ids, skip_special_tokens=True)
+
+
+def test_a_step_out_of_device_memory_says_so_in_one_line(bundled_pack, monkeypatch):
+    """On CUDA the allocator is capped at the budget: a step that passes it fails with the
+    budget and the fixed part named, not a traceback from deep in torch."""
+    engine = Engine(Pack(bundled_pack))
+    batcher = engine.start_batching(parse_policy("uniform:4"), None, BatchConfig(max_seqs=2))
+    batcher.add(engine.tokenizer(PROMPTS[0]).input_ids, SamplingParams(max_tokens=4))
+
+    def out_of_memory(batch, fed=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB\nmore")
+
+    monkeypatch.setattr(batcher.runner, "forward", out_of_memory)
+    with pytest.raises(PwctlError, match=r"ran out of device memory within --memory-budget") as e:
+        batcher.step()
+    assert "\n" not in str(e.value) and "Tried to allocate 20.00 MiB" in str(e.value)

@@ -22,6 +22,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from pwctl.errors import PwctlError
 from pwctl.runtime.engine.decode_graphs import DeviceTokens
 from pwctl.runtime.engine.detokenizer import advance, advance_many, first_stop
@@ -159,7 +161,7 @@ class Batcher:
             return done + self._land(last) if last is not None else done or self._unschedulable()
         self._boundary()
         with self.tap if self.tap is not None else nullcontext():
-            logits = self.runner.forward(batch, last.fed() if last is not None else None)
+            logits = self._forward(batch, last)
         signals = self.allocator.signals(self.tap) if self.allocator is not None else None  # type: ignore[arg-type]  # a tap exists with an allocator
         sampled = [s for s, on in zip(batch.seqs, batch.sampling, strict=True) if on]
         now = Launched(batch, sampled, SampledTokens.queue(sample_tokens(logits, sampled)))
@@ -179,6 +181,20 @@ class Batcher:
             self._launched = now
             return done
         return done + self._land(now)
+
+    def _forward(self, batch: ScheduledBatch, last: Launched | None) -> torch.Tensor:
+        """The runner's forward; out of device memory becomes one line: on CUDA torch's
+        allocator is held to the memory budget (accounting.cap_allocator), so a step past it
+        took more than the start-up measured."""
+        try:
+            return self.runner.forward(batch, last.fed() if last is not None else None)
+        except torch.OutOfMemoryError as e:
+            raise PwctlError(
+                f"a step of {batch.total} tokens over {len(batch.seqs)} sequences ran out of "
+                f"device memory within --memory-budget ({self.memory.total / 1e6:.0f} MB; the "
+                f"fixed part {self.memory.fixed / 1e6:.0f} MB): please report it; a larger "
+                f"budget or a smaller --max-seqs avoids it ({str(e).splitlines()[0]})"
+            ) from e
 
     def idle(self) -> None:
         """No work: the last step's text and signals catch up, the planner's step clock advances
