@@ -223,10 +223,16 @@ class MoETap:
         self.dense_seen[layer] = x.detach()
 
     def __enter__(self) -> MoETap:
-        for m in self.blocks:
-            m.observer = self
+        self._observe(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._observe(None)
+
+    def _observe(self, observer: MoETap | None) -> None:
+        """Every block's observer, set as a plain attribute: nn.Module's __setattr__ (it checks
+        for parameters, buffers and submodules first) took 170 us for 48 layers in and out on
+        the dev VM (19 us plain), and a dynamic policy's serving loop enters and leaves a tap
+        every step."""
         for m in self.blocks:
-            m.observer = None
+            object.__setattr__(m, "observer", observer)
