@@ -27,6 +27,7 @@ that layer's rows and store none of their own (`KVLayout.sources`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -250,8 +251,9 @@ class KVCache:
         rows = sum(layout.row_bytes_of(i) // unit for i in range(layout.n_layers))
         return -(-(2 * block_size * rows) // (slab_bytes // unit))
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
+        """Bytes of one block (fixed for the cache's life; the serving loop asks every step)."""
         s = None if self.slabs is None else self.slabs.slab_bytes
         return self.block_bytes_of(self.layout, self.block_size, s)
 
