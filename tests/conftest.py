@@ -22,6 +22,17 @@ from pwctl.build.convert import ConvertOptions, convert  # noqa: E402
 LAYOUTS = ("per_expert", "fused")
 
 
+@pytest.fixture(autouse=True)
+def _whole_device_after_each_test():
+    """A test's serving engine caps torch's allocator at its budget (accounting.cap_allocator):
+    the next test gets the whole device again, whatever it allocates."""
+    yield
+    if torch.cuda.is_available():
+        from pwctl.runtime.memory.accounting import release_allocator_cap
+
+        release_allocator_cap("cuda")
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("ckpt")

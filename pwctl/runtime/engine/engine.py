@@ -15,6 +15,7 @@ the batcher calls at each step boundary (set_policy settles at once: no step is 
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -42,6 +43,7 @@ from pwctl.runtime.memory.accounting import (
     device_capacity,
     fixed_part,
     measures_steps,
+    release_allocator_cap,
     step_bytes,
 )
 from pwctl.runtime.memory.budget import MemoryBudget
@@ -96,6 +98,7 @@ class Engine:
             raise PwctlError("--device cuda: no CUDA device visible")
         if device.startswith("cuda"):
             configure_allocator()  # before the first weight lands on the device
+            release_allocator_cap(device)  # the last engine's budget is not this one's
         experts = experts or ("paged" if device.startswith("cuda") else "store")
         if experts not in EXPERTS:
             raise PwctlError(f"experts {experts!r}: choose from {EXPERTS}")
@@ -274,7 +277,7 @@ class Engine:
         the widest planes plus a full context for every sequence). `on_widths(widths)` is
         called after every width change, between steps (after the paged backend's request)."""
         cfg = config or BatchConfig()
-        self.batcher = None  # the previous batcher's KV blocks go with its arena
+        self._drop_batcher()
         self._apply_policy(policy)
         dynamic = self.allocator is not None and self.allocator.dynamic
         max_len = self.max_len(cfg)
@@ -292,6 +295,15 @@ class Engine:
         )  # fmt: skip
         self.batcher.info = {"policy": str(policy), "device": self.device, "experts": self.experts}
         return self.batcher
+
+    def _drop_batcher(self) -> None:
+        """The previous batcher's KV blocks go with its arena; on CUDA its decode graphs' pool
+        and cached pages go too, before the new budget caps the allocator (what a reference
+        cycle kept would otherwise count against it)."""
+        had, self.batcher = self.batcher is not None, None
+        if had and self.device.startswith("cuda"):
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def _arena(
         self,

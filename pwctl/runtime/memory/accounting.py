@@ -225,6 +225,13 @@ def cap_allocator(device: str, budget: int) -> int:
     return cap
 
 
+def release_allocator_cap(device: str) -> None:
+    """torch's caching allocator back to the whole device: a new engine's weights are not
+    under the last engine's budget, nor is work after serving (tests, bench's next policy)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
+
+
 def _pool_bytes(device: str) -> tuple[int, int]:
     """Bytes allocated in the default pool, and reserved by CUDA graphs' private pools."""
     default = private = 0
