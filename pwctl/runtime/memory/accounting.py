@@ -31,7 +31,7 @@ before it passes it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,14 +235,11 @@ def release_allocator_cap(device: str) -> None:
 def _pool_bytes(device: str) -> tuple[int, int]:
     """Bytes allocated in the default pool, and reserved by CUDA graphs' private pools."""
     default = private = 0
-    index = torch.device(device).index or 0
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device", 0) != index:
-            continue
-        if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0):
-            default += int(seg["allocated_size"])
+    for _, pool, reserved, allocated in _segments(device):
+        if pool == "default":
+            default += allocated
         else:
-            private += int(seg["total_size"])
+            private += reserved
     return default, private
 
 
@@ -252,22 +249,29 @@ def reserved_where(device: str) -> list[dict[str, object]]:
     reserved bytes; where they pass the allocated ones by more than a segment, this says whose
     they are."""
     rows: dict[tuple[int, str], dict[str, float]] = {}
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device", 0) != (torch.device(device).index or 0):
-            continue
-        pool = seg.get("segment_pool_id", (0, 0))
-        name = "default" if tuple(pool) == (0, 0) else f"graph {tuple(pool)}"
+    for stream, pool, reserved, allocated in _segments(device):
         row = rows.setdefault(
-            (int(seg.get("stream", 0)), name),
-            dict.fromkeys(("reserved_mb", "allocated_mb", "segments"), 0.0),
+            (stream, pool), dict.fromkeys(("reserved_mb", "allocated_mb", "segments"), 0.0)
         )
-        row["reserved_mb"] += seg["total_size"] / 1e6
-        row["allocated_mb"] += seg["allocated_size"] / 1e6
+        row["reserved_mb"] += reserved / 1e6
+        row["allocated_mb"] += allocated / 1e6
         row["segments"] += 1
     return [
         {"stream": stream, "pool": pool, **{k: round(v, 1) for k, v in row.items()}}
         for (stream, pool), row in sorted(rows.items())
     ]
+
+
+def _segments(device: str) -> Iterator[tuple[int, str, int, int]]:
+    """torch's segments on `device`: stream, pool ("default" or "graph (a, b)"), reserved and
+    allocated bytes."""
+    index = torch.device(device).index or 0
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", 0) != index:
+            continue
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        name = "default" if pool == (0, 0) else f"graph {pool}"
+        yield int(seg.get("stream", 0)), name, int(seg["total_size"]), int(seg["allocated_size"])
 
 
 PROBE_SEED = 0

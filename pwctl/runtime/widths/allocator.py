@@ -57,7 +57,6 @@ class WidthAllocator:
         # one rank's share of the pack holds no bytes of the other ranks' blocks
         # (runtime/parallel/rank_pack.py): the planner plans the blocks held here only
         self.n_blocks, self._held = len(pack.blocks), np.flatnonzero(cost[:, -1] > 0)
-        self._top = top
         blocks = [pack.blocks[i] for i in self._held]
         cost, damage = cost[self._held], damage[self._held]
         self.budget = policy.budget.resolve(sum(b.fp16_bytes for b in blocks))
@@ -164,7 +163,7 @@ class WidthAllocator:
         """The last plan's widths per block (a per-layer plan is spread to its blocks)."""
         assert self.last is not None  # a plan is made before its widths are read
         planned = self.last.widths
-        out = np.full(self.n_blocks, self._top, dtype=planned.dtype)  # unheld: no bytes at any
+        out = np.full(self.n_blocks, self.widest, dtype=planned.dtype)  # unheld: no bytes at any
         out[self._held] = planned[self._block_layer] if self.per_layer else planned
         return out
 
