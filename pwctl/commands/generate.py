@@ -68,10 +68,9 @@ def run(
         max_bits = auto_max_bits(max_bits, m.min_bits, m.max_bits)
     experts = experts_for(pol, device)
     if expert_parallel > 1:  # this rank's experts' planes only, the only ones checked and read
-        from pwctl.runtime.parallel.launch import own_rank
-        from pwctl.runtime.parallel.rank_pack import rank_pack
+        from pwctl.runtime.parallel.rank_pack import own_share
 
-        opened = rank_pack(opened, expert_parallel, own_rank(), pol)
+        opened = own_share(opened, expert_parallel, pol)
     faults = checks.verify_pack(opened) if verify else []
     if faults:
         raise PwctlError(f"{checks.fault_summary(faults)}; --no-verify skips this check")

@@ -92,10 +92,9 @@ def run(
         max_bits = auto_max_bits(max_bits, m.min_bits, m.max_bits)
     experts = experts_for(pol, device)
     if expert_parallel > 1:  # this rank's experts' planes only, the only ones checked and read
-        from pwctl.runtime.parallel.launch import own_rank
-        from pwctl.runtime.parallel.rank_pack import rank_pack
+        from pwctl.runtime.parallel.rank_pack import own_share
 
-        opened = rank_pack(opened, expert_parallel, own_rank(), pol)
+        opened = own_share(opened, expert_parallel, pol)
     faults = checks.verify_pack(opened) if verify else []
     if experts == "paged" and any(f.plane is not None for f in faults):
         # the paged backend's host copy holds every plane: it needs them all

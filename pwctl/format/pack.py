@@ -315,6 +315,12 @@ class Pack:
         self.index = {(b.layer, b.expert, b.proj): i for i, b in enumerate(self.blocks)}
         self.by_name = {b.name: i for i, b in enumerate(self.blocks)}
 
+    @property
+    def held(self) -> np.ndarray:
+        """bool per block: whether this process holds the block's planes. Every block of a
+        pack; one rank's share of it (runtime/parallel/rank_pack.py) only its own experts'."""
+        return np.ones(len(self.blocks), dtype=bool)
+
     def _chunk(self, block: BlockInfo, p: int) -> bytes | None:
         """Plane p's stored bytes, or None if they fail their checksum."""
         info = block.planes[p]

@@ -89,9 +89,7 @@ class MemoryBudget:
             self.space = paged.table.n_slabs * paged.table.slab_bytes
         self.widths = store.widths
         self._layer = np.array([b.layer for b in store.pack.blocks])  # MoE layer of each block
-        # blocks with planes here (a rank's share of the pack holds none of other ranks' blocks:
-        # runtime/parallel/rank_pack.py): the widths reported are theirs
-        self._held = np.array([b.bytes_at(store.max_bits) > 0 for b in store.pack.blocks])
+        self._held = store.pack.held  # the widths reported are the held blocks' (Pack.held)
         self.allocator = allocator if allocator is not None and allocator.dynamic else None
         self.on_widths = on_widths
         self.moves = WidthMoves()

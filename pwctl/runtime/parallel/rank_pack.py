@@ -27,10 +27,14 @@ class RankPack(Pack):
     def __init__(self, pack: Pack, placement: ExpertPlacement, rank: int):
         # no Pack.__init__: `pack` has read and checked the manifest once
         self.path, self.placement, self.rank = pack.path, placement, rank
-        self.held = placement.holds(rank, pack.blocks)
-        self.blocks = [b if h else _vacant(b) for b, h in zip(pack.blocks, self.held, strict=True)]
+        self._held = placement.holds(rank, pack.blocks)
+        self.blocks = [b if h else _vacant(b) for b, h in zip(pack.blocks, self._held, strict=True)]
         self.manifest = replace(pack.manifest, blocks=self.blocks)
         self.index, self.by_name = pack.index, pack.by_name
+
+    @property
+    def held(self) -> np.ndarray:
+        return self._held
 
     def read_plane(self, block: BlockInfo, p: int) -> tuple[np.ndarray, np.ndarray | None]:
         """A vacant block's planes are zero bytes long, so reading one reads nothing (the paged
@@ -52,7 +56,7 @@ class RankPack(Pack):
         return super().load_good_planes(block, bits)
 
     def _vacant(self, block: BlockInfo) -> bool:
-        return not self.held[self.by_name[block.name]]
+        return not self._held[self.by_name[block.name]]
 
     def _check_held(self, block: BlockInfo) -> None:
         """A vacant block's weights are wanted only if a token reached an expert of another
@@ -76,6 +80,14 @@ def rank_pack(pack: Pack, ranks: int, rank: int, policy: Policy | None) -> Pack:
     if ranks == 1 or (policy is not None and policy.kind is Kind.FP16):
         return pack
     return RankPack(pack, ExpertPlacement.for_pack(pack, ranks), rank)
+
+
+def own_share(pack: Pack, ranks: int, policy: Policy | None) -> Pack:
+    """`rank_pack` for this process's own rank, known before the group is joined (the
+    launcher's: `launch.own_rank`), so the pack check and the engine read its blocks only."""
+    from pwctl.runtime.parallel.launch import own_rank
+
+    return rank_pack(pack, ranks, own_rank(), policy)
 
 
 def exchange_before_join(pack: Pack) -> ExpertExchange | None:

@@ -56,7 +56,7 @@ class WidthAllocator:
         damage = self.profile.damage[:, : top - m.min_bits + 1]
         # one rank's share of the pack holds no bytes of the other ranks' blocks
         # (runtime/parallel/rank_pack.py): the planner plans the blocks held here only
-        self.n_blocks, self._held = len(pack.blocks), np.flatnonzero(cost[:, -1] > 0)
+        self.n_blocks, self._held = len(pack.blocks), np.flatnonzero(pack.held)
         blocks = [pack.blocks[i] for i in self._held]
         cost, damage = cost[self._held], damage[self._held]
         self.budget = policy.budget.resolve(sum(b.fp16_bytes for b in blocks))
