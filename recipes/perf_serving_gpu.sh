@@ -168,7 +168,7 @@ p)
       timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 \
         --prompt-len 2048 $O >"$log" 2>&1
       echo "[p $P $O] rc $?"
-      grep -E "decode graphs|decode step wall|profiled" "$log"
+      grep -E "decode graphs|decode step wall|profiled|graph alone|host outside" "$log"
     done
   done
   ;;
@@ -182,7 +182,7 @@ q)
     timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 --max-bits 4 \
       --prompt-len 2048 --memory-budget "$MEM_E" >"$log" 2>&1
     echo "[q $P] rc $?"
-    grep -E "decode graphs|decode step wall|profiled" "$log"
+    grep -E "decode graphs|decode step wall|profiled|graph alone|host outside" "$log"
   done
   ;;
 pager)

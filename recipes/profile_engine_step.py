@@ -87,6 +87,31 @@ def gpu_busy_us(prof: torch.profiler.profile) -> tuple[float, int]:
     return busy, len(spans)
 
 
+def graph_alone(engine: Engine, steps: int) -> None:
+    """Replay the last step's decode graph `steps` times back to back, the host doing nothing
+    between replays: its wall time a replay is what the GPU needs for a step's forward, and its
+    busy share the most the engine's steps can show with this many kernels (a graph's kernels
+    wait on each other's launch on the GPU; no host is involved). The engine's step against
+    it is what the host adds. Run last: replays rewrite the step's cache rows."""
+    graphs = engine.batcher.runner.graphs
+    if graphs is None or not graphs._graphs:
+        return
+    graph = next(reversed(graphs._graphs.values()))
+    graph.replay()
+    t0 = synced("cuda")
+    for _ in range(steps):
+        graph.replay()
+    alone = (synced("cuda") - t0) / steps * 1e3
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            graph.replay()
+        synced("cuda")
+    busy = gpu_busy_us(prof)[0] / steps / 1e3
+    print(f"graph alone: {alone:.2f} ms a replay, GPU busy {busy:.2f} ms ({busy / alone:.0%}: "
+          "the in-graph bound on the busy share)")
+
+
 def host_outside_forward(engine: Engine, device: str, steps: int) -> None:
     """Print the host's time a step outside the model's forward (scheduling, sampling, reading
     tokens, detokenization, the planner): with overlapped steps on the GPU, what must fit in the
@@ -191,6 +216,8 @@ def main() -> None:
     stats = pstats.Stats(prof_py)
     stats.sort_stats("cumulative").print_stats(30)
     stats.sort_stats("tottime").print_stats("pwctl", 25)  # the host work that is ours
+    if a.device.startswith("cuda"):
+        graph_alone(engine, a.steps)
 
 
 if __name__ == "__main__":

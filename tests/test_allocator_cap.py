@@ -43,4 +43,4 @@ def test_the_cap_gives_free_pages_back_before_the_budget_passes():
         capped = growing_temporaries(device)
         assert base + capped <= cap, (capped / MIB, cap / MIB)
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)

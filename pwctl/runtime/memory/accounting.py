@@ -221,7 +221,7 @@ def cap_allocator(device: str, budget: int) -> int:
     dev = torch.device(device)
     cap = int(budget * (1 + SLACK)) - _cupy_pool_bytes()
     total = int(torch.cuda.mem_get_info(dev)[1])
-    torch.cuda.set_per_process_memory_fraction(min(1.0, max(cap, 0) / total), dev)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(cap, 0) / total), _index(device))
     return cap
 
 
@@ -229,7 +229,14 @@ def release_allocator_cap(device: str) -> None:
     """torch's caching allocator back to the whole device: a new engine's weights are not
     under the last engine's budget, nor is work after serving (tests, bench's next policy)."""
     if device.startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device))
+        torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
+
+
+def _index(device: str) -> int:
+    """The CUDA device index of `device` ("cuda" is the current device: the fraction's setter
+    takes no index-less device)."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
 
 
 def _pool_bytes(device: str) -> tuple[int, int]:
