@@ -108,8 +108,10 @@ def graph_alone(engine: Engine, steps: int) -> None:
             graph.replay()
         synced("cuda")
     busy = gpu_busy_us(prof)[0] / steps / 1e3
-    print(f"graph alone: {alone:.2f} ms a replay, GPU busy {busy:.2f} ms ({busy / alone:.0%}: "
-          "the in-graph bound on the busy share)")
+    print(
+        f"graph alone: {alone:.2f} ms a replay, GPU busy {busy:.2f} ms ({busy / alone:.0%}: "
+        "the in-graph bound on the busy share)"
+    )
 
 
 def host_outside_forward(engine: Engine, device: str, steps: int) -> None:
