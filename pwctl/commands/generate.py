@@ -19,12 +19,13 @@ from pwctl.commands.common import (
     console,
     err_console,
     handles_errors,
+    open_served_pack,
     policy_or_auto,
     write_json,
 )
 from pwctl.device import parse_device
 from pwctl.errors import PwctlError
-from pwctl.policy import BudgetArg, auto_max_bits
+from pwctl.policy import BudgetArg
 
 
 @handles_errors
@@ -58,20 +59,12 @@ def run(
 
         device = rank_device(device, expert_parallel)
     from pwctl.runtime.engine.batcher import BatchConfig
-    from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.runtime.engine.engine import Engine, serving_dtype
     from pwctl.runtime.engine.scheduler import SamplingParams
 
-    opened = open_pack(pack)
-    m = opened.manifest
-    checks.max_bits(max_bits, m.min_bits, m.max_bits)
-    if pol is None:
-        max_bits = auto_max_bits(max_bits, m.min_bits, m.max_bits)
-    experts = experts_for(pol, device)
-    if expert_parallel > 1:  # this rank's experts' planes only, the only ones checked and read
-        from pwctl.runtime.parallel.rank_pack import own_share
-
-        opened = own_share(opened, expert_parallel, pol)
-    faults = checks.verify_pack(opened) if verify else []
+    opened, max_bits, experts, faults = open_served_pack(
+        pack, pol, device, max_bits, expert_parallel, verify
+    )
     if faults:
         raise PwctlError(f"{checks.fault_summary(faults)}; --no-verify skips this check")
     engine = Engine(opened, device, serving_dtype(device, experts), experts, max_bits)

@@ -20,11 +20,12 @@ from pwctl.commands.common import (
     PolicyOption,
     console,
     handles_errors,
+    open_served_pack,
     policy_or_auto,
 )
 from pwctl.device import parse_device
 from pwctl.errors import PwctlError
-from pwctl.policy import BudgetArg, auto_max_bits
+from pwctl.policy import BudgetArg
 
 
 @handles_errors
@@ -80,22 +81,13 @@ def run(
     if _front_end():
         checks.port_free(host, port)
     from pwctl.runtime.engine.batcher import BatchConfig
-    from pwctl.runtime.engine.engine import Engine, experts_for, open_pack, serving_dtype
+    from pwctl.runtime.engine.engine import Engine, serving_dtype
     from pwctl.runtime.serve.server import run_server
     from pwctl.runtime.serve.worker import EngineWorker
 
-    opened = open_pack(pack)
-    m = opened.manifest
-    checks.max_model_len(max_model_len, m.config)
-    checks.max_bits(max_bits, m.min_bits, m.max_bits)
-    if pol is None:
-        max_bits = auto_max_bits(max_bits, m.min_bits, m.max_bits)
-    experts = experts_for(pol, device)
-    if expert_parallel > 1:  # this rank's experts' planes only, the only ones checked and read
-        from pwctl.runtime.parallel.rank_pack import own_share
-
-        opened = own_share(opened, expert_parallel, pol)
-    faults = checks.verify_pack(opened) if verify else []
+    opened, max_bits, experts, faults = open_served_pack(
+        pack, pol, device, max_bits, expert_parallel, verify, max_model_len
+    )
     if experts == "paged" and any(f.plane is not None for f in faults):
         # the paged backend's host copy holds every plane: it needs them all
         raise PwctlError(f"{checks.fault_summary(faults)}; convert the model again")
