@@ -322,3 +322,26 @@ def test_probe_ids_are_the_same_in_every_process():
     a, b = accounting.probe_ids(1000, (1, 64)), accounting.probe_ids(1000, (1, 64))
     assert torch.equal(a, b)
     assert a.unique().numel() > 32
+
+
+def test_the_allocator_cap_names_its_device_by_index(monkeypatch):
+    """torch's fraction setter takes no index-less device ("cuda" alone raised ValueError at every
+    engine start on an H100): the cap and its release pass an index, on CPU with CUDA faked."""
+    from torch.cuda import _utils
+
+    total, fractions = 80 << 30, []
+
+    def set_fraction(fraction: float, device: object) -> None:
+        _utils._get_device_index(device)  # the check torch's own setter makes first
+        fractions.append((fraction, device))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(accounting, "_cupy_pool_bytes", lambda: 0)
+    cap = accounting.cap_allocator("cuda", 10 << 30)
+    accounting.cap_allocator("cuda:1", 10 << 30)
+    accounting.release_allocator_cap("cuda")
+    assert cap == int((10 << 30) * (1 + accounting.SLACK))
+    assert fractions == [(cap / total, 0), (cap / total, 1), (1.0, 0)]
