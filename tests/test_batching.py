@@ -157,6 +157,32 @@ def test_each_steps_router_ids_reach_the_planner_once_a_step_late(bundled_pack):
     assert engine.allocator.planner.step == ticks + len(seen) + 1  # one a step, one idle
 
 
+def test_the_serving_tap_keeps_what_the_planner_reads(bundled_pack):
+    # the routing always; the blocks' inputs only where the planner reads their norms (a
+    # per-layer policy, a fitted residual), the routing weights never: what is not kept is an
+    # empty [T, 0] view, which a decode graph copies at no cost
+    from pwctl.format.residual import ResidualModel
+
+    engine = Engine(Pack(bundled_pack))
+    batcher = engine.start_batching(parse_policy("pagedweight:0.4"), None, BatchConfig(max_seqs=2))
+    alloc = engine.allocator
+    assert not alloc.reads_inputs and not batcher.tap.inputs and not batcher.tap.weights
+    engine.add_request(engine.tokenizer(PROMPTS[0]).input_ids, SamplingParams(max_tokens=2))
+    batcher.step()
+    k = engine.model.config.num_experts_per_tok
+    for layer in alloc.layers:
+        x, index, weights = batcher.tap.seen[layer]
+        T = index.shape[0]
+        assert T > 1 and index.shape == (T, k) and x.shape == weights.shape == (T, 0)
+    n = len(alloc.layers)
+    alloc.residual = ResidualModel(
+        alloc.layers, [1.0] * 3, [1.0] * 3, [[0.1, 0.1, 0.1]] * n, [0.0] * n, {"r2_test": 0.5}
+    )
+    assert alloc.reads_inputs
+    engine.set_policy(parse_policy("dynamic-layer:0.4"))
+    assert engine.allocator.reads_inputs
+
+
 def test_one_token_steps_keep_the_last_residual(bundled_pack):
     # a usable residual model reads the std of a step's token norms: undefined for one token,
     # so a one-token step keeps the factor of the last step that had more

@@ -96,7 +96,9 @@ class Batcher:
         self.kv = scheduler.kv
         self.tokenizer, self.eos_ids, self.max_model_len = tokenizer, eos_ids, max_model_len
         self.allocator = allocator
-        self.tap = MoETap(runner.model) if allocator is not None else None
+        self.tap = None
+        if allocator is not None:  # the planner's signals: the routing, inputs where it reads them
+            self.tap = MoETap(runner.model, inputs=allocator.reads_inputs, weights=False)
         self._signals: StepSignals | None = None  # the last step's, fed during the next
         # sequences whose text waits for the next step's launch: their new token stops nothing
         # that needs text, so it is decoded while the GPU runs that step (32 sequences' text

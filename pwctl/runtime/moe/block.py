@@ -106,7 +106,7 @@ class MoEBlock(nn.Module):
             bias = self.gate.bias, self.bias()  # (GPT-OSS: the router's, the experts')
             out, routing = fused.routed(self.layer, x, self.gate.weight, sgw, *bias)
             if self.observer is not None:  # routing's buffers are reused by the next layer
-                self.observer(self.layer, x, routing.index.clone(), routing.weights.clone())
+                self.observer(self.layer, x, routing.index, routing.weights, reused=True)
             return out.to(x.dtype).view_as(hidden)
         weights, index = route(self.gate(x), self.spec)
         return self._chosen(hidden, x, weights, index)
@@ -211,13 +211,25 @@ class MoETap:
     """Context manager recording each MoE block's input and routing during a forward pass
     (profile's features and proxy, bench's MoE output error)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, inputs: bool = True, weights: bool = True):
+        """`inputs`, `weights`: whether the blocks' inputs and routing weights are kept; where
+        not, `seen` holds empty [T, 0] views in their place, which a decode graph copies at no
+        cost (the serving planner reads the routing alone unless it fits a residual; a decode
+        graph copied all three, per MoE layer, into its outputs at every step)."""
         self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+        self.inputs, self.weights = inputs, weights
         self.seen: dict[int, tuple[torch.Tensor, ...]] = {}  # (x, index, weights)
         self.dense_seen: dict[int, torch.Tensor] = {}  # a dense MLP's input (DenseMLP)
 
-    def __call__(self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor):
-        self.seen[layer] = (x.detach(), index, weights)
+    def __call__(
+        self, layer: int, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+        reused: bool = False,
+    ) -> None:  # fmt: skip
+        """`reused`: `index` and `weights` sit in buffers the next layer overwrites (the fused
+        path's routing): what is kept is copied."""
+        x = x.detach() if self.inputs else x[:, :0]
+        weights = (weights.clone() if reused else weights) if self.weights else weights[:, :0]
+        self.seen[layer] = (x, index.clone() if reused else index, weights)
 
     def dense_input(self, layer: int, x: torch.Tensor) -> None:
         self.dense_seen[layer] = x.detach()

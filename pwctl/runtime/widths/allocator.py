@@ -171,6 +171,12 @@ class WidthAllocator:
         """Feed the planner the signals of the forward `tap` just recorded."""
         self.feed(self.signals(tap))
 
+    @property
+    def reads_inputs(self) -> bool:
+        """Whether `signals` reads the blocks' inputs (their norm features): a per-layer policy,
+        or a fitted residual; otherwise the routing alone."""
+        return self.per_layer or self.residual is not None
+
     def signals(self, tap: MoETap) -> StepSignals:
         """The planner's signals of the forward `tap` just recorded, on their way to the host:
         each in one copy for every layer (not a copy a layer: on CUDA each would be a sync),
