@@ -22,16 +22,18 @@
 #   (o) batch-1 decode step profile (recipes/profile_engine_step.py) per policy, SDPA backends
 #   merge: every JSON written so far into $OUT/serving.json (the device tool returns at most 8
 #       files; the call groups end with it)
-#   call1 (= all): prep, p, a, c; call2: b, e; call3: n, pager: three device calls of <= 570 s
-#       (H100, 2026-12-06, kernels from a carried CuPy cache: call1 464 s, call2 358 s; n ~270 in
-#       four processes, q ~90), the second and third made right after the one before, while the
-#       machine is warm. With .carry/cupy_cache.tgz carried (recipes/cupy_cache.sh) no kernel
-#       compiles; each call group leaves the cache in $OUT for the next session.
+#   call1 (= all): prep, a, b, c (issue 57); call2: n, p, e, pager (issues 59, 58): two device
+#       calls of <= 570 s, the second right after the first while the machine is warm (it keeps
+#       /tmp: prep is a no-op). Estimates from the H100 runs of 2026-12-06 (prep 140 s, a 101,
+#       b ~280 with 64 requests, now 32, c 84, n ~270 with 64 requests at 32 concurrent, now
+#       32, p 130 both ways, now overlapped only, e 211); not yet timed as grouped. With
+#       .carry/cupy_cache.tgz carried (recipes/cupy_cache.sh) no kernel compiles; each call
+#       group leaves the cache in $OUT for the next session.
 # Every figure is `pwctl bench --throughput` on the serving engine, one process per policy, so
 # each row's peak (torch's reserved high-water mark + CuPy's pool) is that policy's alone; bench
 # exits non-zero when a row's peak passes its budget by 2% or a request is cut short (the rc is
 # printed). pagedweight's BUDGET is uniform:4's plane bytes (equal expert memory at peak).
-# Usage (device tool): bash recipes/perf_serving_gpu.sh call1, then call2, call3 (or one stage)
+# Usage (device tool): bash recipes/perf_serving_gpu.sh call1, then call2 (or one stage)
 # SHAPE (default qwen-moe; mixtral, qwen3-moe: pwctl.bench.synthetic.SHAPES).
 # LAYERS (default 8): Qwen1.5-MoE has 24; 24 layers need ~62 GB of disk (bf16 checkpoint + 8-bit
 # planes + fp16 reference), too close to the 1-GPU machine's 64 GB.
@@ -77,7 +79,7 @@ b)
   MEM_B=$(budget --planes fp16 --seqs 4 --tokens 2304 --max-seqs 32 --measure)
   echo "(b) memory budget $MEM_B (16-bit weights + KV of 4 x 2304 tokens), BUDGET $PLANES4"
   for P in fp16 uniform:4 "pagedweight:$PLANES4"; do
-    tp "b_$(row "$P")" --concurrency 32 --requests 64 --max-seqs 32 --memory-budget "$MEM_B" \
+    tp "b_$(row "$P")" --concurrency 32 --requests "${B_REQUESTS:-32}" --max-seqs 32 --memory-budget "$MEM_B" \
       --policy "$P"
   done
   ;;
@@ -89,13 +91,12 @@ c)
   timeout 200 python3 recipes/perf_hf_generate.py "$CK" "${IO[@]}" --dtype bfloat16 \
     --json "$JSON/c_hf_generate.json" | tail -4
   ;;
-all | call1 | call2 | call3 | stages)
+all | call1 | call2 | stages)
   # one device call each (`stages`: the stages named in $STAGES) (<= 570 s, merged after every stage so a cut call keeps its rows);
   # call2 and call3 right after the one before (a warm machine keeps /tmp: prep is a no-op)
   case "$1" in
-  all | call1) STAGES="prep p a c" ;;  # 140 + ~130 (p both ways) + 101 + 143 s
-  call2) STAGES="prep b e" ;;  # ~280 + 211 s
-  call3) STAGES="prep n pager" ;;  # 270 (n: four processes) + 10 s
+  all | call1) STAGES="prep a b c" ;;  # issue 57's three: 140 + 101 + ~150 (b: 32 requests) + 84 s
+  call2) STAGES="prep n p e pager" ;;  # 59's and 58's: ~210 (n) + ~65 (p) + 211 + 10 s
   stages) STAGES=${STAGES:?name the stages, e.g. STAGES="prep a n"} ;;
   esac
   timeout "${CALL_S:-570}" bash -c "for S in $STAGES; do start=\$(date +%s); bash '$0' \$S;
@@ -160,10 +161,10 @@ g)
 p)
   # issue 58: at 32 concurrent, is any step host-bound? GPU busy share of a decode step's wall
   # time, 32 sequences of 2048 tokens decoding (torch.profiler's kernel time over wall time),
-  # overlapped steps (the default) and steps that read every token first (--no-overlap;
-  # P_SERIAL=0 leaves them out)
+  # overlapped steps (the default), the step's decode graph replayed alone (what the GPU needs
+  # for it), and with P_SERIAL=1 steps that read every token first (--no-overlap)
   for P in fp16 uniform:4; do
-    for O in "" $([ "${P_SERIAL:-1}" = 1 ] && echo --no-overlap); do
+    for O in "" $([ "${P_SERIAL:-0}" = 1 ] && echo --no-overlap); do
       log="$OUT/step32_${P%%:*}${O:+_serial}.log"
       timeout 200 python3 recipes/profile_engine_step.py "$PACK" "$P" 16 --seqs 32 \
         --prompt-len 2048 $O >"$log" 2>&1
@@ -196,8 +197,8 @@ n)
   MEM_N=$(budget --planes uniform:4 --seqs 32 --tokens 2304 --max-seqs 32 --measure)
   MEM_N=$((${MEM_N%b} * 115 / 100))b
   echo "(n) memory budget $MEM_N, BUDGET $PLANES4"
-  # N_LOADS: the loads (default batch 1, 4 and 32 concurrent; "--batch 1 --batch 4" halves it)
-  read -ra LOADS <<<"${N_LOADS:---batch 1 --batch 4 --concurrency 32 --requests 64}"
+  # N_LOADS: the loads (default batch 1, 4 and 32 concurrent, 32 requests; "--batch 1 --batch 4" halves it)
+  read -ra LOADS <<<"${N_LOADS:---batch 1 --batch 4 --concurrency 32 --requests 32}"
   # Order A B B A, each policy's two processes averaged in PERF.md: on 2026-12-06 the stage's
   # first process ran slower at batch 1 and 4 whichever policy it was (uniform:4 first: 0.83x
   # pagedweight; pagedweight first: 0.69x uniform:4)
