@@ -93,7 +93,7 @@ c)
   ;;
 all | call1 | call2 | stages)
   # one device call each (`stages`: the stages named in $STAGES) (<= 570 s, merged after every stage so a cut call keeps its rows);
-  # call2 and call3 right after the one before (a warm machine keeps /tmp: prep is a no-op)
+  # call2 right after call1 (a warm machine keeps /tmp: prep is a no-op)
   case "$1" in
   all | call1) STAGES="prep a b c" ;;  # issue 57's three: 140 + 101 + ~150 (b: 32 requests) + 84 s
   call2) STAGES="prep n p e pager" ;;  # 59's and 58's: ~210 (n) + ~65 (p) + 211 + 10 s
