@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import math
 import socket
-from typing import Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from pwctl.errors import PwctlError
+
+if TYPE_CHECKING:
+    from pwctl.policy import Policy
 
 # serve and generate: the pack's checksums read whole before the model loads
 Verify = Annotated[
@@ -92,3 +96,30 @@ def verify_pack(pack: Any) -> list[Any]:
 def fault_summary(faults: list[Any]) -> str:
     more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
     return f"{faults[0]}{more}"
+
+
+def open_served_pack(
+    pack: Path, pol: Policy | None, device: str, widest: int | None, expert_parallel: int,
+    verify: bool, context: int | None = None,
+) -> tuple[Any, int | None, str, list[Any]]:  # fmt: skip
+    """What generate and serve do before the engine: open `pack`, check --max-model-len
+    (`context`) and --max-bits (`widest`) against it, choose the expert backend, keep this
+    rank's share under expert parallelism, and verify what will be read. Returns the pack, the
+    widest width to serve (the auto policy's cap where `pol` is None and none was given), the
+    backend and the faults found."""
+    from pwctl.policy import auto_max_bits
+    from pwctl.runtime.engine.engine import experts_for, open_pack
+
+    opened = open_pack(pack)
+    m = opened.manifest
+    max_model_len(context, m.config)
+    max_bits(widest, m.min_bits, m.max_bits)
+    if pol is None:
+        widest = auto_max_bits(widest, m.min_bits, m.max_bits)
+    experts = experts_for(pol, device)
+    if expert_parallel > 1:  # this rank's experts' planes only, the only ones checked and read
+        from pwctl.runtime.parallel.rank_pack import own_share
+
+        opened = own_share(opened, expert_parallel, pol)
+    faults = verify_pack(opened) if verify else []
+    return opened, widest, experts, faults

@@ -109,31 +109,3 @@ def print_ppl(title: str, results: Sequence[Any]) -> None:
         for r in results
     ]
     print_table(title, columns, rows)
-
-
-def open_served_pack(
-    pack: Path, pol: Policy | None, device: str, max_bits: int | None, expert_parallel: int,
-    verify: bool, max_model_len: int | None = None,
-) -> tuple[Any, int | None, str, list[Any]]:  # fmt: skip
-    """What generate and serve do before the engine: open `pack`, check --max-model-len and
-    --max-bits against it
-    (capped at the auto policy's default when none is given), choose the expert backend, keep
-    this rank's share under expert parallelism, and verify what will be read. Returns the pack,
-    the widest width to serve, the backend and the faults found."""
-    from pwctl.commands import checks
-    from pwctl.policy import auto_max_bits
-    from pwctl.runtime.engine.engine import experts_for, open_pack
-
-    opened = open_pack(pack)
-    m = opened.manifest
-    checks.max_model_len(max_model_len, m.config)
-    checks.max_bits(max_bits, m.min_bits, m.max_bits)
-    if pol is None:
-        max_bits = auto_max_bits(max_bits, m.min_bits, m.max_bits)
-    experts = experts_for(pol, device)
-    if expert_parallel > 1:  # this rank's experts' planes only, the only ones checked and read
-        from pwctl.runtime.parallel.rank_pack import own_share
-
-        opened = own_share(opened, expert_parallel, pol)
-    faults = checks.verify_pack(opened) if verify else []
-    return opened, max_bits, experts, faults

@@ -19,7 +19,6 @@ from pwctl.commands.common import (
     console,
     err_console,
     handles_errors,
-    open_served_pack,
     policy_or_auto,
     write_json,
 )
@@ -62,7 +61,7 @@ def run(
     from pwctl.runtime.engine.engine import Engine, serving_dtype
     from pwctl.runtime.engine.scheduler import SamplingParams
 
-    opened, max_bits, experts, faults = open_served_pack(
+    opened, max_bits, experts, faults = checks.open_served_pack(
         pack, pol, device, max_bits, expert_parallel, verify
     )
     if faults:

@@ -20,7 +20,6 @@ from pwctl.commands.common import (
     PolicyOption,
     console,
     handles_errors,
-    open_served_pack,
     policy_or_auto,
 )
 from pwctl.device import parse_device
@@ -85,7 +84,7 @@ def run(
     from pwctl.runtime.serve.server import run_server
     from pwctl.runtime.serve.worker import EngineWorker
 
-    opened, max_bits, experts, faults = open_served_pack(
+    opened, max_bits, experts, faults = checks.open_served_pack(
         pack, pol, device, max_bits, expert_parallel, verify, max_model_len
     )
     if experts == "paged" and any(f.plane is not None for f in faults):
