@@ -26,7 +26,7 @@ from pwctl.runtime.memory.kv_cache import KVCache
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-WARM_UP_SEQ = -1  # the KV cache's sequence id for `largest_step` (requests count from 0)
+WARM_UP_SEQ = -1  # the KV cache's sequence id for `probe_sequence` (requests count from 0)
 
 
 class ModelRunner:
@@ -129,10 +129,3 @@ class ModelRunner:
         probe sequence's blocks; nothing without graphs."""
         if self.graphs is not None:
             self.graphs.largest_step(self.kv.tables[WARM_UP_SEQ], max_len)
-
-    def largest_step(self, max_seqs: int, max_batch_tokens: int, max_len: int) -> None:
-        """Both start-up runs in one (what the CPU path and the tests run; the engine on CUDA
-        measures them apart: `accounting.step_bytes`)."""
-        with self.probe_sequence(max_len) as rows:
-            self.largest_eager_step(rows, max_seqs, max_batch_tokens, max_len)
-            self.largest_graph_step(max_len)

@@ -218,9 +218,8 @@ def cap_allocator(device: str, budget: int) -> int:
     the cap's error."""
     if not device.startswith("cuda"):
         return 0
-    dev = torch.device(device)
     cap = int(budget * (1 + SLACK)) - _cupy_pool_bytes()
-    total = int(torch.cuda.mem_get_info(dev)[1])
+    total = device_capacity(device)
     torch.cuda.set_per_process_memory_fraction(min(1.0, max(cap, 0) / total), _index(device))
     return cap
 
@@ -272,7 +271,7 @@ def reserved_where(device: str) -> list[dict[str, object]]:
 def _segments(device: str) -> Iterator[tuple[int, str, int, int]]:
     """torch's segments on `device`: stream, pool ("default" or "graph (a, b)"), reserved and
     allocated bytes."""
-    index = torch.device(device).index or 0
+    index = _index(device)
     for seg in torch.cuda.memory_snapshot():
         if seg.get("device", 0) != index:
             continue
